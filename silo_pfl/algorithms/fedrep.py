@@ -1,0 +1,32 @@
+"""FedRep (Collins et al., 2021): fit the personal head on the frozen body, then the body."""
+
+from dataclasses import dataclass
+
+from silo_pfl.algorithms import register
+from silo_pfl.algorithms.base import Algorithm, Phase
+from silo_pfl.errors import ConfigError
+
+
+@dataclass
+class FedRepParams:
+    """FedRep's options; the paper uses many head epochs and one body epoch."""
+
+    head_epochs: int = 5  # head only, body frozen
+    body_epochs: int = 1  # body only, head frozen
+
+    def validate(self) -> None:
+        for key in ("head_epochs", "body_epochs"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"algorithm.{key}: got {getattr(self, key)}, expected >= 0")
+
+
+@register
+class FedRep(Algorithm):
+    """Alternate: head epochs with the body frozen, then body epochs with the head frozen."""
+
+    name = "fedrep"
+    Params = FedRepParams
+    default_local_rules = ("head",)
+
+    def phases(self) -> list[Phase]:
+        return [Phase("local", self.params.head_epochs), Phase("global", self.params.body_epochs)]

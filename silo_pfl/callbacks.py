@@ -1,0 +1,72 @@
+"""Hooks into a run: progress, MLflow and metrics subclass Callback; every hook is a no-op."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import TextIO
+
+from silo_pfl.config import FederationConfig
+from silo_pfl.messages import SiloInfo
+from silo_pfl.results import FederationResult, RoundSummary
+
+
+class Callback:
+    """Called by the orchestrator on the driver; every hook does nothing by default."""
+
+    def on_start(self, config: FederationConfig, silos: Sequence[SiloInfo]) -> None:
+        """After every silo is set up, before round 1."""
+
+    def on_round_end(self, summary: RoundSummary) -> None:
+        """After a round's aggregation and evaluation."""
+
+    def on_end(self, result: FederationResult) -> None:
+        """After the last round, with the final result."""
+
+
+class ProgressPrinter(Callback):
+    """Prints the split, a line per round, and a per-silo table at the end."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stdout
+        self.rounds = 0
+
+    def _print(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
+
+    def on_start(self, config: FederationConfig, silos: Sequence[SiloInfo]) -> None:
+        self.rounds = config.rounds
+        first = silos[0]
+        self._print(
+            f"federation {config.name}: {len(silos)} silos, algorithm {config.algorithm['name']}, "
+            f"model {config.model.name}, {config.rounds} rounds, seed {config.seed}"
+        )
+        self._print(
+            f"split: {first.global_parameters} global / {first.local_parameters} local parameters;"
+            f" {first.bytes_sent_per_round} bytes sent per silo per round"
+        )
+
+    def on_round_end(self, summary: RoundSummary) -> None:
+        width = len(str(self.rounds))
+        self._print(
+            f"round {summary.round:>{width}}/{self.rounds}  {summary.seconds:6.2f}s  "
+            f"loss {summary.mean_train_loss:.4f}  val {summary.mean_val_accuracy:.3f}  "
+            f"mean test acc {summary.mean_test_accuracy:.3f}"
+        )
+
+    def on_end(self, result: FederationResult) -> None:
+        header = f"{'silo':<14}{'train':>7}{'val':>6}{'test':>6}{'round':>7}{'val acc':>9}"
+        header += f"{'test acc':>10}{'bytes/round':>13}"
+        self._print("")
+        self._print(header)
+        for name, silo in result.silos.items():
+            self._print(
+                f"{name:<14}{silo.num_train:>7}{silo.num_val:>6}{silo.num_test:>6}"
+                f"{silo.selected_round:>7}{silo.val_accuracy:>9.3f}{silo.test_accuracy:>10.3f}"
+                f"{silo.bytes_sent_per_round:>13}"
+            )
+        self._print(
+            f"mean test accuracy {result.mean_test_accuracy:.4f}  worst "
+            f"{result.worst_test_accuracy:.4f}  std {result.std_test_accuracy:.4f}  "
+            f"({result.wall_seconds:.1f}s)"
+        )

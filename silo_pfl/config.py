@@ -1,0 +1,218 @@
+"""Structured config: dataclasses merged with YAML and `key=value` overrides, checked at load.
+
+Every error is a ConfigError whose one-line message names the key and says what is allowed, so a
+bad config fails before anything is started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from silo_pfl.errors import ConfigError
+
+
+@dataclass
+class DataConfig:
+    """Where each silo's data comes from and how it is split."""
+
+    source: str = MISSING  # heart_disease | digits | csv
+    val_fraction: float = 0.2  # share of each silo's training rows held out for model selection
+    test_fraction: float = 0.25  # digits: share of each silo's rows held out for test
+    num_silos: int = 10  # digits: how many silos share the images
+    partition: str = "iid"  # digits: iid | dirichlet | pathological | concept_shift | feature_shift
+    alpha: float = 0.5  # digits, dirichlet: concentration; smaller is more skewed
+    classes_per_silo: int = 2  # digits, pathological: classes each silo holds
+    paths: dict[str, str] = field(default_factory=dict)  # csv: silo name -> that silo's file
+    label_column: str = "label"  # csv: the column holding the class label
+
+
+@dataclass
+class ModelConfig:
+    """The network every silo trains; its modules are named body.* and head."""
+
+    name: str = MISSING  # mlp | cnn_small | cnn_small_bn | resnet18
+    hidden: list[int] = field(default_factory=lambda: [32])  # mlp: hidden layer widths
+
+
+@dataclass
+class SplitConfig:
+    """Which state_dict keys stay on the silo. None takes the algorithm's default rules."""
+
+    # Rules: head | batchnorm | all | last:K | first:K | pattern:GLOB
+    local: list[str] | None = None
+
+
+@dataclass
+class TrainConfig:
+    """The local optimisation every silo runs each round."""
+
+    local_epochs: int = 1  # epochs over the silo's training rows per round
+    batch_size: int = 32
+    optimizer: str = "sgd"  # sgd | adam
+    lr: float = 0.01
+    momentum: float = 0.0  # sgd only
+    weight_decay: float = 0.0
+    torch_threads: int = 1  # per silo process; silos run in parallel
+
+
+@dataclass
+class EvalConfig:
+    """How each silo's personalized model is chosen and reported."""
+
+    selection: str = "best_val"  # best_val: the round with the best validation accuracy | last
+
+
+@dataclass
+class RayConfig:
+    """Where the federation runs."""
+
+    address: str | None = None  # None starts a local Ray; "auto" or host:port joins a cluster
+    num_cpus: int | None = None  # local Ray only; None uses every core
+    placement: str = "any"  # any | per_node: silo X only on a node offering resource silo_X
+    silo_cpus: float = 0.0  # CPUs reserved per silo actor; 0 lets many silos share a core
+
+
+@dataclass
+class FederationConfig:
+    """One federation run."""
+
+    name: str = MISSING  # names the experiment and the silos' state directory
+    rounds: int = MISSING  # federated rounds
+    seed: int = 0  # the one seed every random generator derives from
+    output_dir: str = "runs"  # silo state lives in <output_dir>/<name>/silos/<silo>/
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    algorithm: dict[str, Any] = field(default_factory=lambda: {"name": "fedavg"})
+    split: SplitConfig = field(default_factory=SplitConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+def _omegaconf_error(exc: OmegaConfBaseException) -> ConfigError:
+    """Turn OmegaConf's multi-line error into one line that names the key."""
+    key = getattr(exc, "full_key", None) or ""
+    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if "Key '" in reason and "not in" in reason:
+        reason = "unknown key"
+    elif "Missing mandatory value" in reason:
+        reason = "required value is missing"
+    return ConfigError(f"{key}: {reason}" if key else reason)
+
+
+def _merge(schema: Any, *parts: Any) -> DictConfig:
+    try:
+        return OmegaConf.merge(OmegaConf.structured(schema), *parts)
+    except OmegaConfBaseException as exc:
+        raise _omegaconf_error(exc) from None
+
+
+def _parse_overrides(overrides: list[str]) -> DictConfig:
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override '{item}': expected key=value, e.g. rounds=5")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as exc:
+        raise _omegaconf_error(exc) from None
+
+
+def _read_yaml(path: Path) -> DictConfig:
+    if not path.is_file():
+        raise ConfigError(f"config file {path}: not found")
+    try:
+        loaded = OmegaConf.load(path)
+    except Exception as exc:  # yaml.YAMLError and friends
+        line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"config file {path}: not valid YAML ({line})") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"config file {path}: expected a mapping of keys at the top level")
+    return loaded
+
+
+def _require(condition: bool, key: str, allowed: str, value: Any) -> None:
+    if not condition:
+        raise ConfigError(f"{key}: got {value!r}, expected {allowed}")
+
+
+def _check_ranges(cfg: FederationConfig) -> None:
+    t = cfg.train
+    _require(cfg.rounds >= 1, "rounds", "an integer >= 1", cfg.rounds)
+    _require(t.local_epochs >= 0, "train.local_epochs", "an integer >= 0", t.local_epochs)
+    _require(t.batch_size >= 1, "train.batch_size", "an integer >= 1", t.batch_size)
+    _require(t.lr > 0, "train.lr", "a number > 0", t.lr)
+    _require(t.momentum >= 0, "train.momentum", "a number >= 0", t.momentum)
+    _require(t.weight_decay >= 0, "train.weight_decay", "a number >= 0", t.weight_decay)
+    _require(t.optimizer in ("sgd", "adam"), "train.optimizer", "one of sgd, adam", t.optimizer)
+    _require(t.torch_threads >= 1, "train.torch_threads", "an integer >= 1", t.torch_threads)
+    _require(
+        cfg.eval.selection in ("best_val", "last"),
+        "eval.selection",
+        "one of best_val, last",
+        cfg.eval.selection,
+    )
+    _require(bool(cfg.name.strip()), "name", "a non-empty federation name", cfg.name)
+    _require(
+        cfg.ray.placement in ("any", "per_node"),
+        "ray.placement",
+        "one of any, per_node",
+        cfg.ray.placement,
+    )
+    _require(cfg.ray.silo_cpus >= 0, "ray.silo_cpus", "a number >= 0", cfg.ray.silo_cpus)
+    if cfg.ray.num_cpus is not None:
+        _require(cfg.ray.num_cpus >= 1, "ray.num_cpus", "an integer >= 1", cfg.ray.num_cpus)
+
+
+def _check_choices(cfg: FederationConfig) -> None:
+    """Checks that consult the registries: algorithm, model, data source, split rules."""
+    from silo_pfl.algorithms import algorithm_config
+    from silo_pfl.data import validate_data_config
+    from silo_pfl.models import MODEL_NAMES
+    from silo_pfl.split import parse_rules
+
+    cfg.algorithm = algorithm_config(cfg.algorithm)
+    _require(
+        cfg.model.name in MODEL_NAMES,
+        "model.name",
+        f"one of {', '.join(sorted(MODEL_NAMES))}",
+        cfg.model.name,
+    )
+    if cfg.model.hidden and min(cfg.model.hidden) < 1:
+        raise ConfigError(f"model.hidden: got {list(cfg.model.hidden)}, expected widths >= 1")
+    validate_data_config(cfg.data)
+    if cfg.split.local is not None:
+        parse_rules(cfg.split.local)
+
+
+def build_config(base: Any = None, overrides: list[str] | None = None) -> FederationConfig:
+    """Merge a mapping (or DictConfig) with `key=value` overrides and validate the result."""
+    parts = [base] if base is not None else []
+    merged = _merge(FederationConfig, *parts, _parse_overrides(overrides or []))
+    try:
+        cfg: FederationConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as exc:
+        raise _omegaconf_error(exc) from None
+    _check_ranges(cfg)
+    _check_choices(cfg)
+    return cfg
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> FederationConfig:
+    """Load a job YAML, apply `key=value` overrides, and validate everything before any work."""
+    return build_config(_read_yaml(Path(path)), overrides)
+
+
+def to_dict(cfg: FederationConfig) -> dict[str, Any]:
+    """A plain, JSON-able dict of the resolved config (what crosses process boundaries)."""
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(data: dict[str, Any]) -> FederationConfig:
+    """Rebuild a validated config from `to_dict` output (used inside actors)."""
+    return build_config(data)

@@ -1,0 +1,45 @@
+"""Data sources, registered by name. A silo calls `load_silo_data` inside its own process."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from silo_pfl.config import DataConfig
+from silo_pfl.data import csv_source, digits, heart_disease
+from silo_pfl.data.base import Preprocessing, SiloData
+from silo_pfl.errors import ConfigError
+
+SOURCES: dict[str, ModuleType] = {
+    "heart_disease": heart_disease,
+    "digits": digits,
+    "csv": csv_source,
+}
+
+__all__ = ["SOURCES", "Preprocessing", "SiloData", "load_silo_data", "silo_names"]
+
+
+def _source(cfg: DataConfig) -> ModuleType:
+    if cfg.source not in SOURCES:
+        raise ConfigError(
+            f"data.source: got {cfg.source!r}, expected one of {', '.join(sorted(SOURCES))}"
+        )
+    return SOURCES[cfg.source]
+
+
+def validate_data_config(cfg: DataConfig) -> None:
+    """Config-level checks, before any silo starts."""
+    if not 0.0 <= cfg.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction: got {cfg.val_fraction}, expected 0 <= value < 1")
+    if not 0.0 < cfg.test_fraction < 1.0:
+        raise ConfigError(f"data.test_fraction: got {cfg.test_fraction}, expected 0 < value < 1")
+    _source(cfg).validate(cfg)
+
+
+def silo_names(cfg: DataConfig) -> list[str]:
+    """The silos of this federation, in a fixed order."""
+    return list(_source(cfg).silo_names(cfg))
+
+
+def load_silo_data(cfg: DataConfig, silo: str, seed: int) -> SiloData:
+    """Load one silo's private data; deterministic for a given seed."""
+    return _source(cfg).load(cfg, silo, seed)

@@ -1,0 +1,54 @@
+"""The one structure a data source hands to a silo: its own train, validation and test arrays."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    """Feature preprocessing fitted on the silo's own training rows, applied as (x - mean) / std.
+
+    It travels with the silo's exported model so that the model answers on raw feature rows.
+    An empty `mean` means the inputs need no preprocessing beyond what the source did.
+    """
+
+    feature_names: tuple[str, ...] = ()
+    mean: tuple[float, ...] = ()
+    std: tuple[float, ...] = ()
+
+    def apply(self, x: np.ndarray) -> np.ndarray:
+        """Normalise raw feature rows the way the silo's training rows were normalised."""
+        if not self.mean:
+            return x.astype(np.float32)
+        return ((x - np.asarray(self.mean)) / np.asarray(self.std)).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class SiloData:
+    """A silo's private data, already split. Inputs are float32, labels int64 class indices."""
+
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_val: np.ndarray
+    y_val: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+    # Training rows before the validation hold-out was carved from them.
+    num_train_total: int
+    preprocessing: Preprocessing = field(default_factory=Preprocessing)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Shape of one input example."""
+        return tuple(self.x_train.shape[1:])
+
+    def __post_init__(self) -> None:
+        for split in ("train", "val", "test"):
+            x, y = getattr(self, f"x_{split}"), getattr(self, f"y_{split}")
+            if len(x) != len(y):
+                raise ValueError(f"silo {self.name}: {split} has {len(x)} inputs, {len(y)} labels")

@@ -1,0 +1,188 @@
+"""One CSV file per silo: `data.paths` maps silo name -> file, in the order given.
+
+Each file has a header row. Column `data.label_column` holds the class label, every other column
+is a numeric feature (named by the header). Labels must be integer class indices 0..C-1 (written
+as 3 or 3.0): mapping strings per file would give different class indices at different silos.
+A silo reports num_classes = its largest label + 1; the federation checks elsewhere that all silos
+agree on the class set.
+
+Each silo holds out data.test_fraction of its rows for test and data.val_fraction of the rest for
+validation, both stratified by label and seeded. Features are normalised with the mean and std
+(ddof=0; constant features keep std 1) of the silo's training rows before the validation carve,
+recorded in `Preprocessing` so the exported model answers on raw rows.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from silo_pfl.config import DataConfig
+from silo_pfl.data.base import Preprocessing, SiloData
+from silo_pfl.data.partitioners import holdout
+from silo_pfl.errors import ConfigError, DataError
+from silo_pfl.seeding import numpy_rng
+
+EXAMPLE = "data.paths.hospital_a=/data/a.csv"
+
+
+def validate(cfg: DataConfig) -> None:
+    """Check that every silo has a path and that a label column is named."""
+    if not cfg.paths:
+        raise ConfigError(f"data.paths: give one CSV path per silo, e.g. {EXAMPLE}")
+    for silo, path in cfg.paths.items():
+        if not str(silo).strip() or not str(path).strip():
+            raise ConfigError(
+                f"data.paths.{silo}: got {path!r}, expected a silo name mapped to a CSV path, "
+                f"e.g. {EXAMPLE}"
+            )
+    if not cfg.label_column.strip():
+        raise ConfigError("data.label_column: got '', expected the name of the label column")
+
+
+def silo_names(cfg: DataConfig) -> list[str]:
+    """The keys of data.paths, in the order given."""
+    return list(cfg.paths)
+
+
+class _Table:
+    """Reads one silo's CSV file and raises one-line DataErrors naming the silo and the file."""
+
+    def __init__(self, silo: str, path: Path, label_column: str) -> None:
+        self.silo, self.path, self.label_column = silo, path, label_column
+
+    def error(self, message: str) -> DataError:
+        """A one-line DataError naming the silo and the file."""
+        return DataError(f"silo {self.silo}, file {self.path}: {message}")
+
+    def read(self) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
+        """Feature names, features (n, d) float64 and labels (n,) int64."""
+        if not self.path.is_file():
+            raise self.error(f"not found (set data.paths.{self.silo} to an existing CSV file)")
+        try:
+            with self.path.open(newline="", encoding="utf-8-sig") as handle:
+                return self._parse(csv.reader(handle))
+        except UnicodeDecodeError:
+            raise self.error("is not a UTF-8 text file") from None
+        except (OSError, csv.Error) as exc:
+            raise self.error(f"cannot be read ({exc})") from None
+
+    def _header(self, reader: Any) -> list[str]:
+        header = [name.strip() for name in next(reader, [])]
+        if not any(header):
+            raise self.error("is empty; expected a header row, then one row per example")
+        duplicates = sorted({name for name in header if header.count(name) > 1})
+        if duplicates:
+            raise self.error(f"repeats column name(s) {', '.join(duplicates)} in its header")
+        if self.label_column not in header:
+            raise self.error(
+                f"has no label column {self.label_column!r} (data.label_column); columns found: "
+                f"{', '.join(header)}"
+            )
+        if len(header) < 2:
+            raise self.error(f"has only the label column {self.label_column!r}, no features")
+        return header
+
+    def _parse(self, reader: Any) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
+        header = self._header(reader)
+        rows = []
+        for record in reader:
+            if not any(cell.strip() for cell in record):
+                continue
+            if len(record) != len(header):
+                raise self.error(
+                    f"data row {len(rows) + 1} (line {reader.line_num}) has {len(record)} "
+                    f"values, the header has {len(header)}"
+                )
+            rows.append(
+                [
+                    self._number(cell, name, len(rows) + 1, reader.line_num)
+                    for cell, name in zip(record, header, strict=True)
+                ]
+            )
+        if not rows:
+            raise self.error("has a header but no data rows")
+        table = np.asarray(rows, dtype=np.float64)
+        label_at = header.index(self.label_column)
+        labels = self._labels(table[:, label_at])
+        names = tuple(name for name in header if name != self.label_column)
+        return names, np.delete(table, label_at, axis=1), labels
+
+    def _number(self, cell: str, column: str, row: int, line: int) -> float:
+        try:
+            value = float(cell)
+        except ValueError:
+            value = float("nan")
+        if not math.isfinite(value) and column == self.label_column:
+            raise self.error(
+                f"label column {column!r}, data row {row} (line {line}): {cell.strip()!r} is not "
+                "a class index; labels must be integers 0..C-1"
+            )
+        if not math.isfinite(value):
+            raise self.error(
+                f"column {column!r}, data row {row} (line {line}): {cell.strip()!r} is not a "
+                "finite number"
+            )
+        return value
+
+    def _labels(self, values: np.ndarray) -> np.ndarray:
+        bad = (values < 0) | (values != np.round(values))
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0]) + 1
+            raise self.error(
+                f"label column {self.label_column!r}, data row {row}: {values[row - 1]:g} is not "
+                "a class index; labels must be integers 0..C-1"
+            )
+        return values.astype(np.int64)
+
+
+def read_silo_csv(
+    silo: str, path: str | Path, label_column: str
+) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
+    """Feature names, raw features (n, d) float64 and labels (n,) int64 of one silo's file."""
+    return _Table(silo, Path(path).expanduser(), label_column).read()
+
+
+def fit_preprocessing(names: tuple[str, ...], features: np.ndarray) -> Preprocessing:
+    """Mean and std (ddof=0) of training rows; constant features keep std 1."""
+    std = features.std(axis=0)
+    return Preprocessing(
+        feature_names=names,
+        mean=tuple(float(v) for v in features.mean(axis=0)),
+        std=tuple(float(v) for v in np.where(std > 0, std, 1.0)),
+    )
+
+
+def load(cfg: DataConfig, silo: str, seed: int) -> SiloData:
+    """Read the silo's CSV, split test and validation rows, normalise with training statistics."""
+    if silo not in cfg.paths:
+        raise DataError(
+            f"silo {silo}: not in data.paths; expected one of {', '.join(cfg.paths) or '(none)'}"
+        )
+    path = Path(cfg.paths[silo]).expanduser()
+    names, x, y = read_silo_csv(silo, path, cfg.label_column)
+    if len(y) < 2:
+        raise DataError(
+            f"silo {silo}, file {path}: has {len(y)} data row, need at least 2 to split into "
+            "train and test (data.test_fraction)"
+        )
+    train, test = holdout(y, cfg.test_fraction, numpy_rng(seed, "test", silo))
+    fit, val = holdout(y[train], cfg.val_fraction, numpy_rng(seed, "val", silo))
+    preprocessing = fit_preprocessing(names, x[train])
+    x = preprocessing.apply(x)
+    return SiloData(
+        name=silo,
+        x_train=x[train][fit],
+        y_train=y[train][fit],
+        x_val=x[train][val],
+        y_val=y[train][val],
+        x_test=x[test],
+        y_test=y[test],
+        num_classes=int(y.max()) + 1,
+        num_train_total=len(train),
+        preprocessing=preprocessing,
+    )

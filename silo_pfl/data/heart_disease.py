@@ -1,0 +1,164 @@
+"""UCI Heart Disease: four hospitals as natural silos, split exactly as FLamby's Fed-Heart-Disease.
+
+Preprocessing, as FLamby's `fed_heart_disease/dataset.py`:
+
+- read `heart_disease/processed.<hospital>.data`, drop columns 10-12 (slope, ca, thal), then drop
+  rows with a missing value; these are the hospital's "complete rows";
+- label: 1 when num > 0 (disease), else 0;
+- train/test rows: FLamby's sklearn split, shipped as `heart_disease/flamby_split.json` (written
+  by `silo_pfl.data.heart_disease_split`), so silos never import sklearn;
+- one-hot cp (levels 1-4) and restecg (levels 0-2) dropping the first level: 13 features;
+- normalise with the mean and std (ddof=1, as torch) of the hospital's own FLamby training rows.
+  A feature constant on those rows (e.g. chol, always 0 at switzerland) keeps std 1, where FLamby
+  divides by std + 1e-9; both give 0 for that feature on training rows.
+
+Raw layout: a raw row has the 10 columns RAW_COLUMNS (age .. oldpeak, categorical cp and restecg
+as their codes). `encode_raw` turns raw rows into the 13 FEATURE_NAMES columns, and the silo's
+`Preprocessing` (which describes those 13 encoded features) normalises them.
+
+Validation rows are carved from the FLamby training rows (stratified, seeded by the federation
+seed); the FLamby split itself does not depend on the seed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from silo_pfl.config import DataConfig
+from silo_pfl.data.base import Preprocessing, SiloData
+from silo_pfl.data.partitioners import holdout
+from silo_pfl.errors import DataError
+from silo_pfl.seeding import numpy_rng
+
+SILOS = ("cleveland", "hungarian", "switzerland", "va")
+DATA_DIR = Path(__file__).with_name("heart_disease")
+SPLIT_FILE = DATA_DIR / "flamby_split.json"
+RAW_COLUMNS = (
+    "age",
+    "sex",
+    "cp",
+    "trestbps",
+    "chol",
+    "fbs",
+    "restecg",
+    "thalach",
+    "exang",
+    "oldpeak",
+)
+CATEGORIES = {"cp": (1, 2, 3, 4), "restecg": (0, 1, 2)}
+NUMERIC_COLUMNS = tuple(name for name in RAW_COLUMNS if name not in CATEGORIES)
+FEATURE_NAMES = NUMERIC_COLUMNS + tuple(
+    f"{name}_{level}" for name, levels in CATEGORIES.items() for level in levels[1:]
+)
+NUM_CLASSES = 2
+
+
+def validate(cfg: DataConfig) -> None:
+    """Nothing to check: the hospitals and their split are fixed."""
+
+
+def silo_names(cfg: DataConfig) -> list[str]:
+    """The four hospitals, in FLamby's center order."""
+    return list(SILOS)
+
+
+def data_file(silo: str) -> Path:
+    """The shipped UCI file of a hospital."""
+    return DATA_DIR / f"processed.{silo}.data"
+
+
+def _check_silo(silo: str) -> None:
+    if silo not in SILOS:
+        raise DataError(
+            f"silo {silo}: not a heart_disease hospital; expected one of {', '.join(SILOS)}"
+        )
+
+
+def read_complete_rows(silo: str) -> tuple[np.ndarray, np.ndarray]:
+    """A hospital's complete raw rows (n, 10) in RAW_COLUMNS order and binary labels (n,)."""
+    _check_silo(silo)
+    path = data_file(silo)
+    try:
+        table = np.loadtxt(path, delimiter=",", dtype=np.float64, ndmin=2)
+    except (OSError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DataError(f"silo {silo}: cannot read {path}: {reason}") from None
+    table = np.delete(table, [10, 11, 12], axis=1)
+    table = table[~np.isnan(table).any(axis=1)]
+    return table[:, :-1], (table[:, -1] > 0).astype(np.int64)
+
+
+def encode_raw(rows: np.ndarray) -> np.ndarray:
+    """Map raw rows (n, 10) in RAW_COLUMNS order to the 13 FEATURE_NAMES columns (float64)."""
+    rows = np.asarray(rows, dtype=np.float64)
+    if rows.ndim != 2 or rows.shape[1] != len(RAW_COLUMNS):
+        raise DataError(
+            f"heart_disease raw rows: got shape {rows.shape}, expected (n, {len(RAW_COLUMNS)}) "
+            f"with columns {', '.join(RAW_COLUMNS)}"
+        )
+    numeric = rows[:, [RAW_COLUMNS.index(name) for name in NUMERIC_COLUMNS]]
+    dummies = [numeric]
+    for name, levels in CATEGORIES.items():
+        codes = rows[:, RAW_COLUMNS.index(name)]
+        unknown = ~np.isin(codes, levels)
+        if unknown.any():
+            raise DataError(
+                f"heart_disease raw rows: column {name} has {codes[unknown][0]:g}, expected one "
+                f"of {', '.join(map(str, levels))}"
+            )
+        dummies.append(codes[:, None] == np.asarray(levels[1:], dtype=np.float64)[None, :])
+    return np.hstack(dummies).astype(np.float64)
+
+
+def flamby_split(silo: str) -> tuple[np.ndarray, np.ndarray]:
+    """The shipped FLamby (train, test) indices into the hospital's complete rows, ascending."""
+    _check_silo(silo)
+    try:
+        split = json.loads(SPLIT_FILE.read_text())["hospitals"][silo]
+        return np.asarray(split["train"], dtype=np.int64), np.asarray(split["test"], np.int64)
+    except (OSError, ValueError, KeyError) as exc:
+        raise DataError(
+            f"silo {silo}: cannot read its FLamby split from {SPLIT_FILE} ({exc!r}); rebuild it "
+            "with python -m silo_pfl.data.heart_disease_split"
+        ) from None
+
+
+def fit_preprocessing(features: np.ndarray) -> Preprocessing:
+    """Mean and std (ddof=1) of encoded training rows; constant features keep std 1."""
+    std = features.std(axis=0, ddof=1) if len(features) > 1 else np.zeros(features.shape[1])
+    std = np.where(std > 0, std, 1.0)
+    return Preprocessing(
+        feature_names=FEATURE_NAMES,
+        mean=tuple(float(v) for v in features.mean(axis=0)),
+        std=tuple(float(v) for v in std),
+    )
+
+
+def load(cfg: DataConfig, silo: str, seed: int) -> SiloData:
+    """The hospital's FLamby train/test rows, normalised, with validation rows from train."""
+    raw, labels = read_complete_rows(silo)
+    train, test = flamby_split(silo)
+    if len(train) + len(test) != len(labels) or max(train.max(), test.max()) >= len(labels):
+        raise DataError(
+            f"silo {silo}: {SPLIT_FILE} does not match the {len(labels)} complete rows of "
+            f"{data_file(silo)}; rebuild it with python -m silo_pfl.data.heart_disease_split"
+        )
+    encoded = encode_raw(raw)
+    preprocessing = fit_preprocessing(encoded[train])
+    x = preprocessing.apply(encoded)
+    fit, val = holdout(labels[train], cfg.val_fraction, numpy_rng(seed, "val", silo))
+    return SiloData(
+        name=silo,
+        x_train=x[train][fit],
+        y_train=labels[train][fit],
+        x_val=x[train][val],
+        y_val=labels[train][val],
+        x_test=x[test],
+        y_test=labels[test],
+        num_classes=NUM_CLASSES,
+        num_train_total=len(train),
+        preprocessing=preprocessing,
+    )

@@ -1,0 +1,17 @@
+"""Errors a user can act on. Each message is one line naming the key, silo or file at fault."""
+
+
+class SiloPflError(Exception):
+    """Base class: the CLI prints these as one line, without a traceback."""
+
+
+class ConfigError(SiloPflError):
+    """A configuration key is missing, unknown, mistyped or out of range."""
+
+
+class DataError(SiloPflError):
+    """A silo's data cannot be loaded: names the silo and the file."""
+
+
+class FederationError(SiloPflError):
+    """The federation could not run: a silo failed, the cluster is unreachable, ..."""

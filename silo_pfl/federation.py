@@ -1,0 +1,34 @@
+"""The Python API: `Federation(config).run()`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from silo_pfl.callbacks import Callback
+from silo_pfl.config import FederationConfig, build_config, load_config
+from silo_pfl.results import FederationResult
+from silo_pfl.runtime.orchestrator import Orchestrator
+
+
+class Federation:
+    """A federation of silos. `config` is a FederationConfig, a YAML path or a mapping."""
+
+    def __init__(
+        self,
+        config: FederationConfig | str | Path | dict[str, Any],
+        overrides: Sequence[str] = (),
+        callbacks: Sequence[Callback] = (),
+    ) -> None:
+        if isinstance(config, FederationConfig):
+            self.config = build_config(config, list(overrides)) if overrides else config
+        elif isinstance(config, (str, Path)):
+            self.config = load_config(config, list(overrides))
+        else:
+            self.config = build_config(config, list(overrides))
+        self.callbacks = list(callbacks)
+
+    def run(self) -> FederationResult:
+        """Run every round and return the typed result."""
+        return Orchestrator(self.config, self.callbacks).run()

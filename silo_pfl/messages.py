@@ -1,0 +1,70 @@
+"""The plain, named structures that cross process boundaries between silos, server and driver."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SiloInfo:
+    """What a silo reports after set-up: sizes and shapes, never data."""
+
+    silo: str
+    num_train: int  # training rows before the validation hold-out
+    num_fit: int  # rows it trains on (and its aggregation weight)
+    num_val: int
+    num_test: int
+    input_shape: tuple[int, ...]
+    num_classes: int
+    global_parameters: int
+    local_parameters: int
+    bytes_sent_per_round: int
+    node_id: str = ""
+
+
+@dataclass(frozen=True)
+class SiloUpdate:
+    """One silo's contribution to a round: a delta of the global keys, and its weight."""
+
+    silo: str
+    round: int
+    num_examples: int
+    delta: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class FitMetrics:
+    """What the driver learns about a silo's local training."""
+
+    silo: str
+    round: int
+    train_loss: float
+    train_seconds: float
+    bytes_sent: int
+
+
+@dataclass(frozen=True)
+class EvalMetrics:
+    """A silo's personalized model (this round's global keys + its local keys), evaluated."""
+
+    silo: str
+    round: int
+    val_accuracy: float
+    val_loss: float
+    test_accuracy: float
+    test_loss: float
+    selected: bool  # this round's model is the silo's choice so far (eval.selection)
+
+
+@dataclass(frozen=True)
+class SiloOutcome:
+    """A silo's final, selected personalized model and how it scores."""
+
+    silo: str
+    selected_round: int
+    val_accuracy: float
+    test_accuracy: float
+    final_test_accuracy: float
+    extras: dict[str, float] = field(default_factory=dict)

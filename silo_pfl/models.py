@@ -1,0 +1,137 @@
+"""The model zoo. Every model has a `body` and a `head`, so split rules read naturally.
+
+`blocks(model)` lists the model's layers in forward order, the unit that `last:K` and `first:K`
+split rules count: each module with its own parameters starts a block, and a normalisation layer
+belongs to the block before it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from silo_pfl.errors import ConfigError
+
+_NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
+
+
+class BodyHeadModel(nn.Module):
+    """A feature extractor `body` followed by a classifier `head`."""
+
+    def __init__(self, body: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def mlp(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int]) -> BodyHeadModel:
+    """Fully connected layers for tabular data: body.fc1, body.fc2, ..., then head."""
+    layers: OrderedDict[str, nn.Module] = OrderedDict(flatten=nn.Flatten())
+    width = int(torch.tensor(input_shape).prod())
+    for i, out in enumerate(hidden, start=1):
+        layers[f"fc{i}"] = nn.Linear(width, out)
+        layers[f"relu{i}"] = nn.ReLU()
+        width = out
+    return BodyHeadModel(nn.Sequential(layers), nn.Linear(width, num_classes))
+
+
+def _cnn_small(input_shape: Sequence[int], num_classes: int, batchnorm: bool) -> BodyHeadModel:
+    channels = input_shape[0]
+
+    def norm(name: str, width: int, kind: type[nn.Module]) -> list[tuple[str, nn.Module]]:
+        return [(name, kind(width))] if batchnorm else []
+
+    layers = [
+        ("conv1", nn.Conv2d(channels, 16, 3, padding=1)),
+        *norm("bn1", 16, nn.BatchNorm2d),
+        ("relu1", nn.ReLU()),
+        ("conv2", nn.Conv2d(16, 32, 3, padding=1)),
+        *norm("bn2", 32, nn.BatchNorm2d),
+        ("relu2", nn.ReLU()),
+        ("pool", nn.AdaptiveAvgPool2d(2)),
+        ("flatten", nn.Flatten()),
+        ("fc", nn.Linear(128, 64)),
+        *norm("bn3", 64, nn.BatchNorm1d),
+        ("relu3", nn.ReLU()),
+    ]
+    return BodyHeadModel(nn.Sequential(OrderedDict(layers)), nn.Linear(64, num_classes))
+
+
+def cnn_small(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int]) -> BodyHeadModel:
+    """conv 16, conv 32, pool 2x2, fc 64, head: for 8x8 digits."""
+    return _cnn_small(input_shape, num_classes, batchnorm=False)
+
+
+def cnn_small_bn(
+    input_shape: Sequence[int], num_classes: int, hidden: Sequence[int]
+) -> BodyHeadModel:
+    """cnn_small with BatchNorm after each layer of the body: the FedBN model."""
+    return _cnn_small(input_shape, num_classes, batchnorm=True)
+
+
+def resnet18(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int]) -> BodyHeadModel:
+    """torchvision's ResNet-18, adapted to 32x32 RGB (3x3 stem, no max-pool); no weights fetched."""
+    from torchvision.models import resnet18 as tv_resnet18
+
+    net = tv_resnet18(weights=None, num_classes=num_classes)
+    net.conv1 = nn.Conv2d(input_shape[0], 64, 3, stride=1, padding=1, bias=False)
+    body = nn.Sequential(
+        OrderedDict(
+            conv1=net.conv1,
+            bn1=net.bn1,
+            relu=net.relu,
+            layer1=net.layer1,
+            layer2=net.layer2,
+            layer3=net.layer3,
+            layer4=net.layer4,
+            pool=net.avgpool,
+            flatten=nn.Flatten(),
+        )
+    )
+    return BodyHeadModel(body, net.fc)
+
+
+ModelFactory = Callable[[Sequence[int], int, Sequence[int]], BodyHeadModel]
+MODELS: dict[str, ModelFactory] = {
+    "mlp": mlp,
+    "cnn_small": cnn_small,
+    "cnn_small_bn": cnn_small_bn,
+    "resnet18": resnet18,
+}
+MODEL_NAMES = frozenset(MODELS)
+
+
+def build_model(
+    name: str, input_shape: Sequence[int], num_classes: int, hidden: Sequence[int] = (32,)
+) -> BodyHeadModel:
+    """Build a model by name for inputs of `input_shape` and `num_classes` classes."""
+    if name not in MODELS:
+        raise ConfigError(f"model.name: got {name!r}, expected one of {', '.join(sorted(MODELS))}")
+    model = MODELS[name](tuple(input_shape), num_classes, tuple(hidden))
+    if name in ("cnn_small", "cnn_small_bn") and len(input_shape) != 3:
+        raise ConfigError(f"model.name: {name} needs image inputs (C, H, W), got {input_shape}")
+    return model
+
+
+def block_of(model: BodyHeadModel) -> dict[str, str]:
+    """Map every top-level module (body.conv1, body.bn1, ..., head) to the block it belongs to."""
+    owner: dict[str, str] = {}
+    current = ""
+    for name, module in model.body.named_children():
+        has_params = any(True for _ in module.parameters())
+        if has_params and not (isinstance(module, _NORM_TYPES) and current):
+            current = f"body.{name}"
+        owner[f"body.{name}"] = current or f"body.{name}"
+    owner["head"] = "head"
+    return owner
+
+
+def blocks(model: BodyHeadModel) -> list[str]:
+    """The model's layers in forward order, e.g. body.conv1, body.conv2, body.fc, head."""
+    return list(dict.fromkeys(block_of(model).values()))

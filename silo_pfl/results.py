@@ -1,0 +1,116 @@
+"""The typed result of a federation run, and its JSON form."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RoundSummary:
+    """One round, as the driver saw it."""
+
+    round: int
+    seconds: float
+    mean_train_loss: float
+    mean_val_accuracy: float
+    mean_test_accuracy: float
+    silos: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SiloResult:
+    """One silo's selected personalized model, evaluated on its own held-out test set."""
+
+    test_accuracy: float
+    val_accuracy: float
+    selected_round: int
+    final_test_accuracy: float
+    num_train: int
+    num_val: int
+    num_test: int
+    bytes_sent_per_round: int
+    node_id: str = ""
+
+
+@dataclass(frozen=True)
+class FederationResult:
+    """Everything a run reports; `mean_test_accuracy` is the unweighted mean over silos."""
+
+    name: str
+    algorithm: str
+    rounds: int
+    seed: int
+    wall_seconds: float
+    global_parameters: int
+    local_parameters: int
+    silos: dict[str, SiloResult]
+    history: list[RoundSummary]
+    global_state_path: str = ""
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def test_accuracies(self) -> list[float]:
+        return [s.test_accuracy for s in self.silos.values()]
+
+    @property
+    def mean_test_accuracy(self) -> float:
+        return float(np.mean(self.test_accuracies))
+
+    @property
+    def worst_test_accuracy(self) -> float:
+        return float(np.min(self.test_accuracies))
+
+    @property
+    def std_test_accuracy(self) -> float:
+        return float(np.std(self.test_accuracies))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able summary: the headline figures first, then silos and history."""
+        data = dataclasses.asdict(self)
+        headline = {
+            "name": self.name,
+            "algorithm": self.algorithm,
+            "rounds": self.rounds,
+            "seed": self.seed,
+            "wall_seconds": self.wall_seconds,
+            "mean_test_accuracy": self.mean_test_accuracy,
+            "worst_test_accuracy": self.worst_test_accuracy,
+            "std_test_accuracy": self.std_test_accuracy,
+            "global_parameters": self.global_parameters,
+            "local_parameters": self.local_parameters,
+        }
+        return {**headline, **{k: v for k, v in data.items() if k not in headline}}
+
+    def write_json(self, path: str | Path) -> None:
+        """Write the summary atomically: the file is either whole or absent."""
+        write_json_atomic(path, self.to_dict())
+
+
+def write_json_atomic(path: str | Path, data: Any) -> None:
+    """Write JSON to a temporary file beside `path`, then rename it into place."""
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=2, default=_json_default, allow_nan=True)
+            fh.write("\n")
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, tuple):
+        return list(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")

@@ -1,0 +1,77 @@
+"""The silo and server actors: the plain classes, made remote late with their placement."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+from silo_pfl.config import FederationConfig
+from silo_pfl.errors import FederationError, SiloPflError
+from silo_pfl.messages import SiloInfo
+from silo_pfl.server import Server
+from silo_pfl.silo import Silo
+
+
+class SiloActor(Silo):
+    """A Silo that also reports the Ray node it runs on."""
+
+    def setup(self) -> SiloInfo:
+        info = super().setup()
+        return dataclasses.replace(info, node_id=ray.get_runtime_context().get_node_id())
+
+
+def silo_resource(silo: str) -> str:
+    """The custom resource a node offers to host silo `silo` under placement per_node."""
+    return f"silo_{silo}"
+
+
+def start_silo(cfg: FederationConfig, config: dict[str, Any], silo: str) -> Any:
+    """Start the actor of one silo; with placement per_node, only on the node that offers it."""
+    options: dict[str, Any] = {"num_cpus": cfg.ray.silo_cpus, "max_restarts": 0}
+    if cfg.ray.placement == "per_node":
+        options["resources"] = {silo_resource(silo): 1}
+        if not _resource_offered(silo_resource(silo)):
+            raise FederationError(
+                f"silo {silo}: ray.placement=per_node but no node offers resource "
+                f"{silo_resource(silo)!r}; start its node with --resources "
+                f"'{{\"{silo_resource(silo)}\": 1}}'"
+            )
+    return ray.remote(SiloActor).options(**options).remote(config, silo)
+
+
+def start_server(config: dict[str, Any], input_shape: Sequence[int], num_classes: int) -> Any:
+    """Start the server actor, which holds the global keys."""
+    return (
+        ray.remote(Server)
+        .options(num_cpus=0, max_restarts=0)
+        .remote(config, tuple(input_shape), num_classes)
+    )
+
+
+def _resource_offered(name: str) -> bool:
+    return ray.cluster_resources().get(name, 0) >= 1
+
+
+def get(refs: Any, what: str, timeout: float | None = None) -> Any:
+    """ray.get that surfaces a user error from an actor as itself, and anything else in one line."""
+    try:
+        return ray.get(refs, timeout=timeout)
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
+        if isinstance(cause, SiloPflError):
+            raise cause from None
+        first = str(cause).strip().splitlines()[-1] if str(cause).strip() else ""
+        raise FederationError(f"{what} failed: {type(cause).__name__}: {first}") from exc
+    except ray.exceptions.GetTimeoutError:
+        raise FederationError(f"{what}: no answer within {timeout} s") from None
+    except ray.exceptions.RayActorError as exc:
+        raise FederationError(f"{what}: an actor died ({type(exc).__name__})") from exc
+
+
+def stop(actors: Sequence[Any]) -> None:
+    """Stop actors; they hold no state the run still needs."""
+    for actor in actors:
+        ray.kill(actor, no_restart=True)

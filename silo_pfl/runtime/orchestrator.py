@@ -1,0 +1,139 @@
+"""The round loop, written once. It never branches on an algorithm's name.
+
+One round: the global state is one object in Ray's object store; every silo fits on it and
+returns a delta of the global keys, which goes straight to the server actor (never through the
+driver); the server aggregates; every silo evaluates its personalized model on the new state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from silo_pfl.callbacks import Callback
+from silo_pfl.config import FederationConfig, to_dict
+from silo_pfl.data import silo_names
+from silo_pfl.errors import FederationError
+from silo_pfl.messages import EvalMetrics, FitMetrics, SiloInfo, SiloOutcome
+from silo_pfl.results import FederationResult, RoundSummary, SiloResult
+from silo_pfl.runtime.actors import get, start_server, start_silo, stop
+from silo_pfl.runtime.session import ray_session
+
+
+def _check_consistent(infos: Sequence[SiloInfo]) -> None:
+    first = infos[0]
+    for info in infos[1:]:
+        if info.input_shape != first.input_shape or info.num_classes != first.num_classes:
+            raise FederationError(
+                f"silo {info.silo}: inputs {info.input_shape} with {info.num_classes} classes, "
+                f"but silo {first.silo} has {first.input_shape} with {first.num_classes}"
+            )
+
+
+def _summary(
+    round_: int, seconds: float, fits: list[FitMetrics], evals: list[EvalMetrics]
+) -> RoundSummary:
+    per_silo = {
+        f.silo: {
+            "train_loss": f.train_loss,
+            "train_seconds": f.train_seconds,
+            "bytes_sent": float(f.bytes_sent),
+            "val_accuracy": e.val_accuracy,
+            "test_accuracy": e.test_accuracy,
+        }
+        for f, e in zip(fits, evals, strict=True)
+    }
+    return RoundSummary(
+        round=round_,
+        seconds=seconds,
+        mean_train_loss=float(np.nanmean([f.train_loss for f in fits])),
+        mean_val_accuracy=float(np.nanmean([e.val_accuracy for e in evals])),
+        mean_test_accuracy=float(np.mean([e.test_accuracy for e in evals])),
+        silos=per_silo,
+    )
+
+
+class Orchestrator:
+    """Runs one federation on Ray and returns its typed result."""
+
+    def __init__(self, cfg: FederationConfig, callbacks: Sequence[Callback] = ()) -> None:
+        self.cfg = cfg
+        self.callbacks = list(callbacks)
+
+    def _emit(self, hook: str, *args: Any) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(*args)
+
+    def run(self) -> FederationResult:
+        """Set up every silo and the server, run the rounds, collect each silo's outcome."""
+        with ray_session(self.cfg.ray):
+            start = time.perf_counter()
+            config = to_dict(self.cfg)
+            names = silo_names(self.cfg.data)
+            actors: dict[str, Any] = {}
+            try:
+                for name in names:
+                    actors[name] = start_silo(self.cfg, config, name)
+                infos = get([a.setup.remote() for a in actors.values()], "silo set-up")
+                _check_consistent(infos)
+                server = start_server(config, infos[0].input_shape, infos[0].num_classes)
+                actors["__server__"] = server
+                self._emit("on_start", self.cfg, infos)
+                history = self._rounds(server, {n: actors[n] for n in names})
+                outcomes: list[SiloOutcome] = get(
+                    [actors[n].outcome.remote() for n in names], "silo outcome"
+                )
+                state_path = get(
+                    server.save.remote(str(Path(self.cfg.output_dir) / self.cfg.name / "server")),
+                    "server checkpoint",
+                )
+            finally:
+                stop(list(actors.values()))
+            result = FederationResult(
+                name=self.cfg.name,
+                algorithm=self.cfg.algorithm["name"],
+                rounds=self.cfg.rounds,
+                seed=self.cfg.seed,
+                wall_seconds=time.perf_counter() - start,
+                global_parameters=infos[0].global_parameters,
+                local_parameters=infos[0].local_parameters,
+                silos={
+                    info.silo: SiloResult(
+                        test_accuracy=out.test_accuracy,
+                        val_accuracy=out.val_accuracy,
+                        selected_round=out.selected_round,
+                        final_test_accuracy=out.final_test_accuracy,
+                        num_train=info.num_train,
+                        num_val=info.num_val,
+                        num_test=info.num_test,
+                        bytes_sent_per_round=info.bytes_sent_per_round,
+                        node_id=info.node_id,
+                    )
+                    for info, out in zip(infos, outcomes, strict=True)
+                },
+                history=history,
+                global_state_path=state_path,
+            )
+        self._emit("on_end", result)
+        return result
+
+    def _rounds(self, server: Any, silos: dict[str, Any]) -> list[RoundSummary]:
+        history = []
+        global_ref = server.global_state.remote()
+        for round_ in range(1, self.cfg.rounds + 1):
+            began = time.perf_counter()
+            fit_refs = [
+                a.fit.options(num_returns=2).remote(global_ref, round_) for a in silos.values()
+            ]
+            global_ref = server.aggregate.remote(*[update for update, _ in fit_refs])
+            eval_refs = [a.evaluate.remote(global_ref, round_) for a in silos.values()]
+            fits = get([metrics for _, metrics in fit_refs], f"round {round_}: silo fit")
+            evals = get(eval_refs, f"round {round_}: silo evaluation")
+            summary = _summary(round_, time.perf_counter() - began, fits, evals)
+            history.append(summary)
+            self._emit("on_round_end", summary)
+        return history

@@ -1,0 +1,72 @@
+"""The server: holds the global keys, validates updates, aggregates them; never sees local keys."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from silo_pfl.aggregation import State, apply_delta, weighted_mean
+from silo_pfl.config import from_dict
+from silo_pfl.messages import SiloUpdate
+from silo_pfl.silo import init_model, split_rules
+from silo_pfl.split import compute_split
+
+GLOBAL_STATE_FILE = "global_state.npz"
+
+
+class Server:
+    """Aggregates the silos' deltas of the global keys, weighted by their training examples."""
+
+    def __init__(
+        self, config: dict[str, Any], input_shape: Sequence[int], num_classes: int
+    ) -> None:
+        self.cfg = from_dict(config)
+        model = init_model(self.cfg, tuple(input_shape), num_classes)
+        self.split = compute_split(model, split_rules(self.cfg))
+        state = model.state_dict()
+        self.state: State = {k: state[k].numpy().copy() for k in self.split.global_keys}
+        self.round = 0
+
+    def global_state(self) -> State:
+        """The current global keys."""
+        return self.state
+
+    def _check(self, update: SiloUpdate) -> None:
+        keys = set(update.delta)
+        expected = set(self.state)
+        if keys != expected:
+            extra = sorted(keys - expected)
+            missing = sorted(expected - keys)
+            raise ValueError(
+                f"update from silo {update.silo}: unexpected keys {extra}, missing keys {missing}"
+            )
+        for key, value in update.delta.items():
+            if np.shape(value) != self.state[key].shape:
+                raise ValueError(
+                    f"update from silo {update.silo}: {key} has shape {np.shape(value)}"
+                )
+            if not np.all(np.isfinite(value)):
+                raise ValueError(f"update from silo {update.silo}: {key} is not finite")
+        if update.num_examples < 1:
+            raise ValueError(f"update from silo {update.silo}: num_examples must be >= 1")
+
+    def aggregate(self, *updates: SiloUpdate) -> State:
+        """Apply the example-weighted mean of the deltas, in silo-name order (deterministic)."""
+        ordered = sorted(updates, key=lambda u: u.silo)
+        for update in ordered:
+            self._check(update)
+        self.round += 1
+        if self.state:
+            mean = weighted_mean([u.delta for u in ordered], [u.num_examples for u in ordered])
+            self.state = apply_delta(self.state, mean)
+        return self.state
+
+    def save(self, directory: str) -> str:
+        """Write the global keys to <directory>/global_state.npz; return the path."""
+        path = Path(directory) / GLOBAL_STATE_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(path, **self.state)
+        return str(path)

@@ -1,0 +1,186 @@
+"""A silo: its private data, its model, and the local keys that never leave it.
+
+A plain class with a narrow API (`setup`, `fit`, `evaluate`, `outcome`), so it is tested without
+Ray; the runtime makes it an actor. Its directory holds its local state and its selected
+personalized model.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from silo_pfl.algorithms import build_algorithm
+from silo_pfl.algorithms.base import Phase
+from silo_pfl.config import FederationConfig, from_dict
+from silo_pfl.data import SiloData, load_silo_data
+from silo_pfl.messages import EvalMetrics, FitMetrics, SiloInfo, SiloOutcome, SiloUpdate
+from silo_pfl.models import BodyHeadModel, build_model
+from silo_pfl.seeding import derive_seed, seed_everything
+from silo_pfl.split import Split, compute_split
+from silo_pfl.training import evaluate, make_optimizer, to_tensors, train_epochs
+
+LOCAL_STATE_FILE = "local_state.pt"
+PERSONALIZED_FILE = "personalized_model.pt"
+
+
+def silo_dir(cfg: FederationConfig, silo: str) -> Path:
+    """The directory that belongs to one silo: <output_dir>/<name>/silos/<silo>."""
+    return Path(cfg.output_dir) / cfg.name / "silos" / silo
+
+
+def init_model(
+    cfg: FederationConfig, input_shape: tuple[int, ...], num_classes: int
+) -> BodyHeadModel:
+    """The federation's initial model: identical on every silo and on the server."""
+    torch.manual_seed(derive_seed(cfg.seed, "init"))
+    return build_model(cfg.model.name, input_shape, num_classes, cfg.model.hidden)
+
+
+def split_rules(cfg: FederationConfig) -> list[str]:
+    """The split rules in force: the job's, or the algorithm's default."""
+    if cfg.split.local is not None:
+        return list(cfg.split.local)
+    return list(build_algorithm(cfg.algorithm, cfg.train).default_local_rules)
+
+
+class Silo:
+    """One participant. Only `Split.outgoing` payloads ever leave it."""
+
+    def __init__(self, config: dict[str, Any], name: str) -> None:
+        self.cfg = from_dict(config)
+        self.name = name
+        self.dir = silo_dir(self.cfg, name)
+        self.algorithm = build_algorithm(self.cfg.algorithm, self.cfg.train)
+        self._best: tuple[float, float] | None = None
+        self._selected: EvalMetrics | None = None
+        self._selected_state: dict[str, torch.Tensor] | None = None
+        self._last_test = float("nan")
+
+    def setup(self) -> SiloInfo:
+        """Load this silo's data, build its model and split; start with a fresh directory."""
+        seed_everything(derive_seed(self.cfg.seed, "silo", self.name))
+        torch.set_num_threads(self.cfg.train.torch_threads)
+        data: SiloData = load_silo_data(self.cfg.data, self.name, self.cfg.seed)
+        self.data = data
+        self.train_xy = to_tensors(data.x_train, data.y_train)
+        self.val_xy = to_tensors(data.x_val, data.y_val)
+        self.test_xy = to_tensors(data.x_test, data.y_test)
+        self.model = init_model(self.cfg, data.input_shape, data.num_classes)
+        self.split: Split = compute_split(self.model, split_rules(self.cfg))
+        if self.dir.exists():
+            shutil.rmtree(self.dir)
+        self.dir.mkdir(parents=True)
+        return SiloInfo(
+            silo=self.name,
+            num_train=data.num_train_total,
+            num_fit=len(data.y_train),
+            num_val=len(data.y_val),
+            num_test=len(data.y_test),
+            input_shape=data.input_shape,
+            num_classes=data.num_classes,
+            global_parameters=self.split.global_parameters,
+            local_parameters=self.split.local_parameters,
+            bytes_sent_per_round=self.split.global_bytes,
+        )
+
+    def _load_global(self, global_state: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Overwrite the global keys of the model; the local keys are untouched."""
+        if set(global_state) != set(self.split.global_keys):
+            raise ValueError(f"silo {self.name}: received keys differ from its global keys")
+        incoming = {k: torch.tensor(np.asarray(v)) for k, v in global_state.items()}
+        self.model.load_state_dict(incoming, strict=False)
+        return incoming
+
+    def _run_phase(self, phase: Phase, reference: dict[str, torch.Tensor], round_: int) -> float:
+        keys = {
+            "all": None,
+            "global": set(self.split.global_keys),
+            "local": set(self.split.local_keys),
+        }
+        chosen = keys[phase.trainable]
+        params = []
+        for name, param in self.model.named_parameters():
+            param.requires_grad_(chosen is None or name in chosen)
+            if param.requires_grad:
+                params.append(param)
+        try:
+            if not params or phase.epochs == 0:
+                return float("nan")
+            generator = torch.Generator().manual_seed(
+                derive_seed(self.cfg.seed, "shuffle", self.name, round_, phase.trainable)
+            )
+            return train_epochs(
+                self.model,
+                *self.train_xy,
+                epochs=phase.epochs,
+                batch_size=self.cfg.train.batch_size,
+                optimizer=make_optimizer(params, self.cfg.train),
+                generator=generator,
+                extra_loss=lambda model: self.algorithm.extra_loss(model, reference),
+            )
+        finally:
+            for param in self.model.parameters():
+                param.requires_grad_(True)
+
+    def fit(
+        self, global_state: dict[str, np.ndarray], round_: int
+    ) -> tuple[SiloUpdate, FitMetrics]:
+        """One round of local training; returns the delta of the global keys only."""
+        start = time.perf_counter()
+        reference = self._load_global(global_state)
+        losses = [self._run_phase(phase, reference, round_) for phase in self.algorithm.phases()]
+        state = self.model.state_dict()
+        delta = {k: (state[k] - reference[k]).numpy() for k in self.split.global_keys}
+        payload = self.split.outgoing(delta)
+        torch.save({k: state[k] for k in self.split.local_keys}, self.dir / LOCAL_STATE_FILE)
+        finite = [loss for loss in losses if np.isfinite(loss)]
+        metrics = FitMetrics(
+            silo=self.name,
+            round=round_,
+            train_loss=float(np.mean(finite)) if finite else float("nan"),
+            train_seconds=time.perf_counter() - start,
+            bytes_sent=sum(v.nbytes for v in payload.values()),
+        )
+        update = SiloUpdate(self.name, round_, len(self.train_xy[1]), payload)
+        return update, metrics
+
+    def evaluate(self, global_state: dict[str, np.ndarray], round_: int) -> EvalMetrics:
+        """Evaluate this round's personalized model: the new global keys with this silo's own."""
+        self._load_global(global_state)
+        val = evaluate(self.model, *self.val_xy)
+        test = evaluate(self.model, *self.test_xy)
+        self._last_test = test.accuracy
+        if self.cfg.eval.selection == "last" or val.count == 0:
+            selected = True
+        else:
+            score = (val.accuracy, -val.loss)
+            selected = self._best is None or score > self._best
+            if selected:
+                self._best = score
+        metrics = EvalMetrics(
+            self.name, round_, val.accuracy, val.loss, test.accuracy, test.loss, selected
+        )
+        if selected:
+            self._selected = metrics
+            self._selected_state = copy.deepcopy(self.model.state_dict())
+            torch.save(self._selected_state, self.dir / PERSONALIZED_FILE)
+        return metrics
+
+    def outcome(self) -> SiloOutcome:
+        """The selected personalized model's scores."""
+        if self._selected is None:
+            raise RuntimeError(f"silo {self.name}: outcome() before any evaluate()")
+        return SiloOutcome(
+            silo=self.name,
+            selected_round=self._selected.round,
+            val_accuracy=self._selected.val_accuracy,
+            test_accuracy=self._selected.test_accuracy,
+            final_test_accuracy=self._last_test,
+        )

@@ -1,0 +1,159 @@
+"""The single place that decides which state_dict keys are global (shared) and which are local.
+
+A split is computed once per silo from the model and the declarative rules, and every payload that
+leaves a silo passes `Split.outgoing`, which refuses any local key.
+
+Rules (a key is local if any rule matches it):
+  head          the classifier head
+  batchnorm     every BatchNorm module, its affine parameters and running statistics
+  all           every key: no federation
+  last:K        the last K blocks (see models.blocks)
+  first:K       the first K blocks
+  pattern:GLOB  keys matching a shell-style pattern, e.g. pattern:body.conv1.*
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from torch import nn
+
+from silo_pfl.errors import ConfigError
+from silo_pfl.models import BodyHeadModel, block_of, blocks
+
+RULE_HELP = "head, batchnorm, all, last:K, first:K or pattern:GLOB"
+
+
+class PrivacyError(RuntimeError):
+    """A payload about to leave a silo holds a local key: a bug, never a user error."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One parsed split rule."""
+
+    kind: str
+    arg: str = ""
+    index: int = 0
+
+    @property
+    def key(self) -> str:
+        return f"split.local[{self.index}]"
+
+    @property
+    def text(self) -> str:
+        return f"{self.kind}:{self.arg}" if self.arg else self.kind
+
+
+def parse_rules(rules: Sequence[str]) -> list[Rule]:
+    """Parse rule strings, raising a ConfigError that names the bad entry."""
+    parsed = []
+    for i, text in enumerate(rules):
+        kind, _, arg = str(text).partition(":")
+        key = f"split.local[{i}]"
+        if kind in ("head", "batchnorm", "all") and not arg:
+            parsed.append(Rule(kind, "", i))
+        elif kind in ("last", "first"):
+            if not arg.isdigit() or int(arg) < 1:
+                raise ConfigError(f"{key}: got {text!r}, expected {kind}:K with K >= 1")
+            parsed.append(Rule(kind, arg, i))
+        elif kind == "pattern" and arg:
+            parsed.append(Rule(kind, arg, i))
+        else:
+            raise ConfigError(f"{key}: got {text!r}, expected one of {RULE_HELP}")
+    return parsed
+
+
+def _matches(rule: Rule, keys: list[str], model: BodyHeadModel) -> set[str]:
+    owner = block_of(model)
+    order = blocks(model)
+
+    def block(key: str) -> str:
+        parts = key.split(".")
+        return owner.get(".".join(parts[:2]), "head")
+
+    if rule.kind == "all":
+        return set(keys)
+    if rule.kind == "head":
+        return {k for k in keys if k.startswith("head.")}
+    if rule.kind == "batchnorm":
+        bn = [
+            name + "."
+            for name, m in model.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        ]
+        return {k for k in keys if any(k.startswith(prefix) for prefix in bn)}
+    if rule.kind in ("last", "first"):
+        k = int(rule.arg)
+        if k > len(order):
+            raise ConfigError(
+                f"{rule.key}: {rule.kind}:{k} asks for more blocks than the model has "
+                f"({len(order)}: {', '.join(order)})"
+            )
+        chosen = set(order[-k:] if rule.kind == "last" else order[:k])
+        return {key for key in keys if block(key) in chosen}
+    return {k for k in keys if fnmatch.fnmatchcase(k, rule.arg)}
+
+
+@dataclass(frozen=True)
+class Split:
+    """Global and local state_dict keys of one model, with their sizes."""
+
+    global_keys: tuple[str, ...]
+    local_keys: tuple[str, ...]
+    global_parameters: int
+    local_parameters: int
+    global_bytes: int
+
+    def global_part(self, state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The global entries of a state mapping."""
+        return {k: state[k] for k in self.global_keys}
+
+    def outgoing(self, payload: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Check a payload before it leaves the silo: exactly the global keys, no local key."""
+        leaked = sorted(set(payload) & set(self.local_keys))
+        if leaked:
+            raise PrivacyError(f"refusing to send local keys: {', '.join(leaked)}")
+        if set(payload) != set(self.global_keys):
+            unknown = sorted(set(payload) ^ set(self.global_keys))
+            raise PrivacyError(f"payload keys differ from the global keys: {', '.join(unknown)}")
+        return payload
+
+    def summary(self) -> str:
+        """One log line: parameter counts and bytes sent per round."""
+        return (
+            f"split: {len(self.global_keys)} global keys ({self.global_parameters} parameters), "
+            f"{len(self.local_keys)} local keys ({self.local_parameters} parameters); "
+            f"{self.global_bytes} bytes sent per silo per round"
+        )
+
+
+def compute_split(model: BodyHeadModel, rules: Sequence[str]) -> Split:
+    """Decide, for every state_dict key (buffers included), whether it is global or local."""
+    state = model.state_dict()
+    keys = list(state)
+    local: set[str] = set()
+    for rule in parse_rules(rules):
+        matched = _matches(rule, keys, model)
+        if not matched:
+            raise ConfigError(
+                f"{rule.key}: rule {rule.text!r} matches no state_dict key of this model"
+            )
+        local |= matched
+    param_names = {name for name, _ in model.named_parameters()}
+
+    def count(selected: list[str]) -> int:
+        return sum(state[k].numel() for k in selected if k in param_names)
+
+    global_keys = [k for k in keys if k not in local]
+    local_keys = [k for k in keys if k in local]
+    return Split(
+        global_keys=tuple(global_keys),
+        local_keys=tuple(local_keys),
+        global_parameters=count(global_keys),
+        local_parameters=count(local_keys),
+        global_bytes=sum(state[k].numel() * state[k].element_size() for k in global_keys),
+    )

@@ -1,0 +1,100 @@
+"""The one training loop over batches and epochs, and the one evaluation.
+
+Algorithms never copy this loop: they choose which parameters train in each phase and may add a
+term to the loss (FedProx's proximal term, Ditto's pull towards the global model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from silo_pfl.config import TrainConfig
+
+ExtraLoss = Callable[[nn.Module], torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Accuracy and mean cross-entropy over a set of examples."""
+
+    accuracy: float
+    loss: float
+    count: int
+
+
+def make_optimizer(params: Iterable[nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The optimizer named by train.optimizer."""
+    params = list(params)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def train_epochs(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    epochs: int,
+    batch_size: int,
+    optimizer: torch.optim.Optimizer,
+    generator: torch.Generator,
+    extra_loss: ExtraLoss | None = None,
+) -> float:
+    """Train `epochs` passes over (x, y) in shuffled mini-batches; return the mean batch loss."""
+    model.train()
+    loss_fn = nn.CrossEntropyLoss()
+    total, steps = 0.0, 0
+    n = len(x)
+    # A lone example cannot be batch-normalised in train mode; it is dropped from that epoch.
+    min_batch = 2 if n >= 2 and _has_batchnorm(model) else 1
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=generator)
+        for start in range(0, n, batch_size):
+            idx = order[start : start + batch_size]
+            if len(idx) < min_batch:
+                continue
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x[idx]), y[idx])
+            if extra_loss is not None:
+                extra = extra_loss(model)
+                if extra is not None:
+                    loss = loss + extra
+            loss.backward()
+            optimizer.step()
+            total += float(loss.detach())
+            steps += 1
+    return total / steps if steps else float("nan")
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
+) -> EvalResult:
+    """Accuracy and mean loss of the model on (x, y), in eval mode."""
+    if len(x) == 0:
+        return EvalResult(float("nan"), float("nan"), 0)
+    model.eval()
+    correct, loss_sum = 0, 0.0
+    for start in range(0, len(x), batch_size):
+        logits = model(x[start : start + batch_size])
+        target = y[start : start + batch_size]
+        loss_sum += float(nn.functional.cross_entropy(logits, target, reduction="sum"))
+        correct += int((logits.argmax(dim=1) == target).sum())
+    return EvalResult(correct / len(x), loss_sum / len(x), len(x))
+
+
+def _has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def to_tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs as float32 and labels as int64 tensors, sharing memory where possible."""
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), torch.from_numpy(
+        np.ascontiguousarray(y, dtype=np.int64)
+    )

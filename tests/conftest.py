@@ -1,0 +1,37 @@
+"""Shared fixtures: one local Ray instance per test session, and per-test output directories."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A real local Ray, started once and shared by every test that runs a federation."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+        )
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def job(tmp_path):
+    """Build a validated config from a job YAML with overrides; outputs go under tmp_path."""
+    from silo_pfl.config import load_config
+
+    def make(path: str, *overrides: str):
+        return load_config(path, [f"output_dir={tmp_path / 'runs'}", *overrides])
+
+    return make

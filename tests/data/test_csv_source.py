@@ -1,0 +1,157 @@
+"""The CSV source: one file per silo, normalised, and one-line errors naming silo and file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from silo_pfl.config import DataConfig
+from silo_pfl.data import csv_source
+from silo_pfl.errors import ConfigError, DataError
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def good_table(rows: int = 40, seed: int = 0) -> str:
+    rng = np.random.default_rng(seed)
+    lines = ["height,label,weight"]
+    for i in range(rows):
+        lines.append(f"{rng.normal(170, 10):.3f},{i % 3},{rng.normal(70, 5):.3f}")
+    return "\n".join(lines) + "\n"
+
+
+def config(paths: dict[str, Path], **overrides) -> DataConfig:
+    return DataConfig(source="csv", paths={k: str(v) for k, v in paths.items()}, **overrides)
+
+
+def load_error(tmp_path: Path, text: str | None, silo: str = "clinic_b") -> str:
+    path = tmp_path / "table.csv"
+    if text is not None:
+        write(path, text)
+    with pytest.raises(DataError) as info:
+        csv_source.load(config({silo: path}), silo, seed=0)
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"silo {silo}" in message and str(path) in message
+    return message
+
+
+def test_validate_requires_paths():
+    with pytest.raises(ConfigError, match=r"data\.paths: give one CSV path per silo, e\.g\."):
+        csv_source.validate(DataConfig(source="csv"))
+
+
+def test_validate_rejects_an_empty_path():
+    with pytest.raises(ConfigError, match=r"data\.paths\.a"):
+        csv_source.validate(DataConfig(source="csv", paths={"a": " "}))
+
+
+def test_silo_names_keep_the_given_order(tmp_path):
+    cfg = config({"zeta": tmp_path / "z.csv", "alpha": tmp_path / "a.csv"})
+    csv_source.validate(cfg)
+    assert csv_source.silo_names(cfg) == ["zeta", "alpha"]
+
+
+def test_load_splits_and_normalises(tmp_path):
+    path = write(tmp_path / "a.csv", good_table())
+    cfg = config({"a": path}, test_fraction=0.25, val_fraction=0.2)
+    data = csv_source.load(cfg, "a", seed=0)
+    assert (len(data.y_train), len(data.y_val), len(data.y_test)) == (24, 6, 10)
+    assert data.num_train_total == 30
+    assert data.input_shape == (2,)
+    assert data.x_train.dtype == np.float32 and data.y_train.dtype == np.int64
+    assert data.num_classes == 3
+    assert data.preprocessing.feature_names == ("height", "weight")
+    train = np.concatenate([data.x_train, data.x_val]).astype(np.float64)
+    assert np.allclose(train.mean(axis=0), 0.0, atol=1e-5)
+    assert np.allclose(train.std(axis=0), 1.0, atol=1e-5)
+    assert sorted(np.bincount(data.y_test).tolist()) == [3, 3, 4]
+
+
+def test_preprocessing_maps_raw_rows_like_the_silo(tmp_path):
+    path = write(tmp_path / "a.csv", good_table())
+    data = csv_source.load(config({"a": path}), "a", seed=0)
+    _, raw, _ = csv_source.read_silo_csv("a", path, "label")
+    applied = data.preprocessing.apply(raw)
+    for row in data.x_test:
+        assert np.isclose(applied, row, atol=1e-5).all(axis=1).any()
+
+
+def test_deterministic_for_a_seed_and_split_depends_on_it(tmp_path):
+    cfg = config({"a": write(tmp_path / "a.csv", good_table())})
+    first, again = csv_source.load(cfg, "a", 5), csv_source.load(cfg, "a", 5)
+    assert np.array_equal(first.x_train, again.x_train)
+    assert np.array_equal(first.x_val, again.x_val)
+    other = csv_source.load(cfg, "a", 6)
+    assert not np.array_equal(first.x_val, other.x_val)
+
+
+def test_constant_feature_keeps_unit_std(tmp_path):
+    lines = ["f,label"] + [f"1.0,{i % 2}" for i in range(10)]
+    path = write(tmp_path / "c.csv", "\n".join(lines) + "\n")
+    data = csv_source.load(config({"c": path}), "c", seed=0)
+    assert data.preprocessing.std == (1.0,)
+    assert np.all(data.x_train == 0.0)
+
+
+def test_two_rows_are_enough(tmp_path):
+    path = write(tmp_path / "t.csv", "f,label\n1,0\n2,1\n")
+    data = csv_source.load(config({"t": path}), "t", seed=0)
+    assert (len(data.y_train), len(data.y_val), len(data.y_test)) == (1, 0, 1)
+
+
+def test_missing_file(tmp_path):
+    assert "not found" in load_error(tmp_path, None)
+
+
+def test_missing_label_column_lists_columns(tmp_path):
+    message = load_error(tmp_path, "a,b,target\n1,2,0\n3,4,1\n")
+    assert "'label'" in message and "columns found: a, b, target" in message
+
+
+def test_non_numeric_value_names_column_and_row(tmp_path):
+    message = load_error(tmp_path, "a,label\n1,0\n2,1\nabc,0\n")
+    assert "column 'a'" in message and "data row 3" in message and "'abc'" in message
+
+
+def test_empty_cell_is_rejected(tmp_path):
+    message = load_error(tmp_path, "a,b,label\n1,2,0\n3,,1\n")
+    assert "column 'b'" in message and "data row 2" in message
+
+
+def test_empty_file(tmp_path):
+    assert "is empty" in load_error(tmp_path, "")
+
+
+def test_header_without_rows(tmp_path):
+    assert "no data rows" in load_error(tmp_path, "a,label\n")
+
+
+def test_too_few_rows(tmp_path):
+    assert "need at least 2" in load_error(tmp_path, "a,label\n1,0\n")
+
+
+def test_ragged_row(tmp_path):
+    message = load_error(tmp_path, "a,b,label\n1,2,0\n1,2\n")
+    assert "data row 2" in message and "has 2 values" in message
+
+
+@pytest.mark.parametrize("label", ["cat", "-1", "1.5"])
+def test_labels_must_be_class_indices(tmp_path, label):
+    message = load_error(tmp_path, f"a,label\n1,0\n2,{label}\n3,1\n")
+    assert "labels must be integers 0..C-1" in message and "data row 2" in message
+
+
+def test_only_a_label_column(tmp_path):
+    assert "no features" in load_error(tmp_path, "label\n0\n1\n")
+
+
+def test_unknown_silo(tmp_path):
+    cfg = config({"a": tmp_path / "a.csv"})
+    with pytest.raises(DataError, match=r"silo b: not in data\.paths"):
+        csv_source.load(cfg, "b", 0)

@@ -1,0 +1,225 @@
+"""The digits source and the partitioners: shapes, determinism and the promised skews."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from silo_pfl.config import DataConfig
+from silo_pfl.data import digits, partitioners
+from silo_pfl.errors import ConfigError, DataError
+
+
+def config(**overrides) -> DataConfig:
+    return replace(DataConfig(source="digits"), **overrides)
+
+
+def load_all(cfg: DataConfig, seed: int = 0) -> list:
+    return [digits.load(cfg, silo, seed) for silo in digits.silo_names(cfg)]
+
+
+def all_labels(data) -> np.ndarray:
+    return np.concatenate([data.y_train, data.y_val, data.y_test])
+
+
+@pytest.fixture(scope="module")
+def labels() -> np.ndarray:
+    return digits.read_digits()[1]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({"num_silos": 0}, "data.num_silos"),
+        ({"num_silos": 90}, "data.num_silos"),
+        ({"partition": "random"}, "data.partition"),
+        ({"alpha": -1.0}, "data.alpha"),
+        ({"classes_per_silo": 0}, "data.classes_per_silo"),
+        ({"classes_per_silo": 11}, "data.classes_per_silo"),
+        ({"partition": "pathological", "num_silos": 3, "classes_per_silo": 2}, "classes_per_silo"),
+    ],
+)
+def test_validate_names_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=key) as info:
+        digits.validate(config(**overrides))
+    assert "\n" not in str(info.value)
+
+
+def test_validate_accepts_the_defaults_and_the_largest_federation():
+    digits.validate(config())
+    digits.validate(config(num_silos=89))
+
+
+def test_shapes_ranges_and_sizes():
+    cfg = config(num_silos=5, test_fraction=0.25, val_fraction=0.2)
+    silos = load_all(cfg)
+    assert [s.name for s in silos] == ["silo_0", "silo_1", "silo_2", "silo_3", "silo_4"]
+    assert sum(s.num_train_total + len(s.y_test) for s in silos) == 1797
+    for s in silos:
+        assert s.input_shape == (1, 8, 8)
+        assert s.x_train.dtype == np.float32 and s.y_train.dtype == np.int64
+        assert s.x_train.min() >= 0.0 and s.x_train.max() <= 1.0
+        assert s.num_train_total == len(s.y_train) + len(s.y_val)
+        assert len(s.y_test) == round(0.25 * (s.num_train_total + len(s.y_test)))
+        assert len(s.y_val) == round(0.2 * s.num_train_total)
+        assert s.num_classes == 10
+        assert not s.preprocessing.mean
+
+
+@pytest.mark.parametrize("partition", partitioners.PARTITIONS)
+def test_deterministic_for_a_seed(partition):
+    cfg = config(partition=partition, num_silos=5)
+    first, again = digits.load(cfg, "silo_2", 7), digits.load(cfg, "silo_2", 7)
+    for split in ("train", "val", "test"):
+        assert np.array_equal(getattr(first, f"x_{split}"), getattr(again, f"x_{split}"))
+        assert np.array_equal(getattr(first, f"y_{split}"), getattr(again, f"y_{split}"))
+
+
+@pytest.mark.parametrize("partition", ["iid", "dirichlet", "pathological"])
+def test_partition_covers_disjointly_and_depends_on_the_seed(labels, partition):
+    cfg = config(partition=partition, num_silos=10)
+    parts = digits.partition(cfg, labels, seed=0)
+    assert all(len(part) > 0 for part in parts)
+    joined = np.concatenate(parts)
+    assert len(np.unique(joined)) == len(joined)
+    if partition != "dirichlet":
+        assert len(joined) == len(labels)
+    other = digits.partition(cfg, labels, seed=1)
+    assert any(not np.array_equal(a, b) for a, b in zip(parts, other, strict=True))
+
+
+def test_val_carve_depends_on_the_seed():
+    cfg = config(num_silos=3)
+    assert not np.array_equal(
+        digits.load(cfg, "silo_0", 0).y_val, digits.load(cfg, "silo_0", 1).y_val
+    )
+
+
+@pytest.mark.parametrize(("num_silos", "k"), [(10, 2), (5, 2), (7, 3), (89, 1), (20, 10), (10, 1)])
+def test_pathological_gives_each_silo_exactly_k_classes(labels, num_silos, k):
+    cfg = config(partition="pathological", num_silos=num_silos, classes_per_silo=k)
+    parts = digits.partition(cfg, labels, seed=3)
+    assert [len(np.unique(labels[part])) for part in parts] == [k] * num_silos
+    sizes = [len(part) for part in parts]
+    assert max(sizes) <= 2 * min(sizes) + 2
+
+
+def test_pathological_silo_data_has_k_classes():
+    cfg = config(partition="pathological", num_silos=10, classes_per_silo=2)
+    assert all(len(np.unique(all_labels(s))) == 2 for s in load_all(cfg))
+
+
+def _max_class_share(labels: np.ndarray, parts: list[np.ndarray]) -> float:
+    return float(np.mean([np.bincount(labels[p], minlength=10).max() / len(p) for p in parts]))
+
+
+def test_dirichlet_skew_grows_as_alpha_shrinks(labels):
+    def skew(alpha: float) -> float:
+        cfg = config(partition="dirichlet", num_silos=10, alpha=alpha)
+        return np.mean(
+            [_max_class_share(labels, digits.partition(cfg, labels, s)) for s in range(3)]
+        )
+
+    assert skew(0.1) > skew(1.0) > skew(100.0)
+    assert skew(100.0) < 0.2
+
+
+def test_dirichlet_every_silo_has_rows(labels):
+    cfg = config(partition="dirichlet", num_silos=30, alpha=0.1)
+    assert min(len(p) for p in digits.partition(cfg, labels, seed=0)) >= 10
+
+
+def test_dirichlet_impossible_skew_is_a_config_error(labels):
+    cfg = config(partition="dirichlet", num_silos=89, alpha=0.01)
+    with pytest.raises(ConfigError, match=r"data\.alpha") as info:
+        digits.partition(cfg, labels, seed=0)
+    assert "\n" not in str(info.value)
+
+
+def test_concept_shift_relabels_every_split_with_distinct_permutations():
+    plain, shifted = (
+        load_all(config(num_silos=6)),
+        load_all(config(partition="concept_shift", num_silos=6)),
+    )
+    perms = digits.label_permutations(config(partition="concept_shift", num_silos=6), seed=0)
+    assert len({tuple(p) for p in perms}) == 6
+    for index, (p, s) in enumerate(zip(plain, shifted, strict=True)):
+        assert np.array_equal(p.x_test, s.x_test)
+        for split in ("train", "val", "test"):
+            true, seen = getattr(p, f"y_{split}"), getattr(s, f"y_{split}")
+            assert np.array_equal(perms[index][true], seen)
+
+
+def test_concept_shift_same_image_gets_different_labels_at_different_silos(labels):
+    perms = digits.label_permutations(config(partition="concept_shift", num_silos=10), seed=0)
+    for a in range(10):
+        for b in range(a + 1, 10):
+            assert (perms[a][labels] != perms[b][labels]).any()
+
+
+def test_feature_shift_transforms_differ_per_silo_and_keep_labels():
+    cfg = config(partition="feature_shift", num_silos=5)
+    plain, shifted = load_all(config(num_silos=5)), load_all(cfg)
+    shifts = [digits.feature_shift(0, f"silo_{i}") for i in range(5)]
+    assert len(set(shifts)) == 5
+    assert all(s.geometry in digits.GEOMETRIES for s in shifts)
+    for p, s in zip(plain, shifted, strict=True):
+        assert np.array_equal(p.y_train, s.y_train)
+        assert not np.allclose(p.x_train, s.x_train)
+        assert s.x_train.min() >= 0.0 and s.x_train.max() <= 1.0
+    first = shifted[0].x_train[0]
+    assert not np.allclose(first, digits.load(cfg, "silo_0", seed=1).x_train[0])
+
+
+def test_feature_shift_geometry_is_applied():
+    images = np.arange(64, dtype=np.float32).reshape(1, 1, 8, 8) / 64
+    shift = digits.FeatureShift(contrast=1.0, brightness=0.0, noise_std=0.0, geometry="rot90")
+    out = digits.apply_feature_shift(images, shift, np.random.default_rng(0))
+    assert np.allclose(out[0, 0], np.rot90(images[0, 0]))
+
+
+def test_unknown_silo_is_a_data_error():
+    with pytest.raises(DataError, match="silo silo_12: not a digits silo"):
+        digits.load(config(num_silos=3), "silo_12", 0)
+
+
+def test_missing_scikit_learn_is_a_data_error(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(DataError, match=r"silo silo_0: .*digits\.csv\.gz.*scikit-learn") as info:
+        digits.load(config(), "silo_0", 0)
+    assert "\n" not in str(info.value)
+
+
+def test_silos_load_without_importing_sklearn():
+    code = (
+        "import sys\n"
+        "from silo_pfl.config import DataConfig\n"
+        "from silo_pfl.data import digits, heart_disease\n"
+        "digits.load(DataConfig(source='digits', partition='feature_shift'), 'silo_1', 0)\n"
+        "heart_disease.load(DataConfig(source='heart_disease'), 'va', 0)\n"
+        "assert 'sklearn' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_holdout_sizes_and_stratification():
+    rng = np.random.default_rng(0)
+    labels = np.repeat([0, 1, 2], [50, 30, 20])
+    kept, held = partitioners.holdout(labels, 0.2, rng)
+    assert len(held) == 20 and len(kept) == 80
+    assert np.array_equal(np.sort(np.concatenate([kept, held])), np.arange(100))
+    assert np.bincount(labels[held]).tolist() == [10, 6, 4]
+    assert partitioners.holdout_size(2, 0.01) == 1
+    assert partitioners.holdout_size(1, 0.5) == 0
+    assert partitioners.holdout_size(10, 0.0) == 0
+    assert partitioners.holdout_size(3, 0.99) == 2
+
+
+def test_iid_parts_are_balanced(labels):
+    parts = partitioners.iid(labels, 7, np.random.default_rng(0))
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1

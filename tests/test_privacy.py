@@ -1,0 +1,96 @@
+"""The privacy invariant: nothing a silo hands out holds a local key, and aggregation never
+touches a silo's local state. Runs the plain Silo and Server classes (no Ray needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from silo_pfl.config import to_dict
+from silo_pfl.messages import SiloUpdate
+from silo_pfl.server import Server
+from silo_pfl.silo import Silo
+
+
+def _arrays_and_keys(value, keys: set[str], arrays: list[np.ndarray]) -> None:
+    """Collect every dict key and every array reachable from a returned value."""
+    if dataclasses.is_dataclass(value):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        for k, v in value.items():
+            keys.add(str(k))
+            _arrays_and_keys(v, keys, arrays)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _arrays_and_keys(v, keys, arrays)
+    elif isinstance(value, (np.ndarray, torch.Tensor)):
+        arrays.append(np.asarray(value))
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "model", "source"),
+    [
+        ("fedper", "mlp", "heart_disease"),
+        ("fedrep", "mlp", "heart_disease"),
+        ("fedbn", "cnn_small_bn", "digits"),
+    ],
+)
+def test_nothing_a_silo_hands_out_holds_a_local_key(job, algorithm, model, source):
+    path = (
+        "jobs/heart_disease.yaml" if source == "heart_disease" else "jobs/digits_feature_shift.yaml"
+    )
+    cfg = job(path, f"algorithm.name={algorithm}", f"model.name={model}", "data.num_silos=2")
+    config = to_dict(cfg)
+    silos = (
+        [Silo(config, name) for name in ("cleveland", "va")]
+        if source == "heart_disease"
+        else [Silo(config, name) for name in ("silo_0", "silo_1")]
+    )
+    handed_out = [silo.setup() for silo in silos]
+    server = Server(config, handed_out[0].input_shape, handed_out[0].num_classes)
+    local_keys = set(silos[0].split.local_keys)
+    assert local_keys, "the algorithm under test keeps some keys local"
+    global_state = server.global_state()
+    for round_ in (1, 2):
+        updates = []
+        for silo in silos:
+            update, metrics = silo.fit(global_state, round_)
+            updates.append(update)
+            handed_out += [update, metrics]
+        local_before = [
+            {k: silo.model.state_dict()[k].clone() for k in local_keys} for silo in silos
+        ]
+        global_state = server.aggregate(*updates)
+        for silo, before in zip(silos, local_before, strict=True):
+            handed_out.append(silo.evaluate(global_state, round_))
+            after = silo.model.state_dict()
+            for key in local_keys:
+                assert torch.equal(after[key], before[key]), f"aggregation changed local {key}"
+            for key in silo.split.global_keys:
+                np.testing.assert_array_equal(after[key].numpy(), global_state[key])
+    handed_out += [silo.outcome() for silo in silos]
+
+    keys: set[str] = set()
+    arrays: list[np.ndarray] = []
+    _arrays_and_keys(handed_out, keys, arrays)
+    assert not keys & local_keys
+    assert set(global_state).isdisjoint(local_keys)
+    local_values = [silo.model.state_dict()[k].numpy() for silo in silos for k in local_keys]
+    for array in arrays:
+        for value in local_values:
+            assert array.shape != value.shape or not np.array_equal(array, value)
+
+
+def test_server_refuses_an_update_with_a_local_key(job):
+    cfg = job("jobs/heart_disease.yaml")
+    config = to_dict(cfg)
+    silo = Silo(config, "hungarian")
+    info = silo.setup()
+    server = Server(config, info.input_shape, info.num_classes)
+    update, _ = silo.fit(server.global_state(), 1)
+    leaked = {**update.delta, "head.weight": np.zeros((2, 32), dtype=np.float32)}
+    with pytest.raises(ValueError, match=r"silo hungarian: unexpected keys \['head.weight'\]"):
+        server.aggregate(SiloUpdate("hungarian", 1, update.num_examples, leaked))

@@ -1,0 +1,95 @@
+"""The split: which state_dict keys are local, for every rule, and the privacy guard."""
+
+import numpy as np
+import pytest
+
+from silo_pfl.errors import ConfigError
+from silo_pfl.models import blocks, build_model
+from silo_pfl.split import PrivacyError, compute_split, parse_rules
+
+
+def cnn(bn: bool = False):
+    return build_model("cnn_small_bn" if bn else "cnn_small", (1, 8, 8), 10)
+
+
+def test_blocks_are_layers_in_forward_order():
+    assert blocks(cnn()) == ["body.conv1", "body.conv2", "body.fc", "head"]
+    # BatchNorm belongs to the layer before it.
+    assert blocks(cnn(bn=True)) == ["body.conv1", "body.conv2", "body.fc", "head"]
+
+
+def test_head_rule_keeps_only_the_head_local():
+    split = compute_split(cnn(), ["head"])
+    assert split.local_keys == ("head.weight", "head.bias")
+    assert split.local_parameters == 64 * 10 + 10
+    assert split.global_parameters + split.local_parameters == sum(
+        p.numel() for p in cnn().parameters()
+    )
+    assert split.global_bytes == 4 * split.global_parameters
+
+
+def test_batchnorm_rule_includes_running_statistics():
+    split = compute_split(cnn(bn=True), ["batchnorm"])
+    local = set(split.local_keys)
+    for bn in ("body.bn1", "body.bn2", "body.bn3"):
+        for suffix in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
+            assert f"{bn}.{suffix}" in local
+    assert not any(k.startswith(("body.conv", "body.fc", "head")) for k in local)
+
+
+def test_last_and_first_k_count_blocks():
+    model = cnn(bn=True)
+    last2 = set(compute_split(model, ["last:2"]).local_keys)
+    assert {k.split(".")[1] for k in last2 if k.startswith("body")} == {"fc", "bn3"}
+    assert "head.weight" in last2
+    first1 = set(compute_split(model, ["first:1"]).local_keys)
+    assert {k.rsplit(".", 1)[0] for k in first1} == {"body.conv1", "body.bn1"}
+
+
+def test_pattern_and_all_rules():
+    assert compute_split(cnn(), ["pattern:body.conv1.*"]).local_keys == (
+        "body.conv1.weight",
+        "body.conv1.bias",
+    )
+    split = compute_split(cnn(), ["all"])
+    assert split.global_keys == () and split.global_bytes == 0
+
+
+def test_resnet18_split_by_blocks():
+    model = build_model("resnet18", (3, 32, 32), 10)
+    assert blocks(model)[-3:] == ["body.layer3", "body.layer4", "head"]
+    local = compute_split(model, ["last:2"]).local_keys
+    assert all(k.startswith(("body.layer4.", "head.")) for k in local)
+
+
+@pytest.mark.parametrize(
+    ("rules", "message"),
+    [
+        (["tail"], "split.local[0]: got 'tail'"),
+        (["head", "last:0"], "split.local[1]: got 'last:0', expected last:K with K >= 1"),
+        (["first:x"], "split.local[0]"),
+        (["pattern:"], "split.local[0]"),
+    ],
+)
+def test_bad_rules_name_the_entry(rules, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_rules(rules)
+
+
+def test_rule_that_matches_nothing_or_too_many_blocks_is_an_error():
+    with pytest.raises(ConfigError, match="matches no state_dict key"):
+        compute_split(cnn(), ["batchnorm"])
+    with pytest.raises(ConfigError, match="more blocks than the model has"):
+        compute_split(cnn(), ["last:9"])
+
+
+def test_outgoing_refuses_local_keys_and_partial_payloads():
+    split = compute_split(cnn(), ["head"])
+    state = {k: v.numpy() for k, v in cnn().state_dict().items()}
+    assert set(split.outgoing(split.global_part(state))) == set(split.global_keys)
+    with pytest.raises(PrivacyError, match="head.weight"):
+        split.outgoing({**split.global_part(state), "head.weight": np.zeros(1)})
+    partial = dict(split.global_part(state))
+    partial.pop("body.fc.bias")
+    with pytest.raises(PrivacyError, match="body.fc.bias"):
+        split.outgoing(partial)
