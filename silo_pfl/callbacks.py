@@ -7,14 +7,16 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from silo_pfl.config import FederationConfig
-from silo_pfl.messages import SiloInfo
+from silo_pfl.messages import SiloInfo, SplitInfo
 from silo_pfl.results import FederationResult, RoundSummary
 
 
 class Callback:
     """Called by the orchestrator on the driver; every hook does nothing by default."""
 
-    def on_start(self, config: FederationConfig, silos: Sequence[SiloInfo]) -> None:
+    def on_start(
+        self, config: FederationConfig, silos: Sequence[SiloInfo], split: SplitInfo
+    ) -> None:
         """After every silo is set up, before round 1."""
 
     def on_round_end(self, summary: RoundSummary) -> None:
@@ -34,16 +36,17 @@ class ProgressPrinter(Callback):
     def _print(self, text: str) -> None:
         print(text, file=self.stream, flush=True)
 
-    def on_start(self, config: FederationConfig, silos: Sequence[SiloInfo]) -> None:
+    def on_start(
+        self, config: FederationConfig, silos: Sequence[SiloInfo], split: SplitInfo
+    ) -> None:
         self.rounds = config.rounds
-        first = silos[0]
         self._print(
             f"federation {config.name}: {len(silos)} silos, algorithm {config.algorithm['name']}, "
             f"model {config.model.name}, {config.rounds} rounds, seed {config.seed}"
         )
         self._print(
-            f"split: {first.global_parameters} global / {first.local_parameters} local parameters;"
-            f" {first.bytes_sent_per_round} bytes sent per silo per round"
+            f"split: {split.global_parameters} global / {split.local_parameters} local parameters;"
+            f" {split.bytes_sent_per_round} bytes sent per silo per round"
         )
 
     def on_round_end(self, summary: RoundSummary) -> None:

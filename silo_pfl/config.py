@@ -65,7 +65,8 @@ class TrainConfig:
 class EvalConfig:
     """How each silo's personalized model is chosen and reported."""
 
-    selection: str = "best_val"  # best_val: the round with the best validation accuracy | last
+    # best_mean_val: one round for all silos | best_val: each silo its own round | last
+    selection: str = "best_mean_val"
 
 
 @dataclass
@@ -152,9 +153,9 @@ def _check_ranges(cfg: FederationConfig) -> None:
     _require(t.optimizer in ("sgd", "adam"), "train.optimizer", "one of sgd, adam", t.optimizer)
     _require(t.torch_threads >= 1, "train.torch_threads", "an integer >= 1", t.torch_threads)
     _require(
-        cfg.eval.selection in ("best_val", "last"),
+        cfg.eval.selection in ("best_mean_val", "best_val", "last"),
         "eval.selection",
-        "one of best_val, last",
+        "one of best_mean_val, best_val, last",
         cfg.eval.selection,
     )
     _require(bool(cfg.name.strip()), "name", "a non-empty federation name", cfg.name)

@@ -18,10 +18,16 @@ class SiloInfo:
     num_test: int
     input_shape: tuple[int, ...]
     num_classes: int
+    node_id: str = ""
+
+
+@dataclass(frozen=True)
+class SplitInfo:
+    """A silo's model split: parameter counts and what it sends each round."""
+
     global_parameters: int
     local_parameters: int
     bytes_sent_per_round: int
-    node_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -55,7 +61,6 @@ class EvalMetrics:
     val_loss: float
     test_accuracy: float
     test_loss: float
-    selected: bool  # this round's model is the silo's choice so far (eval.selection)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ personalized model.
 
 from __future__ import annotations
 
-import copy
 import shutil
 import time
 from pathlib import Path
@@ -20,7 +19,14 @@ from silo_pfl.algorithms import build_algorithm
 from silo_pfl.algorithms.base import Phase
 from silo_pfl.config import FederationConfig, from_dict
 from silo_pfl.data import SiloData, load_silo_data
-from silo_pfl.messages import EvalMetrics, FitMetrics, SiloInfo, SiloOutcome, SiloUpdate
+from silo_pfl.messages import (
+    EvalMetrics,
+    FitMetrics,
+    SiloInfo,
+    SiloOutcome,
+    SiloUpdate,
+    SplitInfo,
+)
 from silo_pfl.models import BodyHeadModel, build_model
 from silo_pfl.seeding import derive_seed, seed_everything
 from silo_pfl.split import Split, compute_split
@@ -58,13 +64,11 @@ class Silo:
         self.name = name
         self.dir = silo_dir(self.cfg, name)
         self.algorithm = build_algorithm(self.cfg.algorithm, self.cfg.train)
-        self._best: tuple[float, float] | None = None
+        self._last: EvalMetrics | None = None
         self._selected: EvalMetrics | None = None
-        self._selected_state: dict[str, torch.Tensor] | None = None
-        self._last_test = float("nan")
 
     def setup(self) -> SiloInfo:
-        """Load this silo's data, build its model and split; start with a fresh directory."""
+        """Load this silo's private data and start with a fresh directory; report sizes only."""
         seed_everything(derive_seed(self.cfg.seed, "silo", self.name))
         torch.set_num_threads(self.cfg.train.torch_threads)
         data: SiloData = load_silo_data(self.cfg.data, self.name, self.cfg.seed)
@@ -72,8 +76,6 @@ class Silo:
         self.train_xy = to_tensors(data.x_train, data.y_train)
         self.val_xy = to_tensors(data.x_val, data.y_val)
         self.test_xy = to_tensors(data.x_test, data.y_test)
-        self.model = init_model(self.cfg, data.input_shape, data.num_classes)
-        self.split: Split = compute_split(self.model, split_rules(self.cfg))
         if self.dir.exists():
             shutil.rmtree(self.dir)
         self.dir.mkdir(parents=True)
@@ -85,6 +87,15 @@ class Silo:
             num_test=len(data.y_test),
             input_shape=data.input_shape,
             num_classes=data.num_classes,
+        )
+
+    def build(self, input_shape: tuple[int, ...], num_classes: int) -> SplitInfo:
+        """Build the federation's model (the classes of all silos) and this silo's split."""
+        if tuple(input_shape) != self.data.input_shape:
+            raise ValueError(f"silo {self.name}: inputs {self.data.input_shape}, not {input_shape}")
+        self.model = init_model(self.cfg, tuple(input_shape), num_classes)
+        self.split: Split = compute_split(self.model, split_rules(self.cfg))
+        return SplitInfo(
             global_parameters=self.split.global_parameters,
             local_parameters=self.split.local_parameters,
             bytes_sent_per_round=self.split.global_bytes,
@@ -156,31 +167,26 @@ class Silo:
         self._load_global(global_state)
         val = evaluate(self.model, *self.val_xy)
         test = evaluate(self.model, *self.test_xy)
-        self._last_test = test.accuracy
-        if self.cfg.eval.selection == "last" or val.count == 0:
-            selected = True
-        else:
-            score = (val.accuracy, -val.loss)
-            selected = self._best is None or score > self._best
-            if selected:
-                self._best = score
-        metrics = EvalMetrics(
-            self.name, round_, val.accuracy, val.loss, test.accuracy, test.loss, selected
+        self._last = EvalMetrics(
+            self.name, round_, val.accuracy, val.loss, test.accuracy, test.loss
         )
-        if selected:
-            self._selected = metrics
-            self._selected_state = copy.deepcopy(self.model.state_dict())
-            torch.save(self._selected_state, self.dir / PERSONALIZED_FILE)
-        return metrics
+        return self._last
+
+    def keep(self, round_: int) -> None:
+        """Make the model just evaluated this silo's selected personalized model."""
+        if self._last is None or self._last.round != round_:
+            raise RuntimeError(f"silo {self.name}: keep({round_}) without evaluate({round_})")
+        self._selected = self._last
+        torch.save(self.model.state_dict(), self.dir / PERSONALIZED_FILE)
 
     def outcome(self) -> SiloOutcome:
         """The selected personalized model's scores."""
-        if self._selected is None:
-            raise RuntimeError(f"silo {self.name}: outcome() before any evaluate()")
+        if self._selected is None or self._last is None:
+            raise RuntimeError(f"silo {self.name}: outcome() before any keep()")
         return SiloOutcome(
             silo=self.name,
             selected_round=self._selected.round,
             val_accuracy=self._selected.val_accuracy,
             test_accuracy=self._selected.test_accuracy,
-            final_test_accuracy=self._last_test,
+            final_test_accuracy=self._last.test_accuracy,
         )

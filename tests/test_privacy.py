@@ -50,7 +50,9 @@ def test_nothing_a_silo_hands_out_holds_a_local_key(job, algorithm, model, sourc
         else [Silo(config, name) for name in ("silo_0", "silo_1")]
     )
     handed_out = [silo.setup() for silo in silos]
-    server = Server(config, handed_out[0].input_shape, handed_out[0].num_classes)
+    shape, classes = handed_out[0].input_shape, handed_out[0].num_classes
+    handed_out += [silo.build(shape, classes) for silo in silos]
+    server = Server(config, shape, classes)
     local_keys = set(silos[0].split.local_keys)
     assert local_keys, "the algorithm under test keeps some keys local"
     global_state = server.global_state()
@@ -89,6 +91,7 @@ def test_server_refuses_an_update_with_a_local_key(job):
     config = to_dict(cfg)
     silo = Silo(config, "hungarian")
     info = silo.setup()
+    silo.build(info.input_shape, info.num_classes)
     server = Server(config, info.input_shape, info.num_classes)
     update, _ = silo.fit(server.global_state(), 1)
     leaked = {**update.delta, "head.weight": np.zeros((2, 32), dtype=np.float32)}

@@ -13,6 +13,9 @@ Every silo computes the same global partition from the seed and keeps its own sh
 - feature_shift: iid rows; each silo transforms ALL its images with its own contrast,
   brightness, fixed per-image gaussian noise and a rotation by 90/180/270 or a flip.
 
+Images are then standardised with the fixed, public mean and std of the whole digits set
+(`PIXEL_MEAN`, `PIXEL_STD`, like MNIST's usual constants); no silo's statistics are shared.
+
 iid, concept_shift and feature_shift draw the same rows for a seed, so they differ only by the
 shift. Each silo then holds out data.test_fraction of its rows for test and data.val_fraction of
 the rest for validation, both stratified by label.
@@ -29,7 +32,7 @@ import numpy as np
 
 from silo_pfl.config import DataConfig
 from silo_pfl.data import partitioners
-from silo_pfl.data.base import SiloData
+from silo_pfl.data.base import Preprocessing, SiloData
 from silo_pfl.errors import ConfigError, DataError
 from silo_pfl.seeding import numpy_rng
 
@@ -37,6 +40,9 @@ NUM_IMAGES = 1797
 NUM_CLASSES = 10
 MIN_ROWS_PER_SILO = 20
 MAX_SILOS = NUM_IMAGES // MIN_ROWS_PER_SILO
+# Mean and std of all 1797 images scaled to [0, 1]: fixed constants of the public dataset.
+PIXEL_MEAN = 0.3053
+PIXEL_STD = 0.3760
 GEOMETRIES = ("rot90", "rot180", "rot270", "flip_lr", "flip_ud")
 
 
@@ -204,6 +210,8 @@ def load(cfg: DataConfig, silo: str, seed: int) -> SiloData:
         y = label_permutations(cfg, seed)[index][digit]
     train, test = partitioners.holdout(digit, cfg.test_fraction, numpy_rng(seed, "test", silo))
     fit, val = partitioners.holdout(digit[train], cfg.val_fraction, numpy_rng(seed, "val", silo))
+    standardise = Preprocessing(mean=(PIXEL_MEAN,), std=(PIXEL_STD,))
+    x = standardise.apply(x)
     return SiloData(
         name=silo,
         x_train=x[train][fit],
@@ -214,4 +222,5 @@ def load(cfg: DataConfig, silo: str, seed: int) -> SiloData:
         y_test=y[test],
         num_classes=NUM_CLASSES,
         num_train_total=len(train),
+        preprocessing=standardise,
     )

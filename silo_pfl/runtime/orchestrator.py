@@ -18,20 +18,23 @@ from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig, to_dict
 from silo_pfl.data import silo_names
 from silo_pfl.errors import FederationError
-from silo_pfl.messages import EvalMetrics, FitMetrics, SiloInfo, SiloOutcome
+from silo_pfl.messages import EvalMetrics, FitMetrics, SiloInfo, SiloOutcome, SplitInfo
 from silo_pfl.results import FederationResult, RoundSummary, SiloResult
 from silo_pfl.runtime.actors import get, start_server, start_silo, stop
 from silo_pfl.runtime.session import ray_session
+from silo_pfl.selection import Selector
 
 
-def _check_consistent(infos: Sequence[SiloInfo]) -> None:
+def _model_shape(infos: Sequence[SiloInfo]) -> tuple[tuple[int, ...], int]:
+    """The input shape every silo shares, and the number of classes over all silos."""
     first = infos[0]
     for info in infos[1:]:
-        if info.input_shape != first.input_shape or info.num_classes != first.num_classes:
+        if info.input_shape != first.input_shape:
             raise FederationError(
-                f"silo {info.silo}: inputs {info.input_shape} with {info.num_classes} classes, "
-                f"but silo {first.silo} has {first.input_shape} with {first.num_classes}"
+                f"silo {info.silo}: inputs of shape {info.input_shape}, but silo {first.silo} "
+                f"has {first.input_shape}; every silo must share one feature layout"
             )
+    return first.input_shape, max(info.num_classes for info in infos)
 
 
 def _summary(
@@ -79,10 +82,14 @@ class Orchestrator:
                 for name in names:
                     actors[name] = start_silo(self.cfg, config, name)
                 infos = get([a.setup.remote() for a in actors.values()], "silo set-up")
-                _check_consistent(infos)
-                server = start_server(config, infos[0].input_shape, infos[0].num_classes)
+                input_shape, num_classes = _model_shape(infos)
+                split: SplitInfo = get(
+                    [a.build.remote(input_shape, num_classes) for a in actors.values()],
+                    "silo model",
+                )[0]
+                server = start_server(config, input_shape, num_classes)
                 actors["__server__"] = server
-                self._emit("on_start", self.cfg, infos)
+                self._emit("on_start", self.cfg, infos, split)
                 history = self._rounds(server, {n: actors[n] for n in names})
                 outcomes: list[SiloOutcome] = get(
                     [actors[n].outcome.remote() for n in names], "silo outcome"
@@ -99,8 +106,8 @@ class Orchestrator:
                 rounds=self.cfg.rounds,
                 seed=self.cfg.seed,
                 wall_seconds=time.perf_counter() - start,
-                global_parameters=infos[0].global_parameters,
-                local_parameters=infos[0].local_parameters,
+                global_parameters=split.global_parameters,
+                local_parameters=split.local_parameters,
                 silos={
                     info.silo: SiloResult(
                         test_accuracy=out.test_accuracy,
@@ -110,7 +117,7 @@ class Orchestrator:
                         num_train=info.num_train,
                         num_val=info.num_val,
                         num_test=info.num_test,
-                        bytes_sent_per_round=info.bytes_sent_per_round,
+                        bytes_sent_per_round=split.bytes_sent_per_round,
                         node_id=info.node_id,
                     )
                     for info, out in zip(infos, outcomes, strict=True)
@@ -123,6 +130,7 @@ class Orchestrator:
 
     def _rounds(self, server: Any, silos: dict[str, Any]) -> list[RoundSummary]:
         history = []
+        selector = Selector(self.cfg.eval.selection)
         global_ref = server.global_state.remote()
         for round_ in range(1, self.cfg.rounds + 1):
             began = time.perf_counter()
@@ -133,6 +141,8 @@ class Orchestrator:
             eval_refs = [a.evaluate.remote(global_ref, round_) for a in silos.values()]
             fits = get([metrics for _, metrics in fit_refs], f"round {round_}: silo fit")
             evals = get(eval_refs, f"round {round_}: silo evaluation")
+            for silo in selector.choose(evals):
+                silos[silo].keep.remote(round_)
             summary = _summary(round_, time.perf_counter() - began, fits, evals)
             history.append(summary)
             self._emit("on_round_end", summary)

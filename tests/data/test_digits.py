@@ -23,6 +23,11 @@ def load_all(cfg: DataConfig, seed: int = 0) -> list:
     return [digits.load(cfg, silo, seed) for silo in digits.silo_names(cfg)]
 
 
+def raw(x: np.ndarray) -> np.ndarray:
+    """Undo the fixed standardisation: pixels back in [0, 1]."""
+    return x * digits.PIXEL_STD + digits.PIXEL_MEAN
+
+
 def all_labels(data) -> np.ndarray:
     return np.concatenate([data.y_train, data.y_val, data.y_test])
 
@@ -63,12 +68,12 @@ def test_shapes_ranges_and_sizes():
     for s in silos:
         assert s.input_shape == (1, 8, 8)
         assert s.x_train.dtype == np.float32 and s.y_train.dtype == np.int64
-        assert s.x_train.min() >= 0.0 and s.x_train.max() <= 1.0
+        assert raw(s.x_train).min() >= -1e-6 and raw(s.x_train).max() <= 1.0 + 1e-6
         assert s.num_train_total == len(s.y_train) + len(s.y_val)
         assert len(s.y_test) == round(0.25 * (s.num_train_total + len(s.y_test)))
         assert len(s.y_val) == round(0.2 * s.num_train_total)
         assert s.num_classes == 10
-        assert not s.preprocessing.mean
+        assert s.preprocessing.mean == (digits.PIXEL_MEAN,)
 
 
 @pytest.mark.parametrize("partition", partitioners.PARTITIONS)
@@ -171,7 +176,7 @@ def test_feature_shift_transforms_differ_per_silo_and_keep_labels():
     for p, s in zip(plain, shifted, strict=True):
         assert np.array_equal(p.y_train, s.y_train)
         assert not np.allclose(p.x_train, s.x_train)
-        assert s.x_train.min() >= 0.0 and s.x_train.max() <= 1.0
+        assert raw(s.x_train).min() >= -1e-6 and raw(s.x_train).max() <= 1.0 + 1e-6
     first = shifted[0].x_train[0]
     assert not np.allclose(first, digits.load(cfg, "silo_0", seed=1).x_train[0])
 

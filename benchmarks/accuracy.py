@@ -1,0 +1,81 @@
+"""Mean per-silo test accuracy of algorithms on a job, over seeds, in one Ray session.
+
+    python benchmarks/accuracy.py jobs/heart_disease.yaml --algorithms fedper fedavg local \
+        --seeds 0 1 2 3 4 [key=value ...] [--out docs/results/heart_disease.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import tempfile
+
+import numpy as np
+import ray
+
+from silo_pfl.config import load_config
+from silo_pfl.federation import Federation
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("job")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--algorithms", nargs="+", default=["fedper", "fedavg"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--out", help="write the table as JSON here")
+    args = parser.parse_args()
+    ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for algorithm in args.algorithms:
+            runs = []
+            for seed in args.seeds:
+                cfg = load_config(
+                    args.job,
+                    [
+                        *args.overrides,
+                        f"algorithm.name={algorithm}",
+                        f"seed={seed}",
+                        f"output_dir={tmp}",
+                    ],
+                )
+                result = Federation(cfg).run()
+                runs.append(result)
+                print(
+                    f"{algorithm:<8} seed {seed}: mean {result.mean_test_accuracy:.4f} worst "
+                    f"{result.worst_test_accuracy:.4f} ({result.wall_seconds:.1f}s)",
+                    flush=True,
+                )
+            means = [r.mean_test_accuracy for r in runs]
+            rows[algorithm] = {
+                "mean_test_accuracy": float(np.mean(means)),
+                "std_over_seeds": float(np.std(means)),
+                "worst_test_accuracy": float(np.mean([r.worst_test_accuracy for r in runs])),
+                "max_wall_seconds": float(max(r.wall_seconds for r in runs)),
+                "per_seed": means,
+            }
+    print(f"\n{args.job} {' '.join(args.overrides)} seeds {args.seeds}")
+    print(f"{'algorithm':<10}{'mean acc':>10}{'± seeds':>9}{'worst':>8}{'max s':>8}")
+    for name, row in rows.items():
+        print(
+            f"{name:<10}{row['mean_test_accuracy']:>10.4f}{row['std_over_seeds']:>9.4f}"
+            f"{row['worst_test_accuracy']:>8.4f}{row['max_wall_seconds']:>8.1f}"
+        )
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(
+                {
+                    "job": args.job,
+                    "overrides": args.overrides,
+                    "seeds": args.seeds,
+                    "results": rows,
+                },
+                fh,
+                indent=2,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Model selection on validation data, never on test data.
+
+Modes (eval.selection):
+  best_mean_val  one round for the whole federation: the best mean validation accuracy over silos
+                 (ties: lower mean validation loss). For FedAvg this keeps one global model.
+  best_val       each silo its own round: its best validation accuracy (ties: lower loss).
+  last           the last round.
+A silo with no validation rows falls back to its last round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from silo_pfl.messages import EvalMetrics
+
+MODES = ("best_mean_val", "best_val", "last")
+
+
+class Selector:
+    """Decides after each round which silos keep their current model as their selected one."""
+
+    def __init__(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown selection mode {mode!r}")
+        self.mode = mode
+        self.best: dict[str, tuple[float, float]] = {}
+
+    def _improves(self, key: str, accuracy: float, loss: float) -> bool:
+        if not np.isfinite(accuracy):
+            return True
+        score = (accuracy, -loss)
+        if key not in self.best or score > self.best[key]:
+            self.best[key] = score
+            return True
+        return False
+
+    def choose(self, evals: Sequence[EvalMetrics]) -> list[str]:
+        """The silos whose model of this round becomes (or stays) their selected one."""
+        if self.mode == "last":
+            return [e.silo for e in evals]
+        if self.mode == "best_val":
+            return [e.silo for e in evals if self._improves(e.silo, e.val_accuracy, e.val_loss)]
+        accuracies = [e.val_accuracy for e in evals if np.isfinite(e.val_accuracy)]
+        if not accuracies:
+            return [e.silo for e in evals]
+        losses = [e.val_loss for e in evals if np.isfinite(e.val_loss)]
+        if self._improves("*", float(np.mean(accuracies)), float(np.mean(losses))):
+            return [e.silo for e in evals]
+        return []
