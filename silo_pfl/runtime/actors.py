@@ -14,6 +14,8 @@ from silo_pfl.messages import SiloInfo
 from silo_pfl.server import Server
 from silo_pfl.silo import Silo
 
+HEAD_RESOURCE = "node:__internal_head__"
+
 
 class SiloActor(Silo):
     """A Silo that also reports the Ray node it runs on."""
@@ -42,13 +44,14 @@ def start_silo(cfg: FederationConfig, config: dict[str, Any], silo: str) -> Any:
     return ray.remote(SiloActor).options(**options).remote(config, silo)
 
 
-def start_server(config: dict[str, Any], input_shape: Sequence[int], num_classes: int) -> Any:
-    """Start the server actor, which holds the global keys."""
-    return (
-        ray.remote(Server)
-        .options(num_cpus=0, max_restarts=0)
-        .remote(config, tuple(input_shape), num_classes)
-    )
+def start_server(
+    cfg: FederationConfig, config: dict[str, Any], input_shape: Sequence[int], num_classes: int
+) -> Any:
+    """Start the server actor, which holds the global keys; on the head node under per_node."""
+    options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
+    if cfg.ray.placement == "per_node":
+        options["resources"] = {HEAD_RESOURCE: 0.001}
+    return ray.remote(Server).options(**options).remote(config, tuple(input_shape), num_classes)
 
 
 def _resource_offered(name: str) -> bool:
