@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from silo_pfl.config import TrainConfig
+from silo_pfl.optim import SGD, Adam, Optimizer
 
 ExtraLoss = Callable[[nn.Module], torch.Tensor | None]
 
@@ -27,12 +28,11 @@ class EvalResult:
     count: int
 
 
-def make_optimizer(params: Iterable[nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
+def make_optimizer(params: Iterable[nn.Parameter], cfg: TrainConfig) -> Optimizer:
     """The optimizer named by train.optimizer."""
-    params = list(params)
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
 def train_epochs(
@@ -42,7 +42,7 @@ def train_epochs(
     *,
     epochs: int,
     batch_size: int,
-    optimizer: torch.optim.Optimizer,
+    optimizer: Optimizer,
     generator: torch.Generator,
     extra_loss: ExtraLoss | None = None,
 ) -> float:
@@ -59,7 +59,7 @@ def train_epochs(
             idx = order[start : start + batch_size]
             if len(idx) < min_batch:
                 continue
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()
             loss = loss_fn(model(x[idx]), y[idx])
             if extra_loss is not None:
                 extra = extra_loss(model)
