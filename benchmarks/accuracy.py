@@ -35,6 +35,7 @@ def main() -> None:
                 cfg = load_config(
                     args.job,
                     [
+                        "tracking.enabled=false",
                         *args.overrides,
                         f"algorithm.name={algorithm}",
                         f"seed={seed}",

@@ -33,30 +33,54 @@ def _lookup(name: object) -> type[Algorithm]:
     return ALGORITHMS[str(name)]
 
 
-def algorithm_config(raw: Any) -> dict[str, Any]:
-    """Validate `algorithm` against the named algorithm's Params; return it with defaults filled."""
-    data = OmegaConf.to_container(raw) if OmegaConf.is_config(raw) else dict(raw or {})
-    cls = _lookup(data.pop("name", "fedavg"))
+def _params(name: str, values: Any) -> object:
+    """Validate one algorithm's options section against its Params dataclass."""
+    cls = ALGORITHMS[name]
     try:
-        params = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls.Params), data))
+        params = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls.Params), values))
     except OmegaConfBaseException as exc:
-        key = f"algorithm.{exc.full_key}" if getattr(exc, "full_key", "") else "algorithm"
-        allowed = ", ".join(f.name for f in dataclasses.fields(cls.Params)) or "only name"
+        sub = getattr(exc, "full_key", "")
+        key = f"algorithm.{name}.{sub}" if sub else f"algorithm.{name}"
+        allowed = ", ".join(f.name for f in dataclasses.fields(cls.Params)) or "none"
         reason = str(exc).splitlines()[0]
-        if "not in" in reason:
-            reason = f"unknown key for {cls.name}; allowed: {allowed}"
+        if "not in" in reason or "not a" in reason:
+            reason = f"unknown option of {name}; its options: {allowed}"
         raise ConfigError(f"{key}: {reason}") from None
     check = getattr(params, "validate", None)
     if check is not None:
         check()
-    return {"name": cls.name, **dataclasses.asdict(params)}
+    return params
+
+
+def algorithm_config(raw: Any) -> dict[str, Any]:
+    """Validate `algorithm`: its `name`, and an options section per algorithm, e.g.
+
+        algorithm: {name: fedper, fedper: {head_warmup_epochs: 1}, fedrep: {head_epochs: 10}}
+
+    Every section is checked, so `algorithm.name=<other>` works on any job. The result keeps
+    this shape, with the chosen algorithm's section filled with its defaults.
+    """
+    data = OmegaConf.to_container(raw) if OmegaConf.is_config(raw) else dict(raw or {})
+    name = str(data.pop("name", "fedavg"))
+    _lookup(name)
+    resolved: dict[str, Any] = {"name": name}
+    for section, values in data.items():
+        if section not in ALGORITHMS:
+            raise ConfigError(
+                f"algorithm.{section}: unknown key; expected name or an options section named "
+                f"after an algorithm ({', '.join(sorted(ALGORITHMS))})"
+            )
+        if values is not None and not isinstance(values, dict):
+            raise ConfigError(f"algorithm.{section}: expected a mapping of {section}'s options")
+        resolved[section] = dataclasses.asdict(_params(section, values or {}))
+    resolved.setdefault(name, dataclasses.asdict(_params(name, {})))
+    return resolved
 
 
 def build_algorithm(config: dict[str, Any], train: TrainConfig) -> Algorithm:
     """Instantiate the configured algorithm from a validated `algorithm` mapping."""
-    data = dict(config)
-    cls = _lookup(data.pop("name"))
-    return cls(cls.Params(**data), train)
+    cls = _lookup(config["name"])
+    return cls(cls.Params(**config.get(cls.name, {})), train)
 
 
 from silo_pfl.algorithms import fedavg, fedbn, fedper, fedrep, local  # noqa: E402, F401

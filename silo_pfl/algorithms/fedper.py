@@ -16,7 +16,7 @@ class FedPerParams:
     def validate(self) -> None:
         if self.head_warmup_epochs < 0:
             raise ConfigError(
-                f"algorithm.head_warmup_epochs: got {self.head_warmup_epochs}, expected >= 0"
+                f"algorithm.fedper.head_warmup_epochs: got {self.head_warmup_epochs}, expected >= 0"
             )
 
 

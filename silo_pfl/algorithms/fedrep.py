@@ -17,7 +17,9 @@ class FedRepParams:
     def validate(self) -> None:
         for key in ("head_epochs", "body_epochs"):
             if getattr(self, key) < 0:
-                raise ConfigError(f"algorithm.{key}: got {getattr(self, key)}, expected >= 0")
+                raise ConfigError(
+                    f"algorithm.fedrep.{key}: got {getattr(self, key)}, expected >= 0"
+                )
 
 
 @register

@@ -1,0 +1,88 @@
+"""What the Ray runtime costs per round, against the same silos run in one plain process.
+
+    python benchmarks/round_overhead.py [JOB] [key=value ...]
+
+Both sides do the same work (every silo fits, the server aggregates, every silo evaluates) with
+the same classes; the in-process side calls them one after another, the Ray side runs each silo
+in its own actor. Rounds after the first are compared (the first includes actor start-up), as a
+ratio measured in the same run, with and without training (train.local_epochs=0 isolates the
+fixed cost of a round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import tempfile
+import time
+
+import ray
+
+from silo_pfl.config import load_config, to_dict
+from silo_pfl.data import silo_names
+from silo_pfl.federation import Federation
+from silo_pfl.selection import Selector
+from silo_pfl.server import Server
+from silo_pfl.silo import Silo
+
+
+def in_process(cfg) -> list[float]:
+    """Seconds per round with every silo in this process, one after another."""
+    config = to_dict(cfg)
+    silos = [Silo(config, name) for name in silo_names(cfg.data)]
+    infos = [silo.setup() for silo in silos]
+    classes = max(info.num_classes for info in infos)
+    for silo in silos:
+        silo.build(infos[0].input_shape, classes)
+    server = Server(config, infos[0].input_shape, classes)
+    selector = Selector(cfg.eval.selection)
+    state = server.global_state()
+    seconds = []
+    for round_ in range(1, cfg.rounds + 1):
+        began = time.perf_counter()
+        updates = [silo.fit(state, round_)[0] for silo in silos]
+        state = server.aggregate(*updates)
+        evals = [silo.evaluate(state, round_) for silo in silos]
+        for name in selector.choose(evals):
+            next(s for s in silos if s.name == name).keep(round_)
+        seconds.append(time.perf_counter() - began)
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("job", nargs="?", default="jobs/digits_label_skew.yaml")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    print(f"{args.job} {' '.join(args.overrides)}, {args.rounds} rounds, median of rounds 2..")
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, extra in (("with training", []), ("no training", ["train.local_epochs=0"])):
+            cfg = load_config(
+                args.job,
+                [
+                    *args.overrides,
+                    *extra,
+                    f"rounds={args.rounds}",
+                    f"output_dir={tmp}",
+                    "tracking.enabled=false",
+                ],
+            )
+            plain = statistics.median(in_process(cfg)[1:])
+            began = time.perf_counter()
+            result = Federation(cfg).run()
+            total = time.perf_counter() - began
+            on_ray = statistics.median(r.seconds for r in result.history[1:])
+            first = result.history[0].seconds
+            print(
+                f"{label:<14} in-process {plain * 1000:7.1f} ms/round  ray {on_ray * 1000:7.1f} "
+                f"ms/round  ratio {on_ray / plain:5.2f}x  (ray round 1 {first:.1f} s, "
+                f"whole run {total:.1f} s)",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Configuration: overrides work, and every kind of bad input is one line naming the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from silo_pfl.config import load_config
+from silo_pfl.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = str(ROOT / "jobs" / "heart_disease.yaml")
+
+
+def test_overrides_reach_the_config():
+    cfg = load_config(JOB, ["algorithm.name=fedrep", "rounds=7", "seed=11"])
+    assert (cfg.algorithm["name"], cfg.rounds, cfg.seed) == ("fedrep", 7, 11)
+    assert cfg.algorithm["fedrep"]["head_epochs"] == 5  # the algorithm's defaults are filled in
+
+
+def test_algorithm_name_override_works_on_a_job_with_another_algorithms_options():
+    cfg = load_config(str(ROOT / "jobs" / "digits_label_skew.yaml"), ["algorithm.name=fedavg"])
+    assert cfg.algorithm["name"] == "fedavg"
+    assert cfg.algorithm["fedper"]["head_warmup_epochs"] == 1
+
+
+def test_every_job_loads():
+    for job in sorted((ROOT / "jobs").glob("*.yaml")):
+        assert load_config(job).rounds >= 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["roundz=3"], "roundz: unknown key"),
+        (["train.lr=fast"], "train.lr"),
+        (["rounds=0"], "rounds: got 0, expected an integer >= 1"),
+        (["train.lr=-0.1"], "train.lr: got -0.1, expected a number > 0"),
+        (["algorithm.name=fedmagic"], "algorithm.name: got 'fedmagic', expected one of"),
+        (["model.name=vit"], "model.name: got 'vit', expected one of"),
+        (["algorithm.head_epochs=2"], "algorithm.head_epochs: unknown key; expected name or"),
+        (
+            ["algorithm.fedrep.head_epoch=2"],
+            "algorithm.fedrep.head_epoch: unknown option of fedrep",
+        ),
+        (["algorithm.fedper.head_warmup_epochs=-1"], "algorithm.fedper.head_warmup_epochs: got -1"),
+        (["data.source=mnist"], "data.source: got 'mnist'"),
+        (["split.local=[head,tail]"], "split.local[1]: got 'tail'"),
+        (["eval.selection=best_test"], "eval.selection"),
+        (["data.val_fraction=1.5"], "data.val_fraction"),
+        (["rounds"], "expected key=value"),
+    ],
+)
+def test_bad_values_name_the_key(overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(JOB, overrides)
+    message = str(info.value)
+    assert expected in message
+    assert "\n" not in message
+
+
+def test_missing_required_value(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("name: x\ndata:\n  source: heart_disease\nmodel:\n  name: mlp\n")
+    with pytest.raises(ConfigError, match="rounds: required value is missing"):
+        load_config(job)
+
+
+def test_missing_or_broken_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("name: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(broken)
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_cli_bad_config_exits_non_zero_with_one_line(tmp_path, debug):
+    args = [
+        sys.executable,
+        "-m",
+        "silo_pfl.cli",
+        "run",
+        JOB,
+        "rounds=0",
+        f"output_dir={tmp_path / 'runs'}",
+    ]
+    proc = subprocess.run(
+        args + (["--debug"] if debug else []),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: rounds: got 0, expected an integer >= 1"
+    )
+    assert ("Traceback" in proc.stderr) is debug
+    assert proc.stdout == ""
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()
