@@ -59,7 +59,10 @@ def main() -> None:
     ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
     print(f"{args.job} {' '.join(args.overrides)}, {args.rounds} rounds, median of rounds 2..")
     with tempfile.TemporaryDirectory() as tmp:
-        for label, extra in (("with training", []), ("no training", ["train.local_epochs=0"])):
+        for label, extra in (
+            ("with training", []),
+            ("no training", ["train.local_epochs=0", "algorithm.fedper.head_warmup_epochs=0"]),
+        ):
             cfg = load_config(
                 args.job,
                 [
