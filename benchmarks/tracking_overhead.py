@@ -6,13 +6,15 @@ Runs the job with tracking off and on, alternately (off/on, on/off, ...), in one
 and times each `Federation(config).run()` end to end: opening the store, the rounds, every
 silo's export and registration. The first tracked run also pays the driver's MLflow import and
 the new SQLite store's creation; every tracked run pays each silo process's own MLflow set-up.
-Prints each pair's ratio and the overall ratio (sum of tracked / sum of untracked seconds).
+Prints each pair's ratio, the overall ratio (sum of tracked / sum of untracked seconds) and
+the median of the pair ratios, which one pair disturbed by other work on the machine cannot move.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -49,6 +51,7 @@ def main() -> None:
         address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING
     )
     seconds: dict[bool, list[float]] = {False: [], True: []}
+    ratios = []
     with tempfile.TemporaryDirectory() as tmp:
         for pair in range(args.pairs):
             order = (False, True) if pair % 2 == 0 else (True, False)
@@ -60,15 +63,14 @@ def main() -> None:
                     f"pair {pair + 1} tracking {state}: {wall:6.2f}s  mean test acc {accuracy:.4f}",
                     flush=True,
                 )
-            print(
-                f"pair {pair + 1} ratio on/off: {seconds[True][-1] / seconds[False][-1]:.2f}",
-                flush=True,
-            )
+            ratios.append(seconds[True][-1] / seconds[False][-1])
+            print(f"pair {pair + 1} ratio on/off: {ratios[-1]:.2f}", flush=True)
     ray.shutdown()
     total_on, total_off = sum(seconds[True]), sum(seconds[False])
     print(
         f"tracking overhead ratio (sum on / sum off over {args.pairs} pairs): "
-        f"{total_on / total_off:.2f}  ({total_on:.1f}s / {total_off:.1f}s)"
+        f"{total_on / total_off:.2f}  ({total_on:.1f}s / {total_off:.1f}s); "
+        f"median pair ratio {statistics.median(ratios):.2f}"
     )
 
 

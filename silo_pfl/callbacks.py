@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
-from typing import TextIO
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TextIO
 
 from silo_pfl.config import FederationConfig
 from silo_pfl.messages import SiloInfo, SplitInfo
 from silo_pfl.results import FederationResult, RoundSummary
+
+if TYPE_CHECKING:
+    from silo_pfl.silo import SiloExporter
 
 
 class Callback:
@@ -19,8 +22,23 @@ class Callback:
     ) -> None:
         """After every silo is set up, before round 1."""
 
+    def exporters(self, silos: Sequence[SiloInfo]) -> Mapping[str, SiloExporter]:
+        """After on_start: per silo, an exporter that silo checks now and runs at the end.
+
+        The silo runs it on its selected personalized model in its own process, so the model's
+        local keys go only to the store that exporter targets, never through the driver.
+        """
+        return {}
+
     def on_round_end(self, summary: RoundSummary) -> None:
         """After a round's aggregation and evaluation."""
+
+    def on_exported(self, receipts: Mapping[str, dict[str, str]]) -> None:
+        """After the last round: each silo's receipt from the exporter this callback gave it."""
+
+    def extras(self) -> dict[str, Any]:
+        """Entries this callback adds to FederationResult.extras, before on_end."""
+        return {}
 
     def on_end(self, result: FederationResult) -> None:
         """After the last round, with the final result."""

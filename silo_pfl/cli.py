@@ -1,4 +1,4 @@
-"""The command line: `silo-pfl run CONFIG [key=value ...] [--results PATH]`."""
+"""The command line: `silo-pfl run CONFIG [key=value ...] [--results PATH]`, `silo-pfl models`."""
 
 from __future__ import annotations
 
@@ -25,6 +25,16 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--results", help="write a JSON summary of the run to this path")
     run.add_argument("--quiet", action="store_true", help="print only the final table")
     run.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors"
+    )
+    models = commands.add_parser("models", help="list the silos' registered personalized models")
+    models.add_argument("--federation", help="only this federation's models")
+    models.add_argument(
+        "--tracking-uri",
+        help="MLflow store; default $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db",
+    )
+    models.add_argument("--all", action="store_true", help="every version, not only aliased ones")
+    models.add_argument(
         "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors"
     )
     return parser
@@ -54,6 +64,19 @@ def _run(args: argparse.Namespace) -> int:
     if args.results:
         result.write_json(args.results)
         print(f"results written to {args.results}")
+    tracked = result.extras.get("mlflow")
+    if tracked:
+        print(
+            f"mlflow: run {tracked['run_id']} in experiment {tracked['experiment']} at "
+            f"{tracked['tracking_uri']}; models: silo-pfl models --federation {config.name}"
+        )
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from silo_pfl.tracking.registry import models_table
+
+    print(models_table(args.tracking_uri, args.federation, args.all))
     return 0
 
 
@@ -61,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     args = _parser().parse_args(argv)
     try:
-        return _run(args)
+        return _models(args) if args.command == "models" else _run(args)
     except SiloPflError as exc:
         if args.debug:
             traceback.print_exc()

@@ -7,6 +7,7 @@ bad config fails before anything is started.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,24 @@ class RayConfig:
 
 
 @dataclass
+class TrackingConfig:
+    """MLflow: the run and its silos' metrics, and every silo's registered personalized model."""
+
+    enabled: bool = True  # false: no MLflow at all, it is not even imported
+    # Tracking and registry store. None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the
+    # working directory (artifacts in <db dir>/mlartifacts/<name>).
+    uri: str | None = None
+
+
+@dataclass
+class SiloConfig:
+    """Settings of one silo, under silos.<name>."""
+
+    # This silo's personalized model goes only to this MLflow store, never to tracking.uri.
+    tracking_uri: str | None = None
+
+
+@dataclass
 class FederationConfig:
     """One federation run."""
 
@@ -94,15 +113,24 @@ class FederationConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    silos: dict[str, SiloConfig] = field(default_factory=dict)  # silo name -> its settings
 
 
 def _omegaconf_error(exc: OmegaConfBaseException) -> ConfigError:
     """Turn OmegaConf's multi-line error into one line that names the key."""
     key = getattr(exc, "full_key", None) or ""
     reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    if "Key '" in reason and "not in" in reason:
+    converted = re.search(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", reason)
+    if converted:
+        reason = (
+            f"got {converted.group(1)!r}, expected a value of type {converted.group(2).lower()}"
+        )
+    elif "is not a ListConfig" in reason:
+        reason = "expected a list, e.g. [32, 16]"
+    elif "Key '" in reason and "not in" in reason:
         reason = "unknown key"
-    elif "Missing mandatory value" in reason:
+    elif "issing mandatory value" in reason:
         reason = "required value is missing"
     return ConfigError(f"{key}: {reason}" if key else reason)
 
@@ -189,6 +217,23 @@ def _check_choices(cfg: FederationConfig) -> None:
     validate_data_config(cfg.data)
     if cfg.split.local is not None:
         parse_rules(cfg.split.local)
+    _check_silos(cfg)
+
+
+def _check_silos(cfg: FederationConfig) -> None:
+    """silos.<name> must name a silo of this federation; store URIs must be usable."""
+    from silo_pfl.data import silo_names
+    from silo_pfl.tracking.uri import check_uri, resolve_uri
+
+    names = silo_names(cfg.data)
+    for silo, settings in cfg.silos.items():
+        if silo not in names:
+            raise ConfigError(
+                f"silos.{silo}: not a silo of this federation; its silos are {', '.join(names)}"
+            )
+        if settings.tracking_uri is not None:
+            settings.tracking_uri = check_uri(settings.tracking_uri, f"silos.{silo}.tracking_uri")
+    cfg.tracking.uri = resolve_uri(cfg.tracking.uri, "tracking.uri")
 
 
 def build_config(base: Any = None, overrides: list[str] | None = None) -> FederationConfig:

@@ -30,5 +30,18 @@ class Federation:
         self.callbacks = list(callbacks)
 
     def run(self) -> FederationResult:
-        """Run every round and return the typed result."""
-        return Orchestrator(self.config, self.callbacks).run()
+        """Run every round and return the typed result.
+
+        With tracking.enabled, an MlflowTracker joins the callbacks; it opens the store first,
+        so a bad tracking.uri fails before any silo starts. MLflow is imported only then.
+        """
+        if not self.config.tracking.enabled:
+            return Orchestrator(self.config, self.callbacks).run()
+        from silo_pfl.tracking.tracker import MlflowTracker
+
+        tracker = MlflowTracker(self.config)
+        try:
+            return Orchestrator(self.config, [*self.callbacks, tracker]).run()
+        except BaseException:
+            tracker.abort()
+            raise

@@ -54,6 +54,7 @@ class FederationResult:
     silos: dict[str, SiloResult]
     history: list[RoundSummary]
     global_state_path: str = ""
+    # What callbacks add (e.g. "mlflow": where the run and models are); top-level keys in JSON.
     extras: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -73,7 +74,7 @@ class FederationResult:
         return float(np.std(self.test_accuracies))
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-able summary: the headline figures first, then silos and history."""
+        """A JSON-able summary: the headline figures first, then silos, history and extras."""
         data = dataclasses.asdict(self)
         headline = {
             "name": self.name,
@@ -87,7 +88,9 @@ class FederationResult:
             "global_parameters": self.global_parameters,
             "local_parameters": self.local_parameters,
         }
-        return {**headline, **{k: v for k, v in data.items() if k not in headline}}
+        rest = {k: v for k, v in data.items() if k not in headline and k != "extras"}
+        extras = {k: v for k, v in self.extras.items() if k not in headline and k not in data}
+        return {**headline, **rest, **extras}
 
     def write_json(self, path: str | Path) -> None:
         """Write the summary atomically: the file is either whole or absent."""

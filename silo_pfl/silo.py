@@ -1,16 +1,17 @@
 """A silo: its private data, its model, and the local keys that never leave it.
 
-A plain class with a narrow API (`setup`, `fit`, `evaluate`, `outcome`), so it is tested without
-Ray; the runtime makes it an actor. Its directory holds its local state and its selected
-personalized model.
+A plain class with a narrow API (`setup`, `fit`, `evaluate`, `outcome`, `attach`, `export`), so
+it is tested without Ray; the runtime makes it an actor. Its directory holds its local state and
+its selected personalized model, which only the exporters attached to it may send anywhere.
 """
 
 from __future__ import annotations
 
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -18,7 +19,7 @@ import torch
 from silo_pfl.algorithms import build_algorithm
 from silo_pfl.algorithms.base import Phase
 from silo_pfl.config import FederationConfig, from_dict
-from silo_pfl.data import SiloData, load_silo_data
+from silo_pfl.data import Preprocessing, SiloData, load_silo_data
 from silo_pfl.messages import (
     EvalMetrics,
     FitMetrics,
@@ -56,8 +57,33 @@ def split_rules(cfg: FederationConfig) -> list[str]:
     return list(build_algorithm(cfg.algorithm, cfg.train).default_local_rules)
 
 
+@dataclass(frozen=True)
+class PersonalizedModel:
+    """A silo's selected personalized model (global + its local keys), as an exporter sees it."""
+
+    silo: str
+    config: FederationConfig
+    state_path: Path  # the state_dict of the selected model (PERSONALIZED_FILE)
+    input_shape: tuple[int, ...]
+    num_classes: int
+    preprocessing: Preprocessing
+    raw_columns: tuple[str, ...]  # the raw layout the model answers on (see data.raw_encoder)
+    example: np.ndarray  # one raw row: the column-wise lower median of the silo's test rows
+    outcome: SiloOutcome
+
+
+class SiloExporter(Protocol):
+    """Sends a silo's selected personalized model to a store; runs inside the silo's process."""
+
+    def check(self, silo: str) -> None:
+        """Before round 1: raise a one-line SiloPflError if the store cannot take the model."""
+
+    def export(self, model: PersonalizedModel) -> dict[str, str]:
+        """Store the model; return a receipt of plain strings (e.g. the model's URI)."""
+
+
 class Silo:
-    """One participant. Only `Split.outgoing` payloads ever leave it."""
+    """One participant. Only `Split.outgoing` payloads and attached exporters ever leave it."""
 
     def __init__(self, config: dict[str, Any], name: str) -> None:
         self.cfg = from_dict(config)
@@ -66,6 +92,7 @@ class Silo:
         self.algorithm = build_algorithm(self.cfg.algorithm, self.cfg.train)
         self._last: EvalMetrics | None = None
         self._selected: EvalMetrics | None = None
+        self._exporters: dict[str, SiloExporter] = {}
 
     def setup(self) -> SiloInfo:
         """Load this silo's private data and start with a fresh directory; report sizes only."""
@@ -94,6 +121,7 @@ class Silo:
         if tuple(input_shape) != self.data.input_shape:
             raise ValueError(f"silo {self.name}: inputs {self.data.input_shape}, not {input_shape}")
         self.model = init_model(self.cfg, tuple(input_shape), num_classes)
+        self.num_classes = num_classes
         self.split: Split = compute_split(self.model, split_rules(self.cfg))
         return SplitInfo(
             global_parameters=self.split.global_parameters,
@@ -189,4 +217,34 @@ class Silo:
             val_accuracy=self._selected.val_accuracy,
             test_accuracy=self._selected.test_accuracy,
             final_test_accuracy=self._last.test_accuracy,
+        )
+
+    def attach(self, exporters: dict[str, SiloExporter]) -> None:
+        """Before round 1: keep the exporters to run at the end; each checks its store now."""
+        for exporter in exporters.values():
+            exporter.check(self.name)
+        self._exporters = dict(exporters)
+
+    def export(self) -> dict[str, dict[str, str]]:
+        """Run every attached exporter on the selected personalized model, in this process."""
+        if not self._exporters:
+            return {}
+        model = self.personalized()
+        return {key: exporter.export(model) for key, exporter in self._exporters.items()}
+
+    def personalized(self) -> PersonalizedModel:
+        """The selected personalized model, with what it takes to answer on raw rows."""
+        raw = self.data.x_test_raw
+        if raw is None or not len(raw):
+            raise RuntimeError(f"silo {self.name}: its data source gives no raw test rows")
+        return PersonalizedModel(
+            silo=self.name,
+            config=self.cfg,
+            state_path=self.dir / PERSONALIZED_FILE,
+            input_shape=self.data.input_shape,
+            num_classes=self.num_classes,
+            preprocessing=self.data.preprocessing,
+            raw_columns=self.data.raw_columns,
+            example=np.quantile(raw, 0.5, axis=0, method="lower")[None, :],
+            outcome=self.outcome(),
         )

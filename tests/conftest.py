@@ -26,6 +26,14 @@ def ray_local():
     ray.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def mlflow_store(tmp_path, monkeypatch):
+    """Every test's default MLflow store (tracking.uri unset) is a SQLite file under tmp_path."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return uri
+
+
 @pytest.fixture
 def job(tmp_path):
     """Build a validated config from a job YAML with overrides; outputs go under tmp_path."""

@@ -15,7 +15,13 @@ from silo_pfl.silo import init_model
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
-SMALL_DIGITS = ("data.num_silos=3", "data.classes_per_silo=4", "rounds=2", "train.local_epochs=1")
+SMALL_DIGITS = (
+    "tracking.enabled=false",
+    "data.num_silos=3",
+    "data.classes_per_silo=4",
+    "rounds=2",
+    "train.local_epochs=1",
+)
 
 
 def _comparable(result) -> dict:
@@ -23,6 +29,7 @@ def _comparable(result) -> dict:
     data = result.to_dict()
     data.pop("wall_seconds")
     data.pop("global_state_path")
+    data.pop("mlflow", None)
     for summary in data["history"]:
         summary.pop("seconds")
         for silo in summary["silos"].values():
@@ -44,6 +51,7 @@ def test_fedavg_one_silo_one_round_equals_plain_local_sgd(job):
     cfg = job(
         "jobs/digits_label_skew.yaml",
         "algorithm.name=fedavg",
+        "tracking.enabled=false",
         "data.num_silos=1",
         "data.partition=iid",
         "rounds=1",
@@ -79,6 +87,7 @@ def test_cli_run_writes_results_json(tmp_path, capsys):
             "run",
             "jobs/heart_disease.yaml",
             "rounds=2",
+            "tracking.enabled=false",
             f"output_dir={tmp_path / 'runs'}",
             "--results",
             str(out),
@@ -108,7 +117,9 @@ def test_cli_run_writes_results_json(tmp_path, capsys):
 
 
 def test_local_algorithm_sends_nothing(job):
-    result = Federation(job("jobs/heart_disease.yaml", "algorithm.name=local", "rounds=2")).run()
+    result = Federation(
+        job("jobs/heart_disease.yaml", "algorithm.name=local", "rounds=2", "tracking.enabled=false")
+    ).run()
     assert result.global_parameters == 0
     assert all(s.bytes_sent_per_round == 0 for s in result.silos.values())
     assert all(r.silos[n]["bytes_sent"] == 0 for r in result.history for n in r.silos)
@@ -122,6 +133,7 @@ def test_bad_csv_file_is_one_clear_error_through_ray(tmp_path, capsys):
             "run",
             "jobs/heart_disease.yaml",
             "data.source=csv",
+            "tracking.enabled=false",
             f"data.paths.alpha={good}",
             f"data.paths.beta={tmp_path / 'missing.csv'}",
             f"output_dir={tmp_path / 'runs'}",

@@ -68,6 +68,7 @@ def test_nothing_a_silo_hands_out_holds_a_local_key(job, algorithm, model, sourc
         global_state = server.aggregate(*updates)
         for silo, before in zip(silos, local_before, strict=True):
             handed_out.append(silo.evaluate(global_state, round_))
+            silo.keep(round_)
             after = silo.model.state_dict()
             for key in local_keys:
                 assert torch.equal(after[key], before[key]), f"aggregation changed local {key}"

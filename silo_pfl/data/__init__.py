@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
+
+import numpy as np
 
 from silo_pfl.config import DataConfig
 from silo_pfl.data import csv_source, digits, heart_disease
@@ -15,7 +18,7 @@ SOURCES: dict[str, ModuleType] = {
     "csv": csv_source,
 }
 
-__all__ = ["SOURCES", "Preprocessing", "SiloData", "load_silo_data", "silo_names"]
+__all__ = ["SOURCES", "Preprocessing", "SiloData", "load_silo_data", "raw_encoder", "silo_names"]
 
 
 def _source(cfg: DataConfig) -> ModuleType:
@@ -43,3 +46,10 @@ def silo_names(cfg: DataConfig) -> list[str]:
 def load_silo_data(cfg: DataConfig, silo: str, seed: int) -> SiloData:
     """Load one silo's private data; deterministic for a given seed."""
     return _source(cfg).load(cfg, silo, seed)
+
+
+def raw_encoder(source: str) -> Callable[[np.ndarray], np.ndarray]:
+    """The source's map from raw rows (SiloData.raw_columns) to inputs before Preprocessing."""
+    if source not in SOURCES:
+        raise ConfigError(f"data.source: got {source!r}, expected one of {', '.join(SOURCES)}")
+    return SOURCES[source].encode_raw

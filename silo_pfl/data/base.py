@@ -41,6 +41,10 @@ class SiloData:
     # Training rows before the validation hold-out was carved from them.
     num_train_total: int
     preprocessing: Preprocessing = field(default_factory=Preprocessing)
+    # The raw layout a served model answers on: its column names, and the test rows in it.
+    # The source's `encode_raw` then `preprocessing.apply` turn raw rows into x_test exactly.
+    raw_columns: tuple[str, ...] = ()
+    x_test_raw: np.ndarray | None = None
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -52,3 +56,9 @@ class SiloData:
             x, y = getattr(self, f"x_{split}"), getattr(self, f"y_{split}")
             if len(x) != len(y):
                 raise ValueError(f"silo {self.name}: {split} has {len(x)} inputs, {len(y)} labels")
+        raw = self.x_test_raw
+        if raw is not None and raw.shape != (len(self.y_test), len(self.raw_columns)):
+            raise ValueError(
+                f"silo {self.name}: raw test rows {raw.shape}, expected "
+                f"({len(self.y_test)}, {len(self.raw_columns)}) for its raw columns"
+            )

@@ -44,6 +44,14 @@ def validate(cfg: DataConfig) -> None:
         raise ConfigError("data.label_column: got '', expected the name of the label column")
 
 
+def encode_raw(rows: np.ndarray) -> np.ndarray:
+    """Raw rows (n, d) of the header's feature columns are already the model's features."""
+    rows = np.asarray(rows, dtype=np.float64)
+    if rows.ndim != 2:
+        raise DataError(f"csv raw rows: got shape {rows.shape}, expected (n, features)")
+    return rows
+
+
 def silo_names(cfg: DataConfig) -> list[str]:
     """The keys of data.paths, in the order given."""
     return list(cfg.paths)
@@ -173,6 +181,7 @@ def load(cfg: DataConfig, silo: str, seed: int) -> SiloData:
     train, test = holdout(y, cfg.test_fraction, numpy_rng(seed, "test", silo))
     fit, val = holdout(y[train], cfg.val_fraction, numpy_rng(seed, "val", silo))
     preprocessing = fit_preprocessing(names, x[train])
+    raw_test = x[test]
     x = preprocessing.apply(x)
     return SiloData(
         name=silo,
@@ -185,4 +194,6 @@ def load(cfg: DataConfig, silo: str, seed: int) -> SiloData:
         num_classes=int(y.max()) + 1,
         num_train_total=len(train),
         preprocessing=preprocessing,
+        raw_columns=names,
+        x_test_raw=raw_test,
     )

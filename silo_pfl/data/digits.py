@@ -44,6 +44,9 @@ MAX_SILOS = NUM_IMAGES // MIN_ROWS_PER_SILO
 PIXEL_MEAN = 0.3053
 PIXEL_STD = 0.3760
 GEOMETRIES = ("rot90", "rot180", "rot270", "flip_lr", "flip_ud")
+# Raw layout of a served model: the silo's own 8x8 image (after its feature shift), row-major.
+IMAGE_SHAPE = (1, 8, 8)
+PIXEL_COLUMNS = tuple(f"pixel_{i}" for i in range(64))
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,17 @@ def validate(cfg: DataConfig) -> None:
             f"{cfg.num_silos}, expected num_silos * classes_per_silo >= {NUM_CLASSES} so that "
             "every digit is held by some silo"
         )
+
+
+def encode_raw(rows: np.ndarray) -> np.ndarray:
+    """Map raw rows (n, 64) of PIXEL_COLUMNS in [0, 1] to images (n, 1, 8, 8)."""
+    rows = np.asarray(rows, dtype=np.float32)
+    if rows.ndim != 2 or rows.shape[1] != len(PIXEL_COLUMNS):
+        raise DataError(
+            f"digits raw rows: got shape {rows.shape}, expected (n, {len(PIXEL_COLUMNS)}) with "
+            "columns pixel_0..pixel_63 in [0, 1]"
+        )
+    return rows.reshape(-1, *IMAGE_SHAPE)
 
 
 def silo_names(cfg: DataConfig) -> list[str]:
@@ -211,6 +225,7 @@ def load(cfg: DataConfig, silo: str, seed: int) -> SiloData:
     train, test = partitioners.holdout(digit, cfg.test_fraction, numpy_rng(seed, "test", silo))
     fit, val = partitioners.holdout(digit[train], cfg.val_fraction, numpy_rng(seed, "val", silo))
     standardise = Preprocessing(mean=(PIXEL_MEAN,), std=(PIXEL_STD,))
+    raw_test = x[test].reshape(len(test), -1)
     x = standardise.apply(x)
     return SiloData(
         name=silo,
@@ -223,4 +238,6 @@ def load(cfg: DataConfig, silo: str, seed: int) -> SiloData:
         num_classes=NUM_CLASSES,
         num_train_total=len(train),
         preprocessing=standardise,
+        raw_columns=PIXEL_COLUMNS,
+        x_test_raw=raw_test,
     )

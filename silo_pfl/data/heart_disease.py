@@ -161,4 +161,6 @@ def load(cfg: DataConfig, silo: str, seed: int) -> SiloData:
         num_classes=NUM_CLASSES,
         num_train_total=len(train),
         preprocessing=preprocessing,
+        raw_columns=RAW_COLUMNS,
+        x_test_raw=raw[test],
     )

@@ -37,6 +37,12 @@ def _model_shape(infos: Sequence[SiloInfo]) -> tuple[tuple[int, ...], int]:
     return first.input_shape, max(info.num_classes for info in infos)
 
 
+def _finite_mean(values: Sequence[float]) -> float:
+    """Mean of the finite values; NaN when there are none (no training, no validation rows)."""
+    finite = [v for v in values if np.isfinite(v)]
+    return float(np.mean(finite)) if finite else float("nan")
+
+
 def _summary(
     round_: int, seconds: float, fits: list[FitMetrics], evals: list[EvalMetrics]
 ) -> RoundSummary:
@@ -53,8 +59,8 @@ def _summary(
     return RoundSummary(
         round=round_,
         seconds=seconds,
-        mean_train_loss=float(np.nanmean([f.train_loss for f in fits])),
-        mean_val_accuracy=float(np.nanmean([e.val_accuracy for e in evals])),
+        mean_train_loss=_finite_mean([f.train_loss for f in fits]),
+        mean_val_accuracy=_finite_mean([e.val_accuracy for e in evals]),
         mean_test_accuracy=float(np.mean([e.test_accuracy for e in evals])),
         silos=per_silo,
     )
@@ -87,9 +93,10 @@ class Orchestrator:
                     [a.build.remote(input_shape, num_classes) for a in actors.values()],
                     "silo model",
                 )[0]
-                server = start_server(config, input_shape, num_classes)
+                server = start_server(self.cfg, config, input_shape, num_classes)
                 actors["__server__"] = server
                 self._emit("on_start", self.cfg, infos, split)
+                exporting = self._attach_exporters(infos, actors)
                 history = self._rounds(server, {n: actors[n] for n in names})
                 outcomes: list[SiloOutcome] = get(
                     [actors[n].outcome.remote() for n in names], "silo outcome"
@@ -98,6 +105,7 @@ class Orchestrator:
                     server.save.remote(str(Path(self.cfg.output_dir) / self.cfg.name / "server")),
                     "server checkpoint",
                 )
+                self._export(exporting, actors)
             finally:
                 stop(list(actors.values()))
             result = FederationResult(
@@ -124,9 +132,32 @@ class Orchestrator:
                 },
                 history=history,
                 global_state_path=state_path,
+                extras={k: v for callback in self.callbacks for k, v in callback.extras().items()},
             )
         self._emit("on_end", result)
         return result
+
+    def _attach_exporters(self, infos: Sequence[SiloInfo], actors: dict[str, Any]) -> list[str]:
+        """Hand each callback's per-silo exporters to their silos, which check them now."""
+        per_silo: dict[str, dict[str, Any]] = {}
+        for index, callback in enumerate(self.callbacks):
+            for silo, exporter in callback.exporters(infos).items():
+                if silo not in {info.silo for info in infos}:
+                    raise FederationError(
+                        f"{type(callback).__name__}: an exporter for {silo!r}, not a silo here"
+                    )
+                per_silo.setdefault(silo, {})[str(index)] = exporter
+        get([actors[s].attach.remote(e) for s, e in per_silo.items()], "silo exporter check")
+        return list(per_silo)
+
+    def _export(self, silos: list[str], actors: dict[str, Any]) -> None:
+        """Each silo runs its exporters in its own process; receipts go back to their callbacks."""
+        done = get([actors[s].export.remote() for s in silos], "silo export")
+        receipts = dict(zip(silos, done, strict=True))
+        for index, callback in enumerate(self.callbacks):
+            mine = {s: r[str(index)] for s, r in receipts.items() if str(index) in r}
+            if mine:
+                callback.on_exported(mine)
 
     def _rounds(self, server: Any, silos: dict[str, Any]) -> list[RoundSummary]:
         history = []

@@ -1,0 +1,12 @@
+"""MLflow integration: the federation's runs, every silo's registered personalized model.
+
+Importing this package does not import MLflow; only the modules that talk to a store do, and
+they are imported only when `tracking.enabled` is true.
+
+  uri.py       store URIs: syntax checks at config load, the embedded SQLite default
+  store.py     opening a store and its experiment, with one-line errors before round 1
+  tracker.py   MlflowTracker, the driver-side Callback: parent/child runs, metrics, artifacts
+  exporter.py  MlflowExporter, run by each silo in its own process: writes its model's files
+  pyfunc.py    the served model: raw rows -> source encoder -> Preprocessing -> network
+  registry.py  the one registration path (publish), the champion alias, `silo-pfl models`
+"""

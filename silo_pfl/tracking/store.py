@@ -1,0 +1,146 @@
+"""Opening an MLflow store and a federation's experiment, with one-line errors before round 1.
+
+Checked before anything trains: a SQLite store's directory exists and is writable, an HTTP store
+answers, the store opens, the experiment is not deleted, and a local artifact location takes a
+file. A SQLite store's new experiment keeps its artifacts in <db dir>/mlartifacts/<experiment>.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import tempfile
+import urllib.error
+import urllib.request
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import unquote, urlsplit
+
+from silo_pfl.errors import ConfigError, FederationError
+from silo_pfl.tracking.uri import artifact_dir, redact, sqlite_path
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+HEALTH_TIMEOUT_SECONDS = 5.0
+
+
+def quiet() -> None:
+    """Keep MLflow's logs (a new SQLite store's migrations, pickling advice) and warnings quiet.
+
+    Failures still surface, as exceptions.
+    """
+    logging.getLogger("mlflow").setLevel(logging.ERROR)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", module=r"mlflow(\.|$)")
+    warnings.filterwarnings("ignore", module=r"alembic(\.|$)")
+
+
+def one_line(exc: BaseException) -> str:
+    """The first line of an exception's message, or its type."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _check_sqlite(uri: str, key: str) -> None:
+    path = sqlite_path(uri)
+    if path is None:
+        return
+    if path.is_dir():
+        raise ConfigError(f"{key}: {path} is a directory, expected a SQLite database file")
+    if not path.parent.is_dir():
+        raise ConfigError(f"{key}: directory {path.parent} of the SQLite store does not exist")
+    if path.exists():
+        return
+    _probe(path.parent, f"{key}: directory {path.parent} of the SQLite store is not writable")
+
+
+def _check_server(uri: str, key: str) -> None:
+    if urlsplit(uri).scheme not in ("http", "https"):
+        return
+    try:
+        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=HEALTH_TIMEOUT_SECONDS).close()
+    except urllib.error.HTTPError:
+        return  # something answers; the store calls below tell whether it is MLflow
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise FederationError(
+            f"{key}: no MLflow server answers at {redact(uri)} ({one_line(reason)})"
+        ) from None
+
+
+@functools.lru_cache(maxsize=8)
+def open_client(uri: str, key: str) -> MlflowClient:
+    """A client of the store at `uri` (tracking and registry), checked; one per process and URI."""
+    _check_sqlite(uri, key)
+    _check_server(uri, key)
+    from mlflow import MlflowClient
+
+    quiet()  # after the import, which sets MLflow's own log level
+
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    try:
+        client.search_experiments(max_results=1)
+    except Exception as exc:
+        raise FederationError(
+            f"{key}: cannot open the MLflow store {redact(uri)}: {one_line(exc)}"
+        ) from None
+    return client
+
+
+def ensure_experiment(client: MlflowClient, uri: str, name: str, key: str) -> str:
+    """The id of experiment `name`, created if absent; its artifact location must take a file."""
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None and experiment.lifecycle_stage != "active":
+        raise ConfigError(
+            f"name: experiment {name!r} is deleted in {redact(uri)} ({key}); restore it "
+            f"(mlflow experiments restore) or choose another federation name"
+        )
+    if experiment is None:
+        location = artifact_dir(uri, name)
+        if location is not None:
+            _writable_dir(location, key)
+        try:
+            client.create_experiment(name, location.as_uri() if location else None)
+        except Exception as exc:
+            if client.get_experiment_by_name(name) is None:  # else another process won the race
+                raise FederationError(
+                    f"{key}: cannot create experiment {name!r} in {redact(uri)}: {one_line(exc)}"
+                ) from None
+        experiment = client.get_experiment_by_name(name)
+    check_artifact_dir(experiment.artifact_location, key)
+    return experiment.experiment_id
+
+
+def check_artifact_dir(location: str, key: str) -> None:
+    """A local artifact location (a path or file://) must exist or be creatable, and writable."""
+    local = _local_path(location)
+    if local is not None:
+        _writable_dir(local, key)
+
+
+def _local_path(location: str) -> Path | None:
+    parts = urlsplit(location)
+    if parts.scheme == "file":
+        return Path(unquote(parts.path))
+    return Path(location) if not parts.scheme else None
+
+
+def _writable_dir(path: Path, key: str) -> None:
+    """Create the artifact directory on demand and prove a file can be written there."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"{key}: artifact location {path} cannot be created ({exc.strerror or one_line(exc)})"
+        ) from None
+    _probe(path, f"{key}: artifact location {path} is not writable")
+
+
+def _probe(directory: Path, message: str) -> None:
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".silo_pfl_probe"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{message} ({exc.strerror or one_line(exc)})") from None

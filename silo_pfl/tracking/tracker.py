@@ -1,0 +1,239 @@
+"""MlflowTracker: the driver-side Callback that records a federation run in MLflow.
+
+One experiment per federation name. Per run: a parent run (the resolved config as flattened
+params, per-round means, the final summary, the global model and split summary as artifacts)
+and a nested child run per silo (its round metrics with step=round; tags silo, node_id,
+algorithm). The driver logs numbers only: each silo writes its own model's files from its own
+process (MlflowExporter), and the tracker then registers the central silos' models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from mlflow.entities import Metric, Param, RunStatus
+
+from silo_pfl.callbacks import Callback
+from silo_pfl.config import FederationConfig, to_dict
+from silo_pfl.messages import SiloInfo, SplitInfo
+from silo_pfl.results import FederationResult, RoundSummary
+from silo_pfl.silo import split_rules
+from silo_pfl.tracking import registry
+from silo_pfl.tracking.exporter import MODEL_NAME, MlflowExporter
+from silo_pfl.tracking.store import ensure_experiment, open_client
+from silo_pfl.tracking.uri import redact
+
+PARENT_RUN_TAG = "mlflow.parentRunId"
+MAX_PARAMS_PER_BATCH = 100
+MAX_METRICS_PER_BATCH = 1000
+# Round metrics reach the store at most this late, one batch per run. Batches are written
+# synchronously: after any asynchronous logging, MLflow's set_terminated costs ~0.2 s per run.
+FLUSH_SECONDS = 2.0
+MAX_PARAM_LENGTH = 6000
+ROUND_MEANS = ("mean_train_loss", "mean_val_accuracy", "mean_test_accuracy")
+FINAL_METRICS = ("mean_test_accuracy", "worst_test_accuracy", "std_test_accuracy", "wall_seconds")
+
+
+def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested config -> {"train.lr": "0.05", ...}; store URIs without passwords."""
+    flat: dict[str, str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten(value, f"{name}."))
+        elif name == "tracking.uri" or name.endswith(".tracking_uri"):
+            flat[name] = redact(str(value))
+        else:
+            flat[name] = str(value)[:MAX_PARAM_LENGTH]
+    return flat
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class MlflowTracker(Callback):
+    """Records one federation run; opening it checks the store, before any silo starts."""
+
+    def __init__(self, cfg: FederationConfig) -> None:
+        self.cfg = cfg
+        self.uri = str(cfg.tracking.uri)
+        self.client = open_client(self.uri, "tracking.uri")
+        self.experiment_id = ensure_experiment(self.client, self.uri, cfg.name, "tracking.uri")
+        self.run_id = ""
+        self.children: dict[str, str] = {}
+        self.receipts: dict[str, dict[str, str]] = {}
+        self.split: SplitInfo | None = None
+        self.own_stores = {s: c.tracking_uri for s, c in cfg.silos.items() if c.tracking_uri}
+        self.buffered: dict[str, list[Metric]] = {}
+        self.flushed_at = time.monotonic()
+        self.logged: dict[str, Any] = {}  # silo -> the logged model it writes its files into
+
+    def _log(self, run_id: str, metrics: list[Metric]) -> None:
+        """Buffer metrics; every FLUSH_SECONDS each run's buffer goes out as one batch."""
+        self.buffered.setdefault(run_id, []).extend(metrics)
+        if time.monotonic() - self.flushed_at >= FLUSH_SECONDS:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Write every run's buffered metrics, one batch per run."""
+        for run_id, metrics in self.buffered.items():
+            for start in range(0, len(metrics), MAX_METRICS_PER_BATCH):
+                batch = metrics[start : start + MAX_METRICS_PER_BATCH]
+                self.client.log_batch(run_id, metrics=batch, synchronous=True)
+        self.buffered.clear()
+        self.flushed_at = time.monotonic()
+
+    def on_start(
+        self, config: FederationConfig, silos: Sequence[SiloInfo], split: SplitInfo
+    ) -> None:
+        algorithm = config.algorithm["name"]
+        run = self.client.create_run(
+            self.experiment_id,
+            run_name=f"{config.name}-{algorithm}-seed{config.seed}",
+            tags={registry.ALGORITHM: algorithm, registry.FEDERATION: config.name},
+        )
+        self.run_id = run.info.run_id
+        self.split = split
+        params = [Param(k, v) for k, v in flatten(to_dict(config)).items()]
+        for start in range(0, len(params), MAX_PARAMS_PER_BATCH):
+            batch = params[start : start + MAX_PARAMS_PER_BATCH]
+            self.client.log_batch(self.run_id, params=batch)
+        for info in silos:
+            child = self.client.create_run(
+                self.experiment_id,
+                run_name=info.silo,
+                tags={
+                    PARENT_RUN_TAG: self.run_id,
+                    registry.SILO: info.silo,
+                    "node_id": info.node_id,
+                    registry.ALGORITHM: algorithm,
+                    "model_store": "silo" if info.silo in self.own_stores else "central",
+                },
+            )
+            self.children[info.silo] = child.info.run_id
+
+    def exporters(self, silos: Sequence[SiloInfo]) -> dict[str, MlflowExporter]:
+        """Per silo: a logged model in its child run to write into, or its own store."""
+        exporters = {}
+        name, algorithm = self.cfg.name, self.cfg.algorithm["name"]
+        for info in silos:
+            own = self.own_stores.get(info.silo)
+            if own is not None:
+                key = f"silos.{info.silo}.tracking_uri"
+                exporters[info.silo] = MlflowExporter(own, key, name, self.run_id)
+                continue
+            child = self.children[info.silo]
+            logged = self.client.create_logged_model(
+                self.experiment_id,
+                name=MODEL_NAME,
+                source_run_id=child,
+                tags={registry.SILO: info.silo, registry.ALGORITHM: algorithm},
+            )
+            self.logged[info.silo] = logged
+            exporters[info.silo] = MlflowExporter(
+                self.uri,
+                "tracking.uri",
+                name,
+                self.run_id,
+                child,
+                logged.model_id,
+                logged.artifact_location,
+            )
+        return exporters
+
+    def on_round_end(self, summary: RoundSummary) -> None:
+        stamp, step = _now_ms(), summary.round
+        for silo, values in summary.silos.items():
+            metrics = [Metric(k, float(v), stamp, step) for k, v in values.items()]
+            self._log(self.children[silo], metrics)
+        means = [Metric(k, float(getattr(summary, k)), stamp, step) for k in ROUND_MEANS]
+        self._log(self.run_id, [*means, Metric("round_seconds", summary.seconds, stamp, step)])
+
+    def on_exported(self, receipts: Mapping[str, dict[str, str]]) -> None:
+        """Register each central silo's model, now that its files are in place."""
+        for silo, receipt in receipts.items():
+            logged = self.logged.pop(silo, None)
+            if logged is not None:
+                tags = registry.version_tags(
+                    self.cfg.name,
+                    silo,
+                    self.cfg.algorithm["name"],
+                    self.children[silo],
+                    int(receipt[registry.ROUND]),
+                    float(receipt[registry.VAL_ACCURACY]),
+                    float(receipt[registry.TEST_ACCURACY]),
+                )
+                name = registry.model_name(self.cfg.name, silo)
+                published = registry.publish(
+                    self.client, name, logged.model_id, logged.artifact_location, tags
+                )
+                receipt = {**receipt, **published}
+            self.receipts[silo] = receipt
+
+    def extras(self) -> dict[str, Any]:
+        """The results JSON's `mlflow` entry: where the run and each silo's model are."""
+        entry: dict[str, Any] = {
+            "tracking_uri": redact(self.uri),
+            "experiment": self.cfg.name,
+            "run_id": self.run_id,
+            "models": {silo: r["model_uri"] for silo, r in self.receipts.items()},
+        }
+        if self.own_stores:
+            entry["silo_tracking_uris"] = {s: redact(u) for s, u in self.own_stores.items()}
+        return {"mlflow": entry}
+
+    def on_end(self, result: FederationResult) -> None:
+        stamp = _now_ms()
+        final = [Metric(k, float(getattr(result, k)), stamp, result.rounds) for k in FINAL_METRICS]
+        self.buffered.setdefault(self.run_id, []).extend(final)
+        for silo, outcome in result.silos.items():
+            selected = {
+                "selected_round": float(outcome.selected_round),
+                "selected_val_accuracy": outcome.val_accuracy,
+                "selected_test_accuracy": outcome.test_accuracy,
+            }
+            metrics = [Metric(k, v, stamp, 0) for k, v in selected.items()]
+            self.buffered.setdefault(self.children[silo], []).extend(metrics)
+        self._flush()
+        self._log_artifacts(result)
+        self._finish(RunStatus.to_string(RunStatus.FINISHED))
+
+    def _log_artifacts(self, result: FederationResult) -> None:
+        """The global model (server's keys), the split summary and the result, on the parent."""
+        if result.global_state_path:
+            self.client.log_artifact(self.run_id, result.global_state_path, "global_model")
+        split = self.split
+        summary = {
+            "rules": split_rules(self.cfg),
+            "global_parameters": result.global_parameters,
+            "local_parameters": result.local_parameters,
+            "bytes_sent_per_round": split.bytes_sent_per_round if split else None,
+        }
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "split.json").write_text(json.dumps(summary, indent=2))
+            (Path(tmp) / "result.json").write_text(
+                json.dumps(result.to_dict(), indent=2, default=str)
+            )
+            self.client.log_artifacts(self.run_id, tmp)
+
+    def _finish(self, status: str) -> None:
+        for run_id in [*self.children.values(), self.run_id]:
+            if run_id:
+                self.client.set_terminated(run_id, status=status)
+
+    def abort(self) -> None:
+        """Mark the runs FAILED after an error; never raises over the original error."""
+        with contextlib.suppress(Exception):
+            self._flush()
+        for logged in self.logged.values():
+            with contextlib.suppress(Exception):
+                self.client.finalize_logged_model(logged.model_id, "FAILED")
+        with contextlib.suppress(Exception):
+            self._finish(RunStatus.to_string(RunStatus.FAILED))

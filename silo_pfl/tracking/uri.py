@@ -1,0 +1,77 @@
+"""MLflow store URIs, checked at config load without importing MLflow.
+
+The default store is embedded: `sqlite:///mlflow.db` in the working directory (or
+$MLFLOW_TRACKING_URI when set). A SQLite store keeps its artifacts beside the database, in
+`<db dir>/mlartifacts/<experiment>`, created on demand, so nothing has to be started.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from silo_pfl.errors import ConfigError
+
+DEFAULT_URI = "sqlite:///mlflow.db"
+ENV_URI = "MLFLOW_TRACKING_URI"
+ARTIFACTS_DIR = "mlartifacts"
+SQLITE_PREFIX = "sqlite:///"
+SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "file", "databricks")
+EXAMPLES = "e.g. sqlite:///mlflow.db or http://host:5000"
+
+
+def check_uri(uri: str, key: str) -> str:
+    """The URI, stripped, if MLflow can use it as a tracking and registry store."""
+    uri = str(uri).strip()
+    scheme = urlsplit(uri).scheme.split("+")[0]
+    if scheme not in SCHEMES:
+        raise ConfigError(
+            f"{key}: got {uri!r}, expected an MLflow store URI with a scheme among "
+            f"{', '.join(SCHEMES)} ({EXAMPLES})"
+        )
+    if scheme == "sqlite" and sqlite_target(uri) in ("", ":memory:"):
+        raise ConfigError(f"{key}: got {uri!r}, expected sqlite:///PATH to a database file")
+    return uri
+
+
+def sqlite_target(uri: str) -> str:
+    """What follows `sqlite:///`: a relative path, or an absolute one starting with '/'."""
+    if not uri.startswith(SQLITE_PREFIX):
+        return ""
+    return uri[len(SQLITE_PREFIX) :].split("?")[0]
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a SQLite URI, or None for other stores."""
+    return Path(sqlite_target(uri)) if uri.startswith(SQLITE_PREFIX) else None
+
+
+def resolve_uri(uri: str | None, key: str) -> str:
+    """The central store: the given URI, else $MLFLOW_TRACKING_URI, else the embedded SQLite.
+
+    A relative SQLite path is made absolute against the driver's working directory, so that every
+    process of the run (silo actors too) opens the same database.
+    """
+    chosen = check_uri(uri or os.environ.get(ENV_URI) or DEFAULT_URI, key)
+    path = sqlite_path(chosen)
+    if path is not None and not path.is_absolute():
+        query = chosen[len(SQLITE_PREFIX) + len(sqlite_target(chosen)) :]
+        chosen = f"{SQLITE_PREFIX}{path.resolve()}{query}"
+    return chosen
+
+
+def artifact_dir(uri: str, experiment: str) -> Path | None:
+    """Where a SQLite store keeps an experiment's artifacts: <db dir>/mlartifacts/<experiment>."""
+    path = sqlite_path(uri)
+    return None if path is None else path.resolve().parent / ARTIFACTS_DIR / experiment
+
+
+def redact(uri: str) -> str:
+    """The URI without a password, for params, results and messages."""
+    parts = urlsplit(uri)
+    if parts.password is None:
+        return uri
+    netloc = re.sub(r":[^:@]*@", ":***@", parts.netloc, count=1)
+    return urlunsplit(parts._replace(netloc=netloc))

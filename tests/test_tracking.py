@@ -1,0 +1,148 @@
+"""MLflow tracking of real federations on a real local Ray, into SQLite stores under tmp_path."""
+
+from __future__ import annotations
+
+import json
+
+import mlflow
+import numpy as np
+import pandas as pd
+import pytest
+from mlflow import MlflowClient
+
+from silo_pfl.cli import main
+from silo_pfl.config import load_config
+from silo_pfl.data import load_silo_data
+from silo_pfl.federation import Federation
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+HOSPITALS = ["cleveland", "hungarian", "switzerland", "va"]
+ROUND_METRICS = ("train_loss", "val_accuracy", "test_accuracy", "bytes_sent", "train_seconds")
+
+
+def raw_test_accuracy(model_uri: str, silo: str) -> float:
+    """Accuracy of a registered model on the hospital's raw test rows (10 raw columns)."""
+    cfg = load_config("jobs/heart_disease.yaml")
+    data = load_silo_data(cfg.data, silo, cfg.seed)
+    rows = pd.DataFrame(data.x_test_raw, columns=list(data.raw_columns))
+    predicted = mlflow.pyfunc.load_model(model_uri).predict(rows)
+    return float(np.mean(predicted == data.y_test))
+
+
+def test_heart_disease_registers_one_servable_model_per_hospital(tmp_path, mlflow_store, capsys):
+    out = tmp_path / "results.json"
+    args = ["run", "jobs/heart_disease.yaml", "rounds=3", f"output_dir={tmp_path / 'runs'}"]
+    assert main([*args, "--results", str(out)]) == 0
+    assert "mlflow: run " in capsys.readouterr().out
+    summary = json.loads(out.read_text())
+    tracked = summary["mlflow"]
+    assert tracked["tracking_uri"] == mlflow_store and tracked["experiment"] == "heart_disease"
+
+    client = MlflowClient(mlflow_store)
+    names = sorted(m.name for m in client.search_registered_models())
+    assert names == [f"heart_disease-{h}" for h in HOSPITALS]
+    parent = client.get_run(tracked["run_id"])
+    children = {
+        run.data.tags["silo"]: run
+        for run in client.search_runs(
+            [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+        )
+    }
+    deltas = {}
+    for hospital in HOSPITALS:
+        name, reported = f"heart_disease-{hospital}", summary["silos"][hospital]
+        champion = client.get_model_version_by_alias(name, "champion")
+        assert client.get_model_version_by_alias(name, "latest").version == champion.version == 1
+        assert tracked["models"][hospital] == f"models:/{name}/1"
+        assert champion.tags["algorithm"] == "fedper"
+        assert champion.tags["run_id"] == children[hospital].info.run_id
+        assert int(champion.tags["round"]) == reported["selected_round"]
+        assert float(champion.tags["test_accuracy"]) == reported["test_accuracy"]
+        accuracy = raw_test_accuracy(f"models:/{name}@champion", hospital)
+        deltas[hospital] = accuracy - reported["test_accuracy"]
+        assert abs(deltas[hospital]) <= 0.005
+    print(f"raw-row accuracy minus reported test accuracy: {deltas}")
+
+    assert parent.data.params["algorithm.name"] == "fedper" and parent.data.params["rounds"] == "3"
+    for key in ("mean_test_accuracy", "worst_test_accuracy", "std_test_accuracy"):
+        assert parent.data.metrics[key] == pytest.approx(summary[key])
+    assert "wall_seconds" in parent.data.metrics
+    for hospital, child in children.items():
+        assert child.data.tags["node_id"] and child.data.tags["algorithm"] == "fedper"
+        for key in ROUND_METRICS:
+            history = client.get_metric_history(child.info.run_id, key)
+            assert sorted(m.step for m in history) == [1, 2, 3], (hospital, key)
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"global_model", "split.json", "result.json"} <= artifacts
+    assert (tmp_path / "mlartifacts" / "heart_disease").is_dir()
+
+    capsys.readouterr()
+    assert main(["models", "--federation", "heart_disease"]) == 0
+    listing = capsys.readouterr().out.splitlines()
+    assert len(listing) == 1 + len(HOSPITALS)
+    assert all("champion,latest" in line and "@champion" in line for line in listing[1:])
+
+
+def test_silo_with_its_own_store_keeps_its_model_out_of_the_central_one(tmp_path, job, monkeypatch):
+    central, own = tmp_path / "central" / "mlflow.db", tmp_path / "va_premises" / "mlflow.db"
+    central.parent.mkdir()
+    own.parent.mkdir()
+    result = Federation(
+        job(
+            "jobs/heart_disease.yaml",
+            "rounds=2",
+            f"tracking.uri=sqlite:///{central}",
+            f"silos.va.tracking_uri=sqlite:///{own}",
+        )
+    ).run()
+    others = [h for h in HOSPITALS if h != "va"]
+    central_client, own_client = (
+        MlflowClient(f"sqlite:///{central}"),
+        MlflowClient(f"sqlite:///{own}"),
+    )
+    assert sorted(m.name for m in central_client.search_registered_models()) == [
+        f"heart_disease-{h}" for h in others
+    ]
+    assert [m.name for m in own_client.search_registered_models()] == ["heart_disease-va"]
+    experiment = central_client.get_experiment_by_name("heart_disease").experiment_id
+    logged = central_client.search_logged_models(experiment_ids=[experiment])
+    assert sorted(m.tags["silo"] for m in logged) == others
+    assert len(list((central.parent / "mlartifacts" / "heart_disease" / "models").iterdir())) == 3
+    va_run = central_client.search_runs([experiment], "tags.silo = 'va'")[0]
+    assert va_run.data.tags["model_store"] == "silo" and va_run.outputs.model_outputs == []
+    assert len(central_client.get_metric_history(va_run.info.run_id, "val_accuracy")) == 2
+
+    tracked = result.extras["mlflow"]
+    assert tracked["models"]["va"] == "models:/heart_disease-va/1"
+    assert tracked["silo_tracking_uris"] == {"va": f"sqlite:///{own}"}
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{own}")
+    accuracy = raw_test_accuracy("models:/heart_disease-va@champion", "va")
+    assert accuracy == pytest.approx(result.silos["va"].test_accuracy, abs=0.005)
+
+
+def test_tracking_disabled_writes_no_store(tmp_path, capsys):
+    out = tmp_path / "results.json"
+    args = ["run", "jobs/heart_disease.yaml", "rounds=2", "tracking.enabled=false"]
+    assert main([*args, f"output_dir={tmp_path / 'runs'}", "--results", str(out)]) == 0
+    assert "mlflow" not in capsys.readouterr().out
+    assert "mlflow" not in json.loads(out.read_text())
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "mlartifacts").exists()
+
+
+def test_bad_silo_store_fails_in_one_line_before_round_one(tmp_path, capsys):
+    code = main(
+        [
+            "run",
+            "jobs/heart_disease.yaml",
+            "rounds=2",
+            f"output_dir={tmp_path / 'runs'}",
+            f"silos.va.tracking_uri=sqlite:///{tmp_path / 'nowhere' / 'mlflow.db'}",
+        ]
+    )
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert code != 0
+    assert err.count("\n") == 0 and "Traceback" not in err
+    assert "silos.va.tracking_uri" in err and "nowhere" in err
+    assert "round 1" not in captured.out

@@ -1,0 +1,127 @@
+"""MLflow without Ray: store errors before any work, a silo's export, the champion rule."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import mlflow
+import numpy as np
+import pandas as pd
+import pytest
+from mlflow import MlflowClient
+
+from silo_pfl.cli import main
+from silo_pfl.config import load_config, to_dict
+from silo_pfl.server import Server
+from silo_pfl.silo import Silo
+from silo_pfl.tracking.exporter import MlflowExporter
+from silo_pfl.tracking.registry import CHAMPION, LATEST, promote
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _cli_error(capsys, *overrides: str) -> tuple[int, str, str]:
+    code = main(["run", "jobs/heart_disease.yaml", "rounds=2", *overrides])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err.strip()
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("tracking.uri=nonsense://x", ("tracking.uri", "nonsense://x")),
+        ("tracking.uri=sqlite:///{tmp}/missing/mlflow.db", ("tracking.uri", "missing")),
+        ("tracking.uri=http://127.0.0.1:{port}", ("tracking.uri", "no MLflow server answers")),
+        (
+            "silos.nowhere.tracking_uri=sqlite:///{tmp}/x.db",
+            ("silos.nowhere", "cleveland, hungarian, switzerland, va"),
+        ),
+        ("silos.va.tracking_uri=mlflow.db", ("silos.va.tracking_uri", "sqlite:///mlflow.db")),
+    ],
+)
+def test_bad_tracking_config_is_one_line_before_any_work(tmp_path, capsys, override, expected):
+    override = override.format(tmp=tmp_path, port=_closed_port())
+    code, out, err = _cli_error(capsys, override, f"output_dir={tmp_path / 'runs'}")
+    assert code != 0
+    assert err.count("\n") == 0 and "Traceback" not in err
+    assert all(text in err for text in expected), err
+    assert "round 1" not in out and not (tmp_path / "runs").exists()
+
+
+def test_unwritable_artifact_location_is_one_line_naming_it(tmp_path, capsys):
+    (tmp_path / "mlartifacts").write_text("a file where the artifact directory should be")
+    code, out, err = _cli_error(capsys, f"output_dir={tmp_path / 'runs'}")
+    assert code != 0
+    assert err.count("\n") == 0 and "Traceback" not in err
+    assert "tracking.uri" in err and str(tmp_path / "mlartifacts" / "heart_disease") in err
+    assert "round 1" not in out
+
+
+def test_mlflow_is_imported_only_when_tracking_is_enabled():
+    code = (
+        "import sys\n"
+        "import silo_pfl.cli, silo_pfl.federation, silo_pfl.runtime.orchestrator\n"
+        "import silo_pfl.tracking.exporter, silo_pfl.tracking.registry\n"
+        "from silo_pfl.config import load_config\n"
+        "from silo_pfl.federation import Federation\n"
+        "Federation(load_config('jobs/heart_disease.yaml', ['tracking.enabled=false']))\n"
+        "assert 'mlflow' not in sys.modules, 'mlflow was imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def _trained_silo(tmp_path, silo: str) -> Silo:
+    """A silo and a server in this process, two rounds: the plain classes, no Ray."""
+    cfg = load_config("jobs/heart_disease.yaml", [f"output_dir={tmp_path / 'runs'}"])
+    node = Silo(to_dict(cfg), silo)
+    info = node.setup()
+    node.build(info.input_shape, info.num_classes)
+    server = Server(to_dict(cfg), info.input_shape, info.num_classes)
+    for round_ in (1, 2):
+        update, _ = node.fit(server.global_state(), round_)
+        node.evaluate(server.aggregate(update), round_)
+        node.keep(round_)
+    return node
+
+
+def test_silo_exports_its_model_to_its_store_without_ray(tmp_path, monkeypatch):
+    store = f"sqlite:///{tmp_path / 'own' / 'mlflow.db'}"
+    (tmp_path / "own").mkdir()
+    silo = _trained_silo(tmp_path, "switzerland")
+    exporter = MlflowExporter(store, "silos.switzerland.tracking_uri", "heart_disease", "-")
+    silo.attach({"mlflow": exporter})
+    receipt = silo.export()["mlflow"]
+    assert receipt["model_uri"] == "models:/heart_disease-switzerland/1"
+    assert receipt["champion"] == "true"
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    model = mlflow.pyfunc.load_model("models:/heart_disease-switzerland@champion")
+    rows = pd.DataFrame(silo.data.x_test_raw, columns=list(silo.data.raw_columns))
+    predicted = model.predict(rows)
+    assert np.mean(predicted == silo.data.y_test) == pytest.approx(silo.outcome().test_accuracy)
+    probabilities = model.predict(rows, params={"probabilities": True})
+    assert list(probabilities.columns) == ["class", "p_0", "p_1"]
+    np.testing.assert_allclose(probabilities[["p_0", "p_1"]].sum(axis=1), 1.0, rtol=1e-5)
+    with pytest.raises(Exception, match="chol"):
+        model.predict(rows.drop(columns=["chol"]))
+
+
+def test_champion_moves_only_when_a_version_beats_it(tmp_path):
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client.create_registered_model("fed-silo")
+    champions = []
+    for accuracy in (0.8, 0.7, 0.8, 0.9):
+        version = client.create_model_version(
+            "fed-silo", source=str(tmp_path), tags={"val_accuracy": repr(accuracy)}
+        ).version
+        promote(client, "fed-silo", version, accuracy)
+        champions.append(str(client.get_model_version_by_alias("fed-silo", CHAMPION).version))
+    assert champions == ["1", "1", "1", "4"]
+    assert str(client.get_model_version_by_alias("fed-silo", LATEST).version) == "4"
