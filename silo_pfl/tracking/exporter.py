@@ -69,9 +69,6 @@ class MlflowExporter:
                     "a cluster of several machines, point tracking.uri at a tracking server"
                 )
             check_artifact_dir(str(self.artifact_location), self.key)
-        import os
-        if os.environ.get("SILO_PFL_IMPORT_AT_CHECK"):
-            import silo_pfl.tracking.pyfunc  # noqa: F401
 
     def export(self, model: PersonalizedModel) -> dict[str, str]:
         """Write the model (signature, input example) to the store; register it if own store."""
