@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -62,3 +63,37 @@ class SiloData:
                 f"silo {self.name}: raw test rows {raw.shape}, expected "
                 f"({len(self.y_test)}, {len(self.raw_columns)}) for its raw columns"
             )
+
+
+def assemble(
+    name: str,
+    x: np.ndarray,
+    y: np.ndarray,
+    train: np.ndarray,
+    test: np.ndarray,
+    val_fraction: float,
+    seed: int,
+    strata: np.ndarray | None = None,
+    **extra: Any,
+) -> SiloData:
+    """A silo's SiloData from its rows and its train/test row indices.
+
+    Validation rows are carved from `train` here, the same way for every source: stratified on
+    `strata` (default: the labels) and seeded by (seed, "val", silo).
+    """
+    from silo_pfl.data.partitioners import holdout
+    from silo_pfl.seeding import numpy_rng
+
+    strata = y if strata is None else strata
+    fit, val = holdout(strata[train], val_fraction, numpy_rng(seed, "val", name))
+    return SiloData(
+        name=name,
+        x_train=x[train][fit],
+        y_train=y[train][fit],
+        x_val=x[train][val],
+        y_val=y[train][val],
+        x_test=x[test],
+        y_test=y[test],
+        num_train_total=len(train),
+        **extra,
+    )

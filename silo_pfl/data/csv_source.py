@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from silo_pfl.config import DataConfig
-from silo_pfl.data.base import Preprocessing, SiloData
+from silo_pfl.data.base import Preprocessing, SiloData, assemble
 from silo_pfl.data.partitioners import holdout
 from silo_pfl.errors import ConfigError, DataError
 from silo_pfl.seeding import numpy_rng
@@ -179,20 +179,17 @@ def load(cfg: DataConfig, silo: str, seed: int) -> SiloData:
             "train and test (data.test_fraction)"
         )
     train, test = holdout(y, cfg.test_fraction, numpy_rng(seed, "test", silo))
-    fit, val = holdout(y[train], cfg.val_fraction, numpy_rng(seed, "val", silo))
     preprocessing = fit_preprocessing(names, x[train])
     raw_test = x[test]
-    x = preprocessing.apply(x)
-    return SiloData(
-        name=silo,
-        x_train=x[train][fit],
-        y_train=y[train][fit],
-        x_val=x[train][val],
-        y_val=y[train][val],
-        x_test=x[test],
-        y_test=y[test],
+    return assemble(
+        silo,
+        preprocessing.apply(x),
+        y,
+        train,
+        test,
+        cfg.val_fraction,
+        seed,
         num_classes=int(y.max()) + 1,
-        num_train_total=len(train),
         preprocessing=preprocessing,
         raw_columns=names,
         x_test_raw=raw_test,

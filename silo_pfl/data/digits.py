@@ -32,7 +32,7 @@ import numpy as np
 
 from silo_pfl.config import DataConfig
 from silo_pfl.data import partitioners
-from silo_pfl.data.base import Preprocessing, SiloData
+from silo_pfl.data.base import Preprocessing, SiloData, assemble
 from silo_pfl.errors import ConfigError, DataError
 from silo_pfl.seeding import numpy_rng
 
@@ -223,21 +223,18 @@ def load(cfg: DataConfig, silo: str, seed: int) -> SiloData:
     if cfg.partition == "concept_shift":
         y = label_permutations(cfg, seed)[index][digit]
     train, test = partitioners.holdout(digit, cfg.test_fraction, numpy_rng(seed, "test", silo))
-    fit, val = partitioners.holdout(digit[train], cfg.val_fraction, numpy_rng(seed, "val", silo))
     standardise = Preprocessing(mean=(PIXEL_MEAN,), std=(PIXEL_STD,))
-    raw_test = x[test].reshape(len(test), -1)
-    x = standardise.apply(x)
-    return SiloData(
-        name=silo,
-        x_train=x[train][fit],
-        y_train=y[train][fit],
-        x_val=x[train][val],
-        y_val=y[train][val],
-        x_test=x[test],
-        y_test=y[test],
+    return assemble(
+        silo,
+        standardise.apply(x),
+        y,
+        train,
+        test,
+        cfg.val_fraction,
+        seed,
+        strata=digit,
         num_classes=NUM_CLASSES,
-        num_train_total=len(train),
         preprocessing=standardise,
         raw_columns=PIXEL_COLUMNS,
-        x_test_raw=raw_test,
+        x_test_raw=x[test].reshape(len(test), -1),
     )

@@ -28,10 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from silo_pfl.config import DataConfig
-from silo_pfl.data.base import Preprocessing, SiloData
-from silo_pfl.data.partitioners import holdout
+from silo_pfl.data.base import Preprocessing, SiloData, assemble
 from silo_pfl.errors import DataError
-from silo_pfl.seeding import numpy_rng
 
 SILOS = ("cleveland", "hungarian", "switzerland", "va")
 DATA_DIR = Path(__file__).with_name("heart_disease")
@@ -148,18 +146,15 @@ def load(cfg: DataConfig, silo: str, seed: int) -> SiloData:
         )
     encoded = encode_raw(raw)
     preprocessing = fit_preprocessing(encoded[train])
-    x = preprocessing.apply(encoded)
-    fit, val = holdout(labels[train], cfg.val_fraction, numpy_rng(seed, "val", silo))
-    return SiloData(
-        name=silo,
-        x_train=x[train][fit],
-        y_train=labels[train][fit],
-        x_val=x[train][val],
-        y_val=labels[train][val],
-        x_test=x[test],
-        y_test=labels[test],
+    return assemble(
+        silo,
+        preprocessing.apply(encoded),
+        labels,
+        train,
+        test,
+        cfg.val_fraction,
+        seed,
         num_classes=NUM_CLASSES,
-        num_train_total=len(train),
         preprocessing=preprocessing,
         raw_columns=RAW_COLUMNS,
         x_test_raw=raw[test],
