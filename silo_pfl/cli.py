@@ -74,7 +74,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from silo_pfl.tracking.registry import models_table
+    from silo_pfl.tracking.listing import models_table
 
     print(models_table(args.tracking_uri, args.federation, args.all))
     return 0

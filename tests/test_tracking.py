@@ -127,19 +127,22 @@ def test_tracking_disabled_writes_no_store(tmp_path, capsys):
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "mlartifacts").exists()
 
 
-def test_bad_silo_store_fails_in_one_line_before_round_one(tmp_path, capsys):
-    code = main(
-        [
-            "run",
-            "jobs/heart_disease.yaml",
-            "rounds=2",
-            f"output_dir={tmp_path / 'runs'}",
-            f"silos.va.tracking_uri=sqlite:///{tmp_path / 'nowhere' / 'mlflow.db'}",
-        ]
-    )
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("silos.va.tracking_uri=sqlite:///{tmp}/nowhere/mlflow.db", "silos.va.tracking_uri"),
+        ("tracking.uri=postgresql://nobody@127.0.0.1:1/db", "cannot open the MLflow store"),
+    ],
+)
+def test_store_errors_found_after_start_up_are_one_line_before_round_one(
+    tmp_path, capsys, override, expected
+):
+    """Checks that need MLflow or the silo's node run while Ray starts; they end the run early."""
+    args = ["run", "jobs/heart_disease.yaml", "rounds=2", f"output_dir={tmp_path / 'runs'}"]
+    code = main([*args, override.format(tmp=tmp_path)])
     captured = capsys.readouterr()
     err = captured.err.strip()
     assert code != 0
     assert err.count("\n") == 0 and "Traceback" not in err
-    assert "silos.va.tracking_uri" in err and "nowhere" in err
+    assert expected in err
     assert "round 1" not in captured.out

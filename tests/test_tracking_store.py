@@ -67,7 +67,7 @@ def test_mlflow_is_imported_only_when_tracking_is_enabled():
     code = (
         "import sys\n"
         "import silo_pfl.cli, silo_pfl.federation, silo_pfl.runtime.orchestrator\n"
-        "import silo_pfl.tracking.exporter, silo_pfl.tracking.registry\n"
+        "import silo_pfl.tracking.exporter, silo_pfl.tracking.registry, silo_pfl.tracking.tracker\n"
         "from silo_pfl.config import load_config\n"
         "from silo_pfl.federation import Federation\n"
         "Federation(load_config('jobs/heart_disease.yaml', ['tracking.enabled=false']))\n"

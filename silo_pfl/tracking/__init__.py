@@ -8,5 +8,6 @@ they are imported only when `tracking.enabled` is true.
   tracker.py   MlflowTracker, the driver-side Callback: parent/child runs, metrics, artifacts
   exporter.py  MlflowExporter, run by each silo in its own process: writes its model's files
   pyfunc.py    the served model: raw rows -> source encoder -> Preprocessing -> network
-  registry.py  the one registration path (publish), the champion alias, `silo-pfl models`
+  registry.py  the one registration path (publish) and the champion alias
+  listing.py   what `silo-pfl models` shows
 """

@@ -1,4 +1,4 @@
-"""The Model Registry side: names, the champion alias, and the listing behind `silo-pfl models`.
+"""The Model Registry side: names, tags, the one registration path and the champion alias.
 
 Each silo's personalized model is registered as `<federation>-<silo>`. Aliases:
   champion  the version with the best validation accuracy so far; moved only when a new version
@@ -10,7 +10,6 @@ Each silo's personalized model is registered as `<federation>-<silo>`. Aliases:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -29,7 +28,8 @@ def model_name(federation: str, silo: str) -> str:
     return f"{federation}-{silo}"
 
 
-def _float(tags: dict[str, str], key: str) -> float:
+def tag_value(tags: dict[str, str], key: str) -> float:
+    """A float tag (e.g. val_accuracy), NaN when absent or not a number."""
     try:
         return float(tags.get(key, "nan"))
     except ValueError:
@@ -45,111 +45,11 @@ def promote(client: MlflowClient, name: str, version: str, val_accuracy: float) 
     except MlflowException:
         champion = None
     if champion is not None:
-        best = _float(champion.tags, VAL_ACCURACY)
+        best = tag_value(champion.tags, VAL_ACCURACY)
         if not math.isnan(best) and not val_accuracy > best:
             return False
     client.set_registered_model_alias(name, CHAMPION, version)
     return True
-
-
-@dataclass(frozen=True)
-class ModelRow:
-    """One registered version of a silo's model, as `silo-pfl models` shows it."""
-
-    federation: str
-    silo: str
-    name: str
-    version: int
-    aliases: tuple[str, ...]
-    algorithm: str
-    val_accuracy: float
-    test_accuracy: float
-
-    @property
-    def serve_uri(self) -> str:
-        """The URI to load or serve this version by: an alias when it has one."""
-        alias = next((a for a in (CHAMPION, LATEST) if a in self.aliases), None)
-        return f"models:/{self.name}@{alias}" if alias else f"models:/{self.name}/{self.version}"
-
-
-def model_rows(
-    client: MlflowClient, federation: str | None = None, every_version: bool = False
-) -> list[ModelRow]:
-    """Registered silo models (tagged by silo_pfl), newest version first within each model."""
-    rows = []
-    for model in client.search_registered_models(max_results=1000, order_by=["name ASC"]):
-        fed, silo = model.tags.get(FEDERATION), model.tags.get(SILO)
-        if fed is None or silo is None or (federation is not None and fed != federation):
-            continue
-        versions = client.search_model_versions(f"name = '{model.name}'", max_results=10000)
-        versions = sorted(versions, key=lambda v: -int(v.version))
-        newest = int(versions[0].version) if versions else 0
-        # Versions found by search carry no aliases; the registered model maps alias -> version.
-        named = client.get_registered_model(model.name).aliases
-        for v in versions:
-            number = int(v.version)
-            aliases = tuple(sorted(a for a, n in named.items() if int(n) == number))
-            aliases += (LATEST,) if number == newest else ()
-            if not every_version and not aliases:
-                continue
-            rows.append(
-                ModelRow(
-                    federation=fed,
-                    silo=silo,
-                    name=model.name,
-                    version=number,
-                    aliases=aliases,
-                    algorithm=v.tags.get(ALGORITHM, ""),
-                    val_accuracy=_float(v.tags, VAL_ACCURACY),
-                    test_accuracy=_float(v.tags, TEST_ACCURACY),
-                )
-            )
-    return rows
-
-
-def format_table(rows: list[ModelRow]) -> str:
-    """A fixed-width table of model rows."""
-    header = ("federation", "silo", "version", "aliases", "algorithm", "val acc", "test acc")
-    lines = [(*header, "serve")]
-    for r in rows:
-        lines.append(
-            (
-                r.federation,
-                r.silo,
-                str(r.version),
-                ",".join(r.aliases) or "-",
-                r.algorithm,
-                f"{r.val_accuracy:.3f}",
-                f"{r.test_accuracy:.3f}",
-                r.serve_uri,
-            )
-        )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header) + 1)]
-    return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
-        for line in lines
-    )
-
-
-def models_table(uri: str | None, federation: str | None, every_version: bool) -> str:
-    """The `silo-pfl models` output for the store at `uri` (default: as tracking.uri)."""
-    from silo_pfl.errors import ConfigError
-    from silo_pfl.tracking.store import open_client
-    from silo_pfl.tracking.uri import redact, resolve_uri, sqlite_path
-
-    key = "--tracking-uri"
-    uri = resolve_uri(uri, key)
-    path = sqlite_path(uri)
-    if path is not None and not path.is_file():
-        raise ConfigError(
-            f"{key} {redact(uri)}: no MLflow store at {path}; run a federation first, or point "
-            f"{key} at its store"
-        )
-    rows = model_rows(open_client(uri, key), federation, every_version)
-    if not rows:
-        which = f" of federation {federation}" if federation else ""
-        return f"no registered silo models{which} in {redact(uri)}"
-    return format_table(rows)
 
 
 def version_tags(

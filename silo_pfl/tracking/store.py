@@ -70,17 +70,22 @@ def _check_server(uri: str, key: str) -> None:
         ) from None
 
 
+def check_store(uri: str, key: str) -> None:
+    """The checks that need no MLflow: a SQLite store's directory, an HTTP store's answer."""
+    _check_sqlite(uri, key)
+    _check_server(uri, key)
+
+
 @functools.lru_cache(maxsize=8)
 def open_client(uri: str, key: str) -> MlflowClient:
     """A client of the store at `uri` (tracking and registry), checked; one per process and URI."""
-    _check_sqlite(uri, key)
-    _check_server(uri, key)
+    check_store(uri, key)
     from mlflow import MlflowClient
 
     quiet()  # after the import, which sets MLflow's own log level
 
-    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     try:
+        client = MlflowClient(tracking_uri=uri, registry_uri=uri)
         client.search_experiments(max_results=1)
     except Exception as exc:
         raise FederationError(

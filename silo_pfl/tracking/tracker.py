@@ -12,12 +12,12 @@ from __future__ import annotations
 import contextlib
 import json
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
-
-from mlflow.entities import Metric, Param, RunStatus
+from typing import TYPE_CHECKING, Any
 
 from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig, to_dict
@@ -26,8 +26,12 @@ from silo_pfl.results import FederationResult, RoundSummary
 from silo_pfl.silo import split_rules
 from silo_pfl.tracking import registry
 from silo_pfl.tracking.exporter import MODEL_NAME, MlflowExporter
-from silo_pfl.tracking.store import ensure_experiment, open_client
-from silo_pfl.tracking.uri import redact
+from silo_pfl.tracking.store import check_artifact_dir, check_store, ensure_experiment, open_client
+from silo_pfl.tracking.uri import artifact_dir, redact
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
 
 PARENT_RUN_TAG = "mlflow.parentRunId"
 MAX_PARAMS_PER_BATCH = 100
@@ -58,14 +62,34 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def _open(opening: Future[tuple[MlflowClient, str]], uri: str, name: str) -> None:
+    """Open the store and the experiment; the result or the error goes to `opening`."""
+    try:
+        client = open_client(uri, "tracking.uri")
+        opening.set_result((client, ensure_experiment(client, uri, name, "tracking.uri")))
+    except BaseException as exc:
+        opening.set_exception(exc)
+
+
 class MlflowTracker(Callback):
-    """Records one federation run; opening it checks the store, before any silo starts."""
+    """Records one federation run.
+
+    The checks that need no MLflow run when it is made, before Ray starts. Opening the store
+    (MLflow's import, a new SQLite store's tables: a few seconds) runs in a thread meanwhile,
+    while Ray starts and the silos set up; on_start waits for it and raises its error, if any,
+    before round 1.
+    """
 
     def __init__(self, cfg: FederationConfig) -> None:
         self.cfg = cfg
         self.uri = str(cfg.tracking.uri)
-        self.client = open_client(self.uri, "tracking.uri")
-        self.experiment_id = ensure_experiment(self.client, self.uri, cfg.name, "tracking.uri")
+        check_store(self.uri, "tracking.uri")
+        default_artifacts = artifact_dir(self.uri, cfg.name)
+        if default_artifacts is not None:
+            check_artifact_dir(str(default_artifacts), "tracking.uri")
+        self.opening: Future[tuple[MlflowClient, str]] = Future()
+        args = (self.opening, self.uri, cfg.name)
+        threading.Thread(target=_open, args=args, name="mlflow-open", daemon=True).start()
         self.run_id = ""
         self.children: dict[str, str] = {}
         self.receipts: dict[str, dict[str, str]] = {}
@@ -93,6 +117,9 @@ class MlflowTracker(Callback):
     def on_start(
         self, config: FederationConfig, silos: Sequence[SiloInfo], split: SplitInfo
     ) -> None:
+        from mlflow.entities import Param
+
+        self.client, self.experiment_id = self.opening.result()
         algorithm = config.algorithm["name"]
         run = self.client.create_run(
             self.experiment_id,
@@ -149,6 +176,8 @@ class MlflowTracker(Callback):
         return exporters
 
     def on_round_end(self, summary: RoundSummary) -> None:
+        from mlflow.entities import Metric
+
         stamp, step = _now_ms(), summary.round
         for silo, values in summary.silos.items():
             metrics = [Metric(k, float(v), stamp, step) for k, v in values.items()]
@@ -190,6 +219,8 @@ class MlflowTracker(Callback):
         return {"mlflow": entry}
 
     def on_end(self, result: FederationResult) -> None:
+        from mlflow.entities import Metric, RunStatus
+
         stamp = _now_ms()
         final = [Metric(k, float(getattr(result, k)), stamp, result.rounds) for k in FINAL_METRICS]
         self.buffered.setdefault(self.run_id, []).extend(final)
@@ -230,6 +261,10 @@ class MlflowTracker(Callback):
 
     def abort(self) -> None:
         """Mark the runs FAILED after an error; never raises over the original error."""
+        if not self.run_id:
+            return
+        from mlflow.entities import RunStatus
+
         with contextlib.suppress(Exception):
             self._flush()
         for logged in self.logged.values():
