@@ -26,7 +26,9 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--out", help="write the table as JSON here")
     args = parser.parse_args()
-    ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    ray.init(
+        address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING
+    )
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for algorithm in args.algorithms:

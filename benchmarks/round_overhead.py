@@ -56,7 +56,9 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
-    ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    ray.init(
+        address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING
+    )
     print(f"{args.job} {' '.join(args.overrides)}, {args.rounds} rounds, median of rounds 2..")
     with tempfile.TemporaryDirectory() as tmp:
         for label, extra in (

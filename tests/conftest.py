@@ -17,6 +17,7 @@ def ray_local():
 
     if not ray.is_initialized():
         ray.init(
+            address="local",
             num_cpus=2,
             include_dashboard=False,
             log_to_driver=False,

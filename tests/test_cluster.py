@@ -97,3 +97,32 @@ def test_a_silo_without_a_node_is_a_clear_error(cluster, tmp_path):
     err = proc.stderr.strip().splitlines()[-1]
     assert "Traceback" not in proc.stderr
     assert "silo nowhere" in err and "silo_nowhere" in err
+
+
+def test_no_address_starts_its_own_ray_rather_than_joining_a_running_cluster(cluster, tmp_path):
+    results = tmp_path / "results.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "silo_pfl.cli",
+            "run",
+            "jobs/heart_disease.yaml",
+            "rounds=1",
+            "ray.num_cpus=2",
+            f"output_dir={tmp_path / 'runs'}",
+            "tracking.enabled=false",
+            "--results",
+            str(results),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    used = {silo["node_id"] for silo in json.loads(results.read_text())["silos"].values()}
+    cluster_nodes = {cluster["head"], *cluster["nodes"].values()}
+    assert len(used) == 1
+    assert not used & cluster_nodes

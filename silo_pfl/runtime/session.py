@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -14,22 +15,28 @@ from silo_pfl.errors import FederationError
 
 @contextmanager
 def ray_session(cfg: RayConfig) -> Iterator[None]:
-    """Use the Ray already initialised in this process, or start/join one for the run's length."""
+    """Use the Ray already initialised in this process, or start/join one for the run's length.
+
+    With no `ray.address`, a Ray Job's driver joins its cluster (Ray sets RAY_ADDRESS for it);
+    anywhere else a fresh local instance is started, never a cluster left running on the machine.
+    """
     if ray.is_initialized():
         yield
         return
+    address = cfg.address or os.environ.get("RAY_ADDRESS")
     try:
-        if cfg.address is None:
+        if address is None:
             ray.init(
+                address="local",
                 num_cpus=cfg.num_cpus,
                 include_dashboard=False,
                 log_to_driver=False,
                 logging_level=logging.WARNING,
             )
         else:
-            ray.init(address=cfg.address, log_to_driver=False, logging_level=logging.WARNING)
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as exc:
-        where = cfg.address or "a local instance"
+        where = address or "a local instance"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise FederationError(
             f"ray.address: cannot start or reach Ray at {where}: {first}"
