@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -23,6 +23,15 @@ class Optimizer(ABC):
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+
+    def _gradients(
+        self, weight_decay: float
+    ) -> Iterator[tuple[int, torch.nn.Parameter, torch.Tensor]]:
+        """(index, parameter, gradient with L2 weight decay added) for parameters with a grad."""
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            yield i, p, p.grad.add(p, alpha=weight_decay) if weight_decay else p.grad
 
     @abstractmethod
     def step(self) -> None:
@@ -45,12 +54,7 @@ class SGD(Optimizer):
 
     @torch.no_grad()
     def step(self) -> None:
-        for i, p in enumerate(self.params):
-            if p.grad is None:
-                continue
-            grad = p.grad
-            if self.weight_decay:
-                grad = grad.add(p, alpha=self.weight_decay)
+        for i, p, grad in self._gradients(self.weight_decay):
             if self.momentum:
                 buf = self.buffers.get(i)
                 if buf is None:
@@ -80,12 +84,7 @@ class Adam(Optimizer):
     @torch.no_grad()
     def step(self) -> None:
         beta1, beta2 = self.betas
-        for i, p in enumerate(self.params):
-            if p.grad is None:
-                continue
-            grad = p.grad
-            if self.weight_decay:
-                grad = grad.add(p, alpha=self.weight_decay)
+        for i, p, grad in self._gradients(self.weight_decay):
             if i not in self.state:
                 self.state[i] = (torch.zeros_like(p), torch.zeros_like(p))
                 self.steps[i] = 0

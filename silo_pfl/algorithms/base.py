@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from silo_pfl.config import TrainConfig
+from silo_pfl.errors import ConfigError
 
 Trainable = Literal["all", "global", "local"]
 
@@ -24,6 +25,14 @@ class Phase:
 
     trainable: Trainable
     epochs: int
+
+
+def require_at_least(section: str, params: object, minimum: float, *keys: str) -> None:
+    """Raise a one-line ConfigError for the first option in `keys` below `minimum`."""
+    for key in keys:
+        value = getattr(params, key)
+        if value < minimum:
+            raise ConfigError(f"{section}.{key}: got {value}, expected >= {minimum}")
 
 
 @dataclass

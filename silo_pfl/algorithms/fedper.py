@@ -3,8 +3,7 @@
 from dataclasses import dataclass
 
 from silo_pfl.algorithms import register
-from silo_pfl.algorithms.base import Algorithm, Phase
-from silo_pfl.errors import ConfigError
+from silo_pfl.algorithms.base import Algorithm, Phase, require_at_least
 
 
 @dataclass
@@ -14,10 +13,7 @@ class FedPerParams:
     head_warmup_epochs: int = 0  # head-only epochs before the joint epochs, each round
 
     def validate(self) -> None:
-        if self.head_warmup_epochs < 0:
-            raise ConfigError(
-                f"algorithm.fedper.head_warmup_epochs: got {self.head_warmup_epochs}, expected >= 0"
-            )
+        require_at_least("algorithm.fedper", self, 0, "head_warmup_epochs")
 
 
 @register

@@ -3,8 +3,7 @@
 from dataclasses import dataclass
 
 from silo_pfl.algorithms import register
-from silo_pfl.algorithms.base import Algorithm, Phase
-from silo_pfl.errors import ConfigError
+from silo_pfl.algorithms.base import Algorithm, Phase, require_at_least
 
 
 @dataclass
@@ -15,11 +14,7 @@ class FedRepParams:
     body_epochs: int = 1  # body only, head frozen
 
     def validate(self) -> None:
-        for key in ("head_epochs", "body_epochs"):
-            if getattr(self, key) < 0:
-                raise ConfigError(
-                    f"algorithm.fedrep.{key}: got {getattr(self, key)}, expected >= 0"
-                )
+        require_at_least("algorithm.fedrep", self, 0, "head_epochs", "body_epochs")
 
 
 @register
