@@ -66,6 +66,7 @@ def main() -> None:
             f"{name:<10}{row['mean_test_accuracy']:>10.4f}{row['std_over_seeds']:>9.4f}"
             f"{row['worst_test_accuracy']:>8.4f}{row['max_wall_seconds']:>8.1f}"
         )
+    gaps = _gaps(rows, args.seeds)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(
@@ -74,10 +75,26 @@ def main() -> None:
                     "overrides": args.overrides,
                     "seeds": args.seeds,
                     "results": rows,
+                    "gaps": gaps,
                 },
                 fh,
                 indent=2,
             )
+
+
+def _gaps(rows: dict[str, dict], seeds: list[int]) -> dict[str, dict]:
+    """The first algorithm minus each other one, in points, per seed and over the seeds; printed."""
+    names = list(rows)
+    gaps = {}
+    for other in names[1:]:
+        per_seed = [
+            100 * (a - b)
+            for a, b in zip(rows[names[0]]["per_seed"], rows[other]["per_seed"], strict=True)
+        ]
+        gaps[other] = {"per_seed_points": per_seed, "mean_points": float(np.mean(per_seed))}
+        listed = ", ".join(f"seed {s}: {g:+.1f}" for s, g in zip(seeds, per_seed, strict=True))
+        print(f"{names[0]} - {other}: {np.mean(per_seed):+.1f} points on average ({listed})")
+    return gaps
 
 
 if __name__ == "__main__":

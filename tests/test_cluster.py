@@ -50,7 +50,11 @@ def cluster(tmp_path_factory):
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _run(tmp_path: Path, address: str, *overrides: str) -> subprocess.CompletedProcess:
+def _run(
+    tmp_path: Path, address: str | None, *overrides: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """The CLI on the heart-disease job, 2 rounds, per-node placement; address=None sets none."""
+    joined = [f"ray.address={address}"] if address else []
     return subprocess.run(
         [
             sys.executable,
@@ -59,7 +63,7 @@ def _run(tmp_path: Path, address: str, *overrides: str) -> subprocess.CompletedP
             "run",
             "jobs/heart_disease.yaml",
             "rounds=2",
-            f"ray.address={address}",
+            *joined,
             "ray.placement=per_node",
             f"output_dir={tmp_path / 'runs'}",
             "tracking.enabled=false",
@@ -69,12 +73,19 @@ def _run(tmp_path: Path, address: str, *overrides: str) -> subprocess.CompletedP
         capture_output=True,
         text=True,
         timeout=600,
+        env=env,
     )
 
 
-def test_each_silo_runs_on_its_own_node(cluster, tmp_path):
+@pytest.mark.parametrize("joined_by", ["ray.address", "RAY_ADDRESS"])
+def test_each_silo_runs_on_its_own_node(cluster, tmp_path, joined_by):
+    """Joined by the config key, or (as a Ray Job's driver is) by the RAY_ADDRESS variable."""
     results = tmp_path / "results.json"
-    proc = _run(tmp_path, cluster["address"], "--results", str(results))
+    if joined_by == "ray.address":
+        proc = _run(tmp_path, cluster["address"], "--results", str(results))
+    else:
+        env = {**os.environ, "RAY_ADDRESS": cluster["address"]}
+        proc = _run(tmp_path, None, "--results", str(results), env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     silos = json.loads(results.read_text())["silos"]
     placed = {name: silos[name]["node_id"] for name in SILOS}
