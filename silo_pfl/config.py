@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,7 +118,22 @@ class FederationConfig:
     silos: dict[str, SiloConfig] = field(default_factory=dict)  # silo name -> its settings
 
 
-def _omegaconf_error(exc: OmegaConfBaseException) -> ConfigError:
+def _known_keys(schema: Any, key: str) -> str:
+    """The keys allowed beside `key` in the dataclass `schema`, as '; allowed: a, b' (or '')."""
+    kind: Any = schema if isinstance(schema, type) else type(schema)
+    parts = key.split(".")[:-1]
+    while parts and dataclasses.is_dataclass(kind):
+        hint = typing.get_type_hints(kind).get(parts.pop(0))
+        if typing.get_origin(hint) is dict and parts:
+            parts.pop(0)
+            hint = typing.get_args(hint)[1]
+        kind = hint
+    if parts or not dataclasses.is_dataclass(kind):
+        return ""
+    return "; allowed: " + ", ".join(f.name for f in dataclasses.fields(kind))
+
+
+def _omegaconf_error(exc: OmegaConfBaseException, schema: Any = None) -> ConfigError:
     """Turn OmegaConf's multi-line error into one line that names the key."""
     key = getattr(exc, "full_key", None) or ""
     reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -129,7 +145,7 @@ def _omegaconf_error(exc: OmegaConfBaseException) -> ConfigError:
     elif "is not a ListConfig" in reason:
         reason = "expected a list, e.g. [32, 16]"
     elif "Key '" in reason and "not in" in reason:
-        reason = "unknown key"
+        reason = "unknown key" + (_known_keys(schema, key) if schema is not None else "")
     elif "issing mandatory value" in reason:
         reason = "required value is missing"
     return ConfigError(f"{key}: {reason}" if key else reason)
@@ -139,7 +155,7 @@ def _merge(schema: Any, *parts: Any) -> DictConfig:
     try:
         return OmegaConf.merge(OmegaConf.structured(schema), *parts)
     except OmegaConfBaseException as exc:
-        raise _omegaconf_error(exc) from None
+        raise _omegaconf_error(exc, schema) from None
 
 
 def _parse_overrides(overrides: list[str]) -> DictConfig:

@@ -35,7 +35,9 @@ def test_every_job_loads():
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (["roundz=3"], "roundz: unknown key"),
+        (["roundz=3"], "roundz: unknown key; allowed: name, rounds, seed"),
+        (["train.lrate=0.1"], "train.lrate: unknown key; allowed: local_epochs, batch_size"),
+        (["silos.cleveland.uri=x"], "silos.cleveland.uri: unknown key; allowed: tracking_uri"),
         (["train.lr=fast"], "train.lr"),
         (["rounds=0"], "rounds: got 0, expected an integer >= 1"),
         (["train.lr=-0.1"], "train.lr: got -0.1, expected a number > 0"),
@@ -51,6 +53,8 @@ def test_every_job_loads():
         (["split.local=[head,tail]"], "split.local[1]: got 'tail'"),
         (["eval.selection=best_test"], "eval.selection"),
         (["data.val_fraction=1.5"], "data.val_fraction"),
+        (["data.num_silos=3"], "data.num_silos: not used by data.source=heart_disease; its opt"),
+        (["data.paths.a=/x.csv"], "data.paths: not used by data.source=heart_disease"),
         (["rounds"], "expected key=value"),
     ],
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from types import ModuleType
 
@@ -35,7 +36,22 @@ def validate_data_config(cfg: DataConfig) -> None:
         raise ConfigError(f"data.val_fraction: got {cfg.val_fraction}, expected 0 <= value < 1")
     if not 0.0 < cfg.test_fraction < 1.0:
         raise ConfigError(f"data.test_fraction: got {cfg.test_fraction}, expected 0 < value < 1")
-    _source(cfg).validate(cfg)
+    source = _source(cfg)
+    _reject_unused_options(cfg, source.OPTIONS)
+    source.validate(cfg)
+
+
+def _reject_unused_options(cfg: DataConfig, used: tuple[str, ...]) -> None:
+    """A data.* key set away from its default that this source never reads is an error."""
+    defaults = DataConfig(source=cfg.source)
+    for option in dataclasses.fields(DataConfig):
+        name = option.name
+        if name == "source" or name in used:
+            continue
+        if getattr(cfg, name) != getattr(defaults, name):
+            raise ConfigError(
+                f"data.{name}: not used by data.source={cfg.source}; its options: {', '.join(used)}"
+            )
 
 
 def silo_names(cfg: DataConfig) -> list[str]:

@@ -30,6 +30,10 @@ from silo_pfl.seeding import numpy_rng
 EXAMPLE = "data.paths.hospital_a=/data/a.csv"
 
 
+# The data.* keys this source reads (besides data.source).
+OPTIONS = ("val_fraction", "test_fraction", "paths", "label_column")
+
+
 def validate(cfg: DataConfig) -> None:
     """Check that every silo has a path and that a label column is named."""
     if not cfg.paths:

@@ -59,6 +59,10 @@ class FeatureShift:
     geometry: str  # one of GEOMETRIES
 
 
+# The data.* keys this source reads (besides data.source).
+OPTIONS = ("val_fraction", "test_fraction", "num_silos", "partition", "alpha", "classes_per_silo")
+
+
 def validate(cfg: DataConfig) -> None:
     """Check the digits keys of the config."""
     if not 1 <= cfg.num_silos <= MAX_SILOS:

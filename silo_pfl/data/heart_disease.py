@@ -54,6 +54,10 @@ FEATURE_NAMES = NUMERIC_COLUMNS + tuple(
 NUM_CLASSES = 2
 
 
+# The data.* keys this source reads (besides data.source).
+OPTIONS = ("val_fraction",)
+
+
 def validate(cfg: DataConfig) -> None:
     """Nothing to check: the hospitals and their split are fixed."""
 
