@@ -143,3 +143,21 @@ def test_bad_csv_file_is_one_clear_error_through_ray(tmp_path, capsys):
     assert code != 0
     assert err.count("\n") == 0 and "Traceback" not in err
     assert "silo beta" in err and "missing.csv" in err
+
+
+def test_a_dead_silo_actor_is_reported_by_name(job):
+    import ray
+
+    from silo_pfl.config import to_dict
+    from silo_pfl.errors import FederationError
+    from silo_pfl.runtime.actors import get, start_silo, stop
+
+    cfg = job("jobs/heart_disease.yaml", "tracking.enabled=false")
+    actor = start_silo(cfg, to_dict(cfg), "hungarian")
+    ray.kill(actor, no_restart=True)
+    with pytest.raises(FederationError) as info:
+        get(actor.setup.remote(), "silo set-up")
+    stop([actor])
+    message = str(info.value)
+    assert message.startswith("silo set-up: silo hungarian died (")
+    assert "\n" not in message

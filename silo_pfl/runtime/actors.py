@@ -15,6 +15,8 @@ from silo_pfl.server import Server
 from silo_pfl.silo import Silo
 
 HEAD_RESOURCE = "node:__internal_head__"
+# Actor id (hex) -> what it is ("silo va", "the server"), so a death can be reported by name.
+_ROLES: dict[str, str] = {}
 
 
 class SiloActor(Silo):
@@ -41,7 +43,7 @@ def start_silo(cfg: FederationConfig, config: dict[str, Any], silo: str) -> Any:
                 f"{silo_resource(silo)!r}; start its node with --resources "
                 f"'{{\"{silo_resource(silo)}\": 1}}'"
             )
-    return ray.remote(SiloActor).options(**options).remote(config, silo)
+    return _named(ray.remote(SiloActor).options(**options).remote(config, silo), f"silo {silo}")
 
 
 def start_server(
@@ -51,7 +53,14 @@ def start_server(
     options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
     if cfg.ray.placement == "per_node":
         options["resources"] = {HEAD_RESOURCE: 0.001}
-    return ray.remote(Server).options(**options).remote(config, tuple(input_shape), num_classes)
+    server = ray.remote(Server).options(**options).remote(config, tuple(input_shape), num_classes)
+    return _named(server, "the server")
+
+
+def _named(actor: Any, role: str) -> Any:
+    """Remember what `actor` is, for error messages."""
+    _ROLES[actor._actor_id.hex()] = role
+    return actor
 
 
 def _resource_offered(name: str) -> bool:
@@ -71,10 +80,13 @@ def get(refs: Any, what: str, timeout: float | None = None) -> Any:
     except ray.exceptions.GetTimeoutError:
         raise FederationError(f"{what}: no answer within {timeout} s") from None
     except ray.exceptions.RayActorError as exc:
-        raise FederationError(f"{what}: an actor died ({type(exc).__name__})") from exc
+        who = _ROLES.get(getattr(exc, "actor_id", None) or "", "an actor")
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise FederationError(f"{what}: {who} died ({type(exc).__name__}: {first})") from exc
 
 
 def stop(actors: Sequence[Any]) -> None:
     """Stop actors; they hold no state the run still needs."""
     for actor in actors:
         ray.kill(actor, no_restart=True)
+        _ROLES.pop(actor._actor_id.hex(), None)
