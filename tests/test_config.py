@@ -49,6 +49,7 @@ def test_every_job_loads():
             "algorithm.fedrep.head_epoch: unknown option of fedrep",
         ),
         (["algorithm.fedper.head_warmup_epochs=-1"], "algorithm.fedper.head_warmup_epochs: got -1"),
+        (["algorithm.fedprox.mu=-0.5"], "algorithm.fedprox.mu: got -0.5, expected >= 0"),
         (["data.source=mnist"], "data.source: got 'mnist'"),
         (["split.local=[head,tail]"], "split.local[1]: got 'tail'"),
         (["eval.selection=best_test"], "eval.selection"),

@@ -47,10 +47,10 @@ def test_same_seed_gives_identical_results(job):
     assert _comparable(first) != _comparable(other)
 
 
-def test_fedavg_one_silo_one_round_equals_plain_local_sgd(job):
+def _one_silo_one_round(job, *overrides: str):
+    """Run a 1-silo, 1-round federation of 3 full-batch epochs; return (config, global state)."""
     cfg = job(
         "jobs/digits_label_skew.yaml",
-        "algorithm.name=fedavg",
         "tracking.enabled=false",
         "data.num_silos=1",
         "data.partition=iid",
@@ -59,25 +59,46 @@ def test_fedavg_one_silo_one_round_equals_plain_local_sgd(job):
         "train.batch_size=100000",
         "train.lr=0.1",
         "train.momentum=0",
+        *overrides,
     )
-    result = Federation(cfg).run()
-    federated = np.load(result.global_state_path)
+    return cfg, np.load(Federation(cfg).run().global_state_path)
 
+
+def _plain_sgd(cfg, mu: float = 0.0) -> dict[str, np.ndarray]:
+    """The same 3 full-batch steps with torch.optim.SGD, plus (mu / 2) * ||w - w0||^2."""
     data = load_silo_data(cfg.data, "silo_0", cfg.seed)
     model = init_model(cfg, data.input_shape, data.num_classes)
+    start = [p.detach().clone() for p in model.parameters()]
     x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(3):
         optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        prox = sum((p - p0).pow(2).sum() for p, p0 in zip(model.parameters(), start, strict=True))
+        (loss + 0.5 * mu * prox).backward()
         optimizer.step()
-    plain = model.state_dict()
+    return {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+def test_fedavg_one_silo_one_round_equals_plain_local_sgd(job):
+    cfg, federated = _one_silo_one_round(job, "algorithm.name=fedavg")
+    plain = _plain_sgd(cfg)
     assert set(federated.files) == set(plain)
     for key in plain:
-        np.testing.assert_allclose(federated[key], plain[key].numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(federated[key], plain[key], rtol=1e-5, atol=1e-6)
     # The update really moved the weights: the comparison is not between two initial models.
+    data = load_silo_data(cfg.data, "silo_0", cfg.seed)
     initial = init_model(cfg, data.input_shape, data.num_classes).state_dict()
     assert not np.allclose(federated["head.weight"], initial["head.weight"].numpy())
+
+
+def test_fedprox_adds_its_proximal_term_to_the_shared_loop(job):
+    cfg, federated = _one_silo_one_round(job, "algorithm.name=fedprox", "algorithm.fedprox.mu=5")
+    with_prox, without = _plain_sgd(cfg, mu=5.0), _plain_sgd(cfg)
+    for key in with_prox:
+        np.testing.assert_allclose(federated[key], with_prox[key], rtol=1e-5, atol=1e-6)
+    # The term matters at this mu: FedProx's update is not FedAvg's.
+    assert not np.allclose(with_prox["body.conv1.weight"], without["body.conv1.weight"], atol=1e-4)
 
 
 def test_cli_run_writes_results_json(tmp_path, capsys):
