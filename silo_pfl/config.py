@@ -72,6 +72,14 @@ class EvalConfig:
 
 
 @dataclass
+class AggregationConfig:
+    """How the server combines the silos' updates."""
+
+    # Pairwise masking (silo_pfl.secure_aggregation): the server sees only the sum of updates.
+    secure: bool = False
+
+
+@dataclass
 class RayConfig:
     """Where the federation runs."""
 
@@ -113,6 +121,7 @@ class FederationConfig:
     split: SplitConfig = field(default_factory=SplitConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     silos: dict[str, SiloConfig] = field(default_factory=dict)  # silo name -> its settings
@@ -217,7 +226,7 @@ def _check_ranges(cfg: FederationConfig) -> None:
 def _check_choices(cfg: FederationConfig) -> None:
     """Checks that consult the registries: algorithm, model, data source, split rules."""
     from silo_pfl.algorithms import algorithm_config
-    from silo_pfl.data import validate_data_config
+    from silo_pfl.data import silo_names, validate_data_config
     from silo_pfl.models import MODEL_NAMES
     from silo_pfl.split import parse_rules
 
@@ -231,6 +240,10 @@ def _check_choices(cfg: FederationConfig) -> None:
     if cfg.model.hidden and min(cfg.model.hidden) < 1:
         raise ConfigError(f"model.hidden: got {list(cfg.model.hidden)}, expected widths >= 1")
     validate_data_config(cfg.data)
+    if cfg.aggregation.secure and len(silo_names(cfg.data)) < 2:
+        raise ConfigError(
+            "aggregation.secure: needs at least 2 silos, so that no single update can be unmasked"
+        )
     if cfg.split.local is not None:
         parse_rules(cfg.split.local)
     _check_silos(cfg)

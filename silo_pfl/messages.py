@@ -19,6 +19,7 @@ class SiloInfo:
     input_shape: tuple[int, ...]
     num_classes: int
     node_id: str = ""
+    public_key: bytes = b""  # X25519, only under aggregation.secure
 
 
 @dataclass(frozen=True)
@@ -32,12 +33,16 @@ class SplitInfo:
 
 @dataclass(frozen=True)
 class SiloUpdate:
-    """One silo's contribution to a round: a delta of the global keys, and its weight."""
+    """One silo's contribution to a round: a delta of the global keys, and its weight.
+
+    Under secure aggregation `delta` is empty and `num_examples` 0: both travel inside `masked`.
+    """
 
     silo: str
     round: int
     num_examples: int
     delta: dict[str, np.ndarray]
+    masked: np.ndarray | None = None  # uint64, see silo_pfl.secure_aggregation
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import numpy as np
 from silo_pfl.aggregation import State, apply_delta, weighted_mean
 from silo_pfl.config import from_dict
 from silo_pfl.messages import SiloUpdate
+from silo_pfl.secure_aggregation import decode_mean, masked_sum, vector_length
 from silo_pfl.silo import init_model, split_rules
 from silo_pfl.split import compute_split
 
@@ -18,7 +19,10 @@ GLOBAL_STATE_FILE = "global_state.npz"
 
 
 class Server:
-    """Aggregates the silos' deltas of the global keys, weighted by their training examples."""
+    """Aggregates the silos' deltas of the global keys, weighted by their training examples.
+
+    Under aggregation.secure it receives only masked vectors and learns only their sum.
+    """
 
     def __init__(
         self, config: dict[str, Any], input_shape: Sequence[int], num_classes: int
@@ -28,13 +32,36 @@ class Server:
         self.split = compute_split(model, split_rules(self.cfg))
         state = model.state_dict()
         self.state: State = {k: state[k].numpy().copy() for k in self.split.global_keys}
+        self.shapes = {k: v.shape for k, v in self.state.items()}
+        self.secure = self.cfg.aggregation.secure
         self.round = 0
 
     def global_state(self) -> State:
         """The current global keys."""
         return self.state
 
+    def _check_masked(self, update: SiloUpdate) -> None:
+        """Under secure aggregation only a masked vector of the right length is accepted."""
+        masked = update.masked
+        if masked is None or update.delta or update.num_examples:
+            raise ValueError(
+                f"update from silo {update.silo}: aggregation.secure is on, but the update is "
+                "not masked"
+            )
+        if masked.dtype != np.uint64 or masked.shape != (vector_length(self.shapes),):
+            raise ValueError(
+                f"update from silo {update.silo}: masked vector of {masked.dtype} "
+                f"{masked.shape}, expected uint64 ({vector_length(self.shapes)},)"
+            )
+
     def _check(self, update: SiloUpdate) -> None:
+        if self.secure:
+            self._check_masked(update)
+            return
+        if update.masked is not None:
+            raise ValueError(
+                f"update from silo {update.silo}: masked, but aggregation.secure is off"
+            )
         keys = set(update.delta)
         expected = set(self.state)
         if keys != expected:
@@ -59,9 +86,13 @@ class Server:
         for update in ordered:
             self._check(update)
         self.round += 1
-        if self.state:
+        if not self.state:
+            return self.state
+        if self.secure:
+            mean = decode_mean(masked_sum([u.masked for u in ordered]), self.shapes)
+        else:
             mean = weighted_mean([u.delta for u in ordered], [u.num_examples for u in ordered])
-            self.state = apply_delta(self.state, mean)
+        self.state = apply_delta(self.state, mean)
         return self.state
 
     def save(self, directory: str) -> str:

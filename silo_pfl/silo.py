@@ -29,6 +29,7 @@ from silo_pfl.messages import (
     SplitInfo,
 )
 from silo_pfl.models import BodyHeadModel, build_model
+from silo_pfl.secure_aggregation import Masker, vector_length
 from silo_pfl.seeding import derive_seed, seed_everything
 from silo_pfl.split import Split, compute_split
 from silo_pfl.training import evaluate, make_optimizer, to_tensors, train_epochs
@@ -93,6 +94,7 @@ class Silo:
         self._last: EvalMetrics | None = None
         self._selected: EvalMetrics | None = None
         self._exporters: dict[str, SiloExporter] = {}
+        self._masker: Masker | None = None
 
     def setup(self) -> SiloInfo:
         """Load this silo's private data and start with a fresh directory; report sizes only."""
@@ -106,6 +108,8 @@ class Silo:
         if self.dir.exists():
             shutil.rmtree(self.dir)
         self.dir.mkdir(parents=True)
+        if self.cfg.aggregation.secure:
+            self._masker = Masker(self.cfg.name, self.name)
         return SiloInfo(
             silo=self.name,
             num_train=data.num_train_total,
@@ -114,19 +118,33 @@ class Silo:
             num_test=len(data.y_test),
             input_shape=data.input_shape,
             num_classes=data.num_classes,
+            public_key=self._masker.public_key() if self._masker else b"",
         )
 
-    def build(self, input_shape: tuple[int, ...], num_classes: int) -> SplitInfo:
-        """Build the federation's model (the classes of all silos) and this silo's split."""
+    def build(
+        self,
+        input_shape: tuple[int, ...],
+        num_classes: int,
+        public_keys: dict[str, bytes] | None = None,
+    ) -> SplitInfo:
+        """Build the federation's model (the classes of all silos) and this silo's split.
+
+        Under secure aggregation, `public_keys` (every silo's) give the keys shared with peers.
+        """
         if tuple(input_shape) != self.data.input_shape:
             raise ValueError(f"silo {self.name}: inputs {self.data.input_shape}, not {input_shape}")
         self.model = init_model(self.cfg, tuple(input_shape), num_classes)
         self.num_classes = num_classes
         self.split: Split = compute_split(self.model, split_rules(self.cfg))
+        sent = self.split.global_bytes
+        if self._masker is not None:
+            self._masker.pair_with(public_keys or {})
+            state = self.model.state_dict()
+            sent = 8 * vector_length({k: tuple(state[k].shape) for k in self.split.global_keys})
         return SplitInfo(
             global_parameters=self.split.global_parameters,
             local_parameters=self.split.local_parameters,
-            bytes_sent_per_round=self.split.global_bytes,
+            bytes_sent_per_round=sent,
         )
 
     def _load_global(self, global_state: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -179,15 +197,22 @@ class Silo:
         delta = {k: (state[k] - reference[k]).numpy() for k in self.split.global_keys}
         payload = self.split.outgoing(delta)
         torch.save({k: state[k] for k in self.split.local_keys}, self.dir / LOCAL_STATE_FILE)
+        num_examples = len(self.train_xy[1])
+        if self._masker is None:
+            update = SiloUpdate(self.name, round_, num_examples, payload)
+            sent = sum(v.nbytes for v in payload.values())
+        else:
+            masked = self._masker.mask(payload, num_examples, round_)
+            update = SiloUpdate(self.name, round_, 0, {}, masked=masked)
+            sent = masked.nbytes
         finite = [loss for loss in losses if np.isfinite(loss)]
         metrics = FitMetrics(
             silo=self.name,
             round=round_,
             train_loss=float(np.mean(finite)) if finite else float("nan"),
             train_seconds=time.perf_counter() - start,
-            bytes_sent=sum(v.nbytes for v in payload.values()),
+            bytes_sent=sent,
         )
-        update = SiloUpdate(self.name, round_, len(self.train_xy[1]), payload)
         return update, metrics
 
     def evaluate(self, global_state: dict[str, np.ndarray], round_: int) -> EvalMetrics:

@@ -31,19 +31,21 @@ def _arrays_and_keys(value, keys: set[str], arrays: list[np.ndarray]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("algorithm", "model", "source"),
+    ("algorithm", "model", "source", "secure"),
     [
-        ("fedper", "mlp", "heart_disease"),
-        ("fedrep", "mlp", "heart_disease"),
-        ("fedbn", "cnn_small_bn", "digits"),
+        ("fedper", "mlp", "heart_disease", False),
+        ("fedper", "mlp", "heart_disease", True),
+        ("fedrep", "mlp", "heart_disease", False),
+        ("fedbn", "cnn_small_bn", "digits", False),
     ],
 )
-def test_nothing_a_silo_hands_out_holds_a_local_key(job, algorithm, model, source):
+def test_nothing_a_silo_hands_out_holds_a_local_key(job, algorithm, model, source, secure):
     path = (
         "jobs/heart_disease.yaml" if source == "heart_disease" else "jobs/digits_feature_shift.yaml"
     )
     fewer = () if source == "heart_disease" else ("data.num_silos=2",)
-    cfg = job(path, f"algorithm.name={algorithm}", f"model.name={model}", *fewer)
+    options = (f"algorithm.name={algorithm}", f"model.name={model}", f"aggregation.secure={secure}")
+    cfg = job(path, *options, *fewer)
     config = to_dict(cfg)
     silos = (
         [Silo(config, name) for name in ("cleveland", "va")]
@@ -52,7 +54,8 @@ def test_nothing_a_silo_hands_out_holds_a_local_key(job, algorithm, model, sourc
     )
     handed_out = [silo.setup() for silo in silos]
     shape, classes = handed_out[0].input_shape, handed_out[0].num_classes
-    handed_out += [silo.build(shape, classes) for silo in silos]
+    keys = {info.silo: info.public_key for info in handed_out if info.public_key}
+    handed_out += [silo.build(shape, classes, keys) for silo in silos]
     server = Server(config, shape, classes)
     local_keys = set(silos[0].split.local_keys)
     assert local_keys, "the algorithm under test keeps some keys local"

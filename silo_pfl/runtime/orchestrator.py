@@ -89,8 +89,12 @@ class Orchestrator:
                     actors[name] = start_silo(self.cfg, config, name)
                 infos = get([a.setup.remote() for a in actors.values()], "silo set-up")
                 input_shape, num_classes = _model_shape(infos)
+                public_keys = {i.silo: i.public_key for i in infos if i.public_key}
                 split: SplitInfo = get(
-                    [a.build.remote(input_shape, num_classes) for a in actors.values()],
+                    [
+                        a.build.remote(input_shape, num_classes, public_keys)
+                        for a in actors.values()
+                    ],
                     "silo model",
                 )[0]
                 server = start_server(self.cfg, config, input_shape, num_classes)
