@@ -6,29 +6,23 @@
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
 import tempfile
 
 import numpy as np
-import ray
+from common import job_parser, start_local_ray
 
 from silo_pfl.config import load_config
 from silo_pfl.federation import Federation
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("job")
-    parser.add_argument("overrides", nargs="*")
+    parser = job_parser(__doc__)
     parser.add_argument("--algorithms", nargs="+", default=["fedper", "fedavg"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--out", help="write the table as JSON here")
     args = parser.parse_args()
-    ray.init(
-        address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING
-    )
+    start_local_ray()
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for algorithm in args.algorithms:

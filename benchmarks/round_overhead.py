@@ -11,13 +11,11 @@ fixed cost of a round).
 
 from __future__ import annotations
 
-import argparse
-import logging
 import statistics
 import tempfile
 import time
 
-import ray
+from common import job_parser, start_local_ray
 
 from silo_pfl.config import load_config, to_dict
 from silo_pfl.data import silo_names
@@ -51,14 +49,10 @@ def in_process(cfg) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("job", nargs="?", default="jobs/digits_label_skew.yaml")
-    parser.add_argument("overrides", nargs="*")
+    parser = job_parser(__doc__, "jobs/digits_label_skew.yaml")
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
-    ray.init(
-        address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING
-    )
+    start_local_ray()
     print(f"{args.job} {' '.join(args.overrides)}, {args.rounds} rounds, median of rounds 2..")
     with tempfile.TemporaryDirectory() as tmp:
         for label, extra in (

@@ -12,14 +12,13 @@ against the plain weighted mean, on vectors of the job's global size.
 
 from __future__ import annotations
 
-import argparse
-import logging
 import statistics
 import tempfile
 import time
 
 import numpy as np
 import ray
+from common import job_parser, start_local_ray
 
 from silo_pfl.aggregation import weighted_mean
 from silo_pfl.config import load_config
@@ -79,14 +78,10 @@ def masking_alone(num_silos: int, shapes: dict[str, tuple[int, ...]]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("job", nargs="?", default="jobs/digits_label_skew.yaml")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    parser = job_parser(__doc__, "jobs/digits_label_skew.yaml")
     parser.add_argument("--pairs", type=int, default=3)
     args = parser.parse_args()
-    ray.init(
-        address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING
-    )
+    start_local_ray()
     rounds: dict[bool, list[float]] = {False: [], True: []}
     with tempfile.TemporaryDirectory() as tmp:
         for pair in range(args.pairs):

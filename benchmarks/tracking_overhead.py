@@ -12,14 +12,13 @@ the median of the pair ratios, which one pair disturbed by other work on the mac
 
 from __future__ import annotations
 
-import argparse
-import logging
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import ray
+from common import job_parser, start_local_ray
 
 from silo_pfl.config import load_config
 from silo_pfl.federation import Federation
@@ -42,14 +41,10 @@ def timed_run(job: str, overrides: list[str], tracking: bool, tmp: Path) -> tupl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("job", nargs="?", default="jobs/heart_disease.yaml")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    parser = job_parser(__doc__, "jobs/heart_disease.yaml")
     parser.add_argument("--pairs", type=int, default=3)
     args = parser.parse_args()
-    ray.init(
-        address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING
-    )
+    start_local_ray()
     seconds: dict[bool, list[float]] = {False: [], True: []}
     ratios = []
     with tempfile.TemporaryDirectory() as tmp:
