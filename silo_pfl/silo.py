@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from torch import nn
 
 from silo_pfl.algorithms import build_algorithm
 from silo_pfl.algorithms.base import Phase
@@ -32,7 +33,7 @@ from silo_pfl.models import BodyHeadModel, build_model
 from silo_pfl.secure_aggregation import Masker, vector_length
 from silo_pfl.seeding import derive_seed, seed_everything
 from silo_pfl.split import Split, compute_split
-from silo_pfl.training import evaluate, make_optimizer, to_tensors, train_epochs
+from silo_pfl.training import ExtraLoss, evaluate, make_optimizer, to_tensors, train_epochs
 
 LOCAL_STATE_FILE = "local_state.pt"
 PERSONALIZED_FILE = "personalized_model.pt"
@@ -95,6 +96,7 @@ class Silo:
         self._selected: EvalMetrics | None = None
         self._exporters: dict[str, SiloExporter] = {}
         self._masker: Masker | None = None
+        self._evaluated: nn.Module | None = None  # the model the last evaluate() judged
 
     def setup(self) -> SiloInfo:
         """Load this silo's private data and start with a fresh directory; report sizes only."""
@@ -155,7 +157,16 @@ class Silo:
         self.model.load_state_dict(incoming, strict=False)
         return incoming
 
-    def _run_phase(self, phase: Phase, reference: dict[str, torch.Tensor], round_: int) -> float:
+    def train(
+        self,
+        model: nn.Module,
+        phase: Phase,
+        round_: int,
+        extra_loss: ExtraLoss | None,
+        purpose: str = "",
+    ) -> float:
+        """One phase of the shared loop on `model` (this silo's model, or a personal copy an
+        algorithm keeps) over this silo's training rows; returns the mean batch loss."""
         keys = {
             "all": None,
             "global": set(self.split.global_keys),
@@ -163,27 +174,28 @@ class Silo:
         }
         chosen = keys[phase.trainable]
         params = []
-        for name, param in self.model.named_parameters():
+        for name, param in model.named_parameters():
             param.requires_grad_(chosen is None or name in chosen)
             if param.requires_grad:
                 params.append(param)
         try:
             if not params or phase.epochs == 0:
                 return float("nan")
+            tags = (purpose, phase.trainable) if purpose else (phase.trainable,)
             generator = torch.Generator().manual_seed(
-                derive_seed(self.cfg.seed, "shuffle", self.name, round_, phase.trainable)
+                derive_seed(self.cfg.seed, "shuffle", self.name, round_, *tags)
             )
             return train_epochs(
-                self.model,
+                model,
                 *self.train_xy,
                 epochs=phase.epochs,
                 batch_size=self.cfg.train.batch_size,
                 optimizer=make_optimizer(params, self.cfg.train),
                 generator=generator,
-                extra_loss=lambda model: self.algorithm.extra_loss(model, reference),
+                extra_loss=extra_loss,
             )
         finally:
-            for param in self.model.parameters():
+            for param in model.parameters():
                 param.requires_grad_(True)
 
     def fit(
@@ -192,11 +204,17 @@ class Silo:
         """One round of local training; returns the delta of the global keys only."""
         start = time.perf_counter()
         reference = self._load_global(global_state)
-        losses = [self._run_phase(phase, reference, round_) for phase in self.algorithm.phases()]
+        loss_term = self.algorithm.extra_loss
+        losses = [
+            self.train(self.model, phase, round_, lambda model: loss_term(model, reference))
+            for phase in self.algorithm.phases()
+        ]
         state = self.model.state_dict()
         delta = {k: (state[k] - reference[k]).numpy() for k in self.split.global_keys}
         payload = self.split.outgoing(delta)
-        torch.save({k: state[k] for k in self.split.local_keys}, self.dir / LOCAL_STATE_FILE)
+        self.algorithm.after_fit(self, reference, round_)
+        local = {k: state[k] for k in self.split.local_keys}
+        torch.save({**local, **self.algorithm.local_state()}, self.dir / LOCAL_STATE_FILE)
         num_examples = len(self.train_xy[1])
         if self._masker is None:
             update = SiloUpdate(self.name, round_, num_examples, payload)
@@ -216,10 +234,12 @@ class Silo:
         return update, metrics
 
     def evaluate(self, global_state: dict[str, np.ndarray], round_: int) -> EvalMetrics:
-        """Evaluate this round's personalized model: the new global keys with this silo's own."""
+        """Evaluate this round's personalized model: by default the new global keys with this
+        silo's own local keys; an algorithm may personalize further (fine-tuning, Ditto)."""
         self._load_global(global_state)
-        val = evaluate(self.model, *self.val_xy)
-        test = evaluate(self.model, *self.test_xy)
+        self._evaluated = self.algorithm.personalized_model(self, round_)
+        val = evaluate(self._evaluated, *self.val_xy)
+        test = evaluate(self._evaluated, *self.test_xy)
         self._last = EvalMetrics(
             self.name, round_, val.accuracy, val.loss, test.accuracy, test.loss
         )
@@ -230,7 +250,8 @@ class Silo:
         if self._last is None or self._last.round != round_:
             raise RuntimeError(f"silo {self.name}: keep({round_}) without evaluate({round_})")
         self._selected = self._last
-        torch.save(self.model.state_dict(), self.dir / PERSONALIZED_FILE)
+        assert self._evaluated is not None
+        torch.save(self._evaluated.state_dict(), self.dir / PERSONALIZED_FILE)
 
     def outcome(self) -> SiloOutcome:
         """The selected personalized model's scores."""

@@ -83,4 +83,13 @@ def build_algorithm(config: dict[str, Any], train: TrainConfig) -> Algorithm:
     return cls(cls.Params(**config.get(cls.name, {})), train)
 
 
-from silo_pfl.algorithms import fedavg, fedbn, fedper, fedprox, fedrep, local  # noqa: E402, F401
+from silo_pfl.algorithms import (  # noqa: E402, F401
+    ditto,
+    fedavg,
+    fedbn,
+    fedper,
+    fedprox,
+    fedrep,
+    finetune,
+    local,
+)

@@ -1,14 +1,16 @@
 """What an algorithm may change about the shared training loop, with defaults that are FedAvg.
 
 An algorithm is a small class: its config dataclass, the split rules it defaults to, the phases
-of its local procedure and an optional extra loss term. The silo and the orchestrator call only
-these hooks, never an algorithm by name.
+of its local procedure, an optional extra loss term, and optional personal work in the silo
+(after the round's update; when the silo's personalized model is made). Each silo has its own
+instance. The silo and the orchestrator call only these hooks, never an algorithm by name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, Protocol
 
 import torch
 from torch import nn
@@ -33,6 +35,37 @@ def require_at_least(section: str, params: object, minimum: float, *keys: str) -
         value = getattr(params, key)
         if value < minimum:
             raise ConfigError(f"{section}.{key}: got {value}, expected >= {minimum}")
+
+
+class SiloTrainer(Protocol):
+    """What a silo offers its algorithm's hooks: its model and the shared loop on its data."""
+
+    model: nn.Module  # the silo's model: the global keys it holds now, and its local keys
+
+    def train(
+        self,
+        model: nn.Module,
+        phase: Phase,
+        round_: int,
+        extra_loss: Callable[[nn.Module], torch.Tensor | None] | None,
+        purpose: str = "",
+    ) -> float:
+        """Train `model` for one phase on the silo's training rows; `purpose` seeds its shuffle."""
+        ...
+
+
+def proximal_term(
+    model: nn.Module, reference: dict[str, torch.Tensor], weight: float
+) -> torch.Tensor | None:
+    """(weight / 2) * ||w - reference||^2 over the trainable parameters named in `reference`."""
+    if weight == 0:
+        return None
+    terms = [
+        (param - reference[name]).pow(2).sum()
+        for name, param in model.named_parameters()
+        if param.requires_grad and name in reference
+    ]
+    return 0.5 * weight * torch.stack(terms).sum() if terms else None
 
 
 @dataclass
@@ -61,3 +94,14 @@ class Algorithm:
     ) -> torch.Tensor | None:
         """A term added to every batch's loss; `reference` is the round's incoming global state."""
         return None
+
+    def after_fit(self, silo: SiloTrainer, reference: dict[str, torch.Tensor], round_: int) -> None:
+        """Personal work once the round's update is made (Ditto trains its personal model)."""
+
+    def personalized_model(self, silo: SiloTrainer, round_: int) -> nn.Module:
+        """The model this silo is judged, selected and served by, made after aggregation."""
+        return silo.model
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """State this algorithm keeps in the silo, saved with the silo's local keys."""
+        return {}

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from silo_pfl.algorithms import register
-from silo_pfl.algorithms.base import Algorithm, require_at_least
+from silo_pfl.algorithms.base import Algorithm, proximal_term, require_at_least
 
 
 @dataclass
@@ -30,11 +30,4 @@ class FedProx(Algorithm):
     def extra_loss(
         self, model: nn.Module, reference: dict[str, torch.Tensor]
     ) -> torch.Tensor | None:
-        if self.params.mu == 0:
-            return None
-        terms = [
-            (param - reference[name]).pow(2).sum()
-            for name, param in model.named_parameters()
-            if param.requires_grad and name in reference
-        ]
-        return 0.5 * self.params.mu * torch.stack(terms).sum() if terms else None
+        return proximal_term(model, reference, self.params.mu)
