@@ -81,6 +81,18 @@ def test_heart_disease_registers_one_servable_model_per_hospital(tmp_path, mlflo
     assert all("champion,latest" in line and "@champion" in line for line in listing[1:])
 
 
+def test_dittos_personal_model_is_the_one_registered_and_served(tmp_path, mlflow_store):
+    cfg = load_config(
+        "jobs/heart_disease.yaml",
+        ["algorithm.name=ditto", "rounds=3", f"output_dir={tmp_path / 'runs'}"],
+    )
+    result = Federation(cfg).run()
+    for hospital in HOSPITALS:
+        uri = f"models:/heart_disease-{hospital}@champion"
+        reported = result.silos[hospital].test_accuracy
+        assert abs(raw_test_accuracy(uri, hospital) - reported) <= 0.005, hospital
+
+
 def test_silo_with_its_own_store_keeps_its_model_out_of_the_central_one(tmp_path, job, monkeypatch):
     central, own = tmp_path / "central" / "mlflow.db", tmp_path / "va_premises" / "mlflow.db"
     central.parent.mkdir()
