@@ -40,6 +40,9 @@ class ModelConfig:
 
     name: str = MISSING  # mlp | cnn_small | cnn_small_bn | resnet18
     hidden: list[int] = field(default_factory=lambda: [32])  # mlp: hidden layer widths
+    # > 0: a residual bottleneck adapter this wide after each hidden layer of the body
+    # (mlp, cnn_small, cnn_small_bn); the split rule `adapters` keeps them local.
+    adapter_dim: int = 0
 
 
 @dataclass
@@ -227,7 +230,7 @@ def _check_choices(cfg: FederationConfig) -> None:
     """Checks that consult the registries: algorithm, model, data source, split rules."""
     from silo_pfl.algorithms import algorithm_config
     from silo_pfl.data import silo_names, validate_data_config
-    from silo_pfl.models import MODEL_NAMES
+    from silo_pfl.models import ADAPTER_MODELS, MODEL_NAMES
     from silo_pfl.split import parse_rules
 
     cfg.algorithm = algorithm_config(cfg.algorithm)
@@ -237,6 +240,14 @@ def _check_choices(cfg: FederationConfig) -> None:
         f"one of {', '.join(sorted(MODEL_NAMES))}",
         cfg.model.name,
     )
+    _require(
+        cfg.model.adapter_dim >= 0, "model.adapter_dim", "an integer >= 0", cfg.model.adapter_dim
+    )
+    if cfg.model.adapter_dim and cfg.model.name not in ADAPTER_MODELS:
+        raise ConfigError(
+            f"model.adapter_dim: {cfg.model.name} has no adapters; use model.name "
+            f"{', '.join(ADAPTER_MODELS)}, or model.adapter_dim=0"
+        )
     if cfg.model.hidden and min(cfg.model.hidden) < 1:
         raise ConfigError(f"model.hidden: got {list(cfg.model.hidden)}, expected widths >= 1")
     validate_data_config(cfg.data)

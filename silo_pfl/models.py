@@ -2,7 +2,10 @@
 
 `blocks(model)` lists the model's layers in forward order, the unit that `last:K` and `first:K`
 split rules count: each module with its own parameters starts a block, and a normalisation layer
-belongs to the block before it.
+or an adapter belongs to the block before it.
+
+With `model.adapter_dim` > 0, mlp and the cnn_small models get a residual bottleneck `Adapter`
+after each hidden layer of the body (body.adapter1, ...), found by the split rule `adapters`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,25 @@ from torch import nn
 from silo_pfl.errors import ConfigError
 
 _NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
+ADAPTER_MODELS = ("mlp", "cnn_small", "cnn_small_bn")
+
+
+class Adapter(nn.Module):
+    """x + up(relu(down(x))), a bottleneck of `dim` channels (1x1 convolutions on feature maps).
+
+    `up` starts at zero, so a new adapter is the identity and the body computes what it did.
+    """
+
+    def __init__(self, width: int, dim: int, conv: bool) -> None:
+        super().__init__()
+        layer = (lambda i, o: nn.Conv2d(i, o, 1)) if conv else nn.Linear
+        self.down = layer(width, dim)
+        self.up = layer(dim, width)
+        nn.init.zeros_(self.up.weight)
+        nn.init.zeros_(self.up.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.up(torch.relu(self.down(x)))
 
 
 class BodyHeadModel(nn.Module):
@@ -30,18 +52,26 @@ class BodyHeadModel(nn.Module):
         return self.head(self.body(x))
 
 
-def mlp(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int]) -> BodyHeadModel:
+def _adapter(name: str, width: int, dim: int, conv: bool) -> list[tuple[str, nn.Module]]:
+    return [(name, Adapter(width, dim, conv))] if dim > 0 else []
+
+
+def mlp(
+    input_shape: Sequence[int], num_classes: int, hidden: Sequence[int], adapter_dim: int = 0
+) -> BodyHeadModel:
     """Fully connected layers for tabular data: body.fc1, body.fc2, ..., then head."""
-    layers: OrderedDict[str, nn.Module] = OrderedDict(flatten=nn.Flatten())
+    layers: list[tuple[str, nn.Module]] = [("flatten", nn.Flatten())]
     width = int(torch.tensor(input_shape).prod())
     for i, out in enumerate(hidden, start=1):
-        layers[f"fc{i}"] = nn.Linear(width, out)
-        layers[f"relu{i}"] = nn.ReLU()
+        layers += [(f"fc{i}", nn.Linear(width, out)), (f"relu{i}", nn.ReLU())]
+        layers += _adapter(f"adapter{i}", out, adapter_dim, conv=False)
         width = out
-    return BodyHeadModel(nn.Sequential(layers), nn.Linear(width, num_classes))
+    return BodyHeadModel(nn.Sequential(OrderedDict(layers)), nn.Linear(width, num_classes))
 
 
-def _cnn_small(input_shape: Sequence[int], num_classes: int, batchnorm: bool) -> BodyHeadModel:
+def _cnn_small(
+    input_shape: Sequence[int], num_classes: int, batchnorm: bool, adapter_dim: int
+) -> BodyHeadModel:
     channels = input_shape[0]
 
     def norm(name: str, width: int, kind: type[nn.Module]) -> list[tuple[str, nn.Module]]:
@@ -51,31 +81,38 @@ def _cnn_small(input_shape: Sequence[int], num_classes: int, batchnorm: bool) ->
         ("conv1", nn.Conv2d(channels, 16, 3, padding=1)),
         *norm("bn1", 16, nn.BatchNorm2d),
         ("relu1", nn.ReLU()),
+        *_adapter("adapter1", 16, adapter_dim, conv=True),
         ("conv2", nn.Conv2d(16, 32, 3, padding=1)),
         *norm("bn2", 32, nn.BatchNorm2d),
         ("relu2", nn.ReLU()),
+        *_adapter("adapter2", 32, adapter_dim, conv=True),
         ("pool", nn.AdaptiveAvgPool2d(2)),
         ("flatten", nn.Flatten()),
         ("fc", nn.Linear(128, 64)),
         *norm("bn3", 64, nn.BatchNorm1d),
         ("relu3", nn.ReLU()),
+        *_adapter("adapter3", 64, adapter_dim, conv=False),
     ]
     return BodyHeadModel(nn.Sequential(OrderedDict(layers)), nn.Linear(64, num_classes))
 
 
-def cnn_small(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int]) -> BodyHeadModel:
+def cnn_small(
+    input_shape: Sequence[int], num_classes: int, hidden: Sequence[int], adapter_dim: int = 0
+) -> BodyHeadModel:
     """conv 16, conv 32, pool 2x2, fc 64, head: for 8x8 digits."""
-    return _cnn_small(input_shape, num_classes, batchnorm=False)
+    return _cnn_small(input_shape, num_classes, batchnorm=False, adapter_dim=adapter_dim)
 
 
 def cnn_small_bn(
-    input_shape: Sequence[int], num_classes: int, hidden: Sequence[int]
+    input_shape: Sequence[int], num_classes: int, hidden: Sequence[int], adapter_dim: int = 0
 ) -> BodyHeadModel:
     """cnn_small with BatchNorm after each layer of the body: the FedBN model."""
-    return _cnn_small(input_shape, num_classes, batchnorm=True)
+    return _cnn_small(input_shape, num_classes, batchnorm=True, adapter_dim=adapter_dim)
 
 
-def resnet18(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int]) -> BodyHeadModel:
+def resnet18(
+    input_shape: Sequence[int], num_classes: int, hidden: Sequence[int], adapter_dim: int = 0
+) -> BodyHeadModel:
     """torchvision's ResNet-18, adapted to 32x32 RGB (3x3 stem, no max-pool); no weights fetched."""
     from torchvision.models import resnet18 as tv_resnet18
 
@@ -97,7 +134,7 @@ def resnet18(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int]
     return BodyHeadModel(body, net.fc)
 
 
-ModelFactory = Callable[[Sequence[int], int, Sequence[int]], BodyHeadModel]
+ModelFactory = Callable[[Sequence[int], int, Sequence[int], int], BodyHeadModel]
 MODELS: dict[str, ModelFactory] = {
     "mlp": mlp,
     "cnn_small": cnn_small,
@@ -108,12 +145,20 @@ MODEL_NAMES = frozenset(MODELS)
 
 
 def build_model(
-    name: str, input_shape: Sequence[int], num_classes: int, hidden: Sequence[int] = (32,)
+    name: str,
+    input_shape: Sequence[int],
+    num_classes: int,
+    hidden: Sequence[int] = (32,),
+    adapter_dim: int = 0,
 ) -> BodyHeadModel:
     """Build a model by name for inputs of `input_shape` and `num_classes` classes."""
     if name not in MODELS:
         raise ConfigError(f"model.name: got {name!r}, expected one of {', '.join(sorted(MODELS))}")
-    model = MODELS[name](tuple(input_shape), num_classes, tuple(hidden))
+    if adapter_dim and name not in ADAPTER_MODELS:
+        raise ConfigError(
+            f"model.adapter_dim: {name} has no adapters; use one of {', '.join(ADAPTER_MODELS)}"
+        )
+    model = MODELS[name](tuple(input_shape), num_classes, tuple(hidden), adapter_dim)
     if name in ("cnn_small", "cnn_small_bn") and len(input_shape) != 3:
         raise ConfigError(f"model.name: {name} needs image inputs (C, H, W), got {input_shape}")
     return model
@@ -125,7 +170,7 @@ def block_of(model: BodyHeadModel) -> dict[str, str]:
     current = ""
     for name, module in model.body.named_children():
         has_params = any(True for _ in module.parameters())
-        if has_params and not (isinstance(module, _NORM_TYPES) and current):
+        if has_params and not (isinstance(module, (*_NORM_TYPES, Adapter)) and current):
             current = f"body.{name}"
         owner[f"body.{name}"] = current or f"body.{name}"
     owner["head"] = "head"

@@ -49,7 +49,9 @@ def init_model(
 ) -> BodyHeadModel:
     """The federation's initial model: identical on every silo and on the server."""
     torch.manual_seed(derive_seed(cfg.seed, "init"))
-    return build_model(cfg.model.name, input_shape, num_classes, cfg.model.hidden)
+    return build_model(
+        cfg.model.name, input_shape, num_classes, cfg.model.hidden, cfg.model.adapter_dim
+    )
 
 
 def split_rules(cfg: FederationConfig) -> list[str]:

@@ -6,6 +6,7 @@ leaves a silo passes `Split.outgoing`, which refuses any local key.
 Rules (a key is local if any rule matches it):
   head          the classifier head
   batchnorm     every BatchNorm module, its affine parameters and running statistics
+  adapters      every Adapter module (model.adapter_dim > 0)
   all           every key: no federation
   last:K        the last K blocks (see models.blocks)
   first:K       the first K blocks
@@ -22,9 +23,9 @@ import numpy as np
 from torch import nn
 
 from silo_pfl.errors import ConfigError
-from silo_pfl.models import BodyHeadModel, block_of, blocks
+from silo_pfl.models import Adapter, BodyHeadModel, block_of, blocks
 
-RULE_HELP = "head, batchnorm, all, last:K, first:K or pattern:GLOB"
+RULE_HELP = "head, batchnorm, adapters, all, last:K, first:K or pattern:GLOB"
 
 
 class PrivacyError(RuntimeError):
@@ -54,7 +55,7 @@ def parse_rules(rules: Sequence[str]) -> list[Rule]:
     for i, text in enumerate(rules):
         kind, _, arg = str(text).partition(":")
         key = f"split.local[{i}]"
-        if kind in ("head", "batchnorm", "all") and not arg:
+        if kind in ("head", "batchnorm", "adapters", "all") and not arg:
             parsed.append(Rule(kind, "", i))
         elif kind in ("last", "first"):
             if not arg.isdigit() or int(arg) < 1:
@@ -79,13 +80,10 @@ def _matches(rule: Rule, keys: list[str], model: BodyHeadModel) -> set[str]:
         return set(keys)
     if rule.kind == "head":
         return {k for k in keys if k.startswith("head.")}
-    if rule.kind == "batchnorm":
-        bn = [
-            name + "."
-            for name, m in model.named_modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm)
-        ]
-        return {k for k in keys if any(k.startswith(prefix) for prefix in bn)}
+    if rule.kind in ("batchnorm", "adapters"):
+        kind = nn.modules.batchnorm._BatchNorm if rule.kind == "batchnorm" else Adapter
+        prefixes = [name + "." for name, m in model.named_modules() if isinstance(m, kind)]
+        return {k for k in keys if any(k.startswith(prefix) for prefix in prefixes)}
     if rule.kind in ("last", "first"):
         k = int(rule.arg)
         if k > len(order):
@@ -139,8 +137,9 @@ def compute_split(model: BodyHeadModel, rules: Sequence[str]) -> Split:
     for rule in parse_rules(rules):
         matched = _matches(rule, keys, model)
         if not matched:
+            hint = " (set model.adapter_dim > 0)" if rule.kind == "adapters" else ""
             raise ConfigError(
-                f"{rule.key}: rule {rule.text!r} matches no state_dict key of this model"
+                f"{rule.key}: rule {rule.text!r} matches no state_dict key of this model{hint}"
             )
         local |= matched
     param_names = {name for name, _ in model.named_parameters()}

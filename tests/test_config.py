@@ -51,6 +51,7 @@ def test_every_job_loads():
         (["algorithm.fedper.head_warmup_epochs=-1"], "algorithm.fedper.head_warmup_epochs: got -1"),
         (["algorithm.fedprox.mu=-0.5"], "algorithm.fedprox.mu: got -0.5, expected >= 0"),
         (["algorithm.ditto.personal_epochs=-1"], "algorithm.ditto.personal_epochs: got -1"),
+        (["model.adapter_dim=-2"], "model.adapter_dim: got -2, expected an integer >= 0"),
         (["algorithm.finetune.trainable=head"], "algorithm.finetune.trainable: got 'head'"),
         (["data.source=mnist"], "data.source: got 'mnist'"),
         (["split.local=[head,tail]"], "split.local[1]: got 'tail'"),

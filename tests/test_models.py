@@ -31,3 +31,17 @@ def test_mlp_and_resnet18_forward():
     assert [n for n, _ in mlp.body.named_children()] == ["flatten", "fc1", "relu1", "fc2", "relu2"]
     resnet = build_model("resnet18", (3, 32, 32), 10)
     assert resnet(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_a_new_adapter_is_the_identity():
+    plain = build_model("cnn_small", (1, 8, 8), 10)
+    adapted = build_model("cnn_small", (1, 8, 8), 10, adapter_dim=4)
+    missing, unexpected = adapted.load_state_dict(plain.state_dict(), strict=False)
+    assert not unexpected and missing and all(".adapter" in k for k in missing)
+    x = torch.randn(5, 1, 8, 8)
+    torch.testing.assert_close(adapted(x), plain(x))
+    mlp = build_model("mlp", (13,), 2, hidden=(32, 16), adapter_dim=8)
+    assert [n for n, _ in mlp.body.named_children() if n.startswith("adapter")] == [
+        "adapter1",
+        "adapter2",
+    ]

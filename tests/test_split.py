@@ -37,6 +37,24 @@ def test_batchnorm_rule_includes_running_statistics():
     assert not any(k.startswith(("body.conv", "body.fc", "head")) for k in local)
 
 
+def test_adapters_rule_keeps_every_adapter_local_and_adapters_join_the_block_before():
+    model = build_model("cnn_small_bn", (1, 8, 8), 10, adapter_dim=4)
+    assert blocks(model) == ["body.conv1", "body.conv2", "body.fc", "head"]
+    split = compute_split(model, ["adapters"])
+    expected = {
+        f"body.adapter{i}.{layer}.{p}"
+        for i in (1, 2, 3)
+        for layer in ("down", "up")
+        for p in ("weight", "bias")
+    }
+    assert set(split.local_keys) == expected
+    assert split.local_parameters == sum(
+        p.numel() for n, p in model.named_parameters() if n.startswith("body.adapter")
+    )
+    with pytest.raises(ConfigError, match=r"rule 'adapters' matches no .*model.adapter_dim > 0"):
+        compute_split(cnn(), ["adapters"])
+
+
 def test_last_and_first_k_count_blocks():
     model = cnn(bn=True)
     last2 = set(compute_split(model, ["last:2"]).local_keys)

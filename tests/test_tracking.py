@@ -81,10 +81,17 @@ def test_heart_disease_registers_one_servable_model_per_hospital(tmp_path, mlflo
     assert all("champion,latest" in line and "@champion" in line for line in listing[1:])
 
 
-def test_dittos_personal_model_is_the_one_registered_and_served(tmp_path, mlflow_store):
+@pytest.mark.parametrize(
+    "overrides",
+    [["algorithm.name=ditto"], ["model.adapter_dim=8", "split.local=[adapters]"]],
+    ids=["ditto", "local-adapters"],
+)
+def test_personal_models_beyond_the_head_are_registered_and_served(
+    tmp_path, mlflow_store, overrides
+):
+    """Ditto's personal model, and a model with local adapters, reproduce their accuracy."""
     cfg = load_config(
-        "jobs/heart_disease.yaml",
-        ["algorithm.name=ditto", "rounds=3", f"output_dir={tmp_path / 'runs'}"],
+        "jobs/heart_disease.yaml", [*overrides, "rounds=3", f"output_dir={tmp_path / 'runs'}"]
     )
     result = Federation(cfg).run()
     for hospital in HOSPITALS:

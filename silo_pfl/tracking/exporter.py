@@ -193,6 +193,7 @@ def write_model(
         num_classes=model.num_classes,
         raw_columns=model.raw_columns,
         preprocessing=model.preprocessing,
+        adapter_dim=cfg.model.adapter_dim,
     )
     requirements = _requirements()
     with tempfile.TemporaryDirectory() as tmp, _known_packages(requirements):

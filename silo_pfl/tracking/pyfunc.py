@@ -51,6 +51,7 @@ class SiloPyfunc(mlflow.pyfunc.PythonModel):
         num_classes: int,
         raw_columns: tuple[str, ...],
         preprocessing: Preprocessing,
+        adapter_dim: int = 0,
     ) -> None:
         self.source = source
         self.model_name = model_name
@@ -59,11 +60,14 @@ class SiloPyfunc(mlflow.pyfunc.PythonModel):
         self.num_classes = num_classes
         self.raw_columns = tuple(raw_columns)
         self.preprocessing = preprocessing
+        self.adapter_dim = adapter_dim
 
     def load_context(self, context: Any) -> None:
         """Build the network and load the silo's state_dict (global + its local keys)."""
         state = torch.load(context.artifacts[STATE_ARTIFACT], weights_only=True)
-        self.network = build_model(self.model_name, self.input_shape, self.num_classes, self.hidden)
+        self.network = build_model(
+            self.model_name, self.input_shape, self.num_classes, self.hidden, self.adapter_dim
+        )
         self.network.load_state_dict(state)
         self.network.eval()
         self.encode = raw_encoder(self.source)
