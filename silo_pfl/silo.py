@@ -21,6 +21,7 @@ from silo_pfl.algorithms import build_algorithm
 from silo_pfl.algorithms.base import Phase
 from silo_pfl.config import FederationConfig, from_dict
 from silo_pfl.data import Preprocessing, SiloData, load_silo_data
+from silo_pfl.errors import FederationError
 from silo_pfl.messages import (
     EvalMetrics,
     FitMetrics,
@@ -213,6 +214,12 @@ class Silo:
         ]
         state = self.model.state_dict()
         delta = {k: (state[k] - reference[k]).numpy() for k in self.split.global_keys}
+        for key, value in delta.items():
+            if not np.all(np.isfinite(value)):
+                raise FederationError(
+                    f"silo {self.name}: training diverged in round {round_} ({key} is not "
+                    "finite); lower train.lr or the local epochs"
+                )
         payload = self.split.outgoing(delta)
         self.algorithm.after_fit(self, reference, round_)
         local = {k: state[k] for k in self.split.local_keys}

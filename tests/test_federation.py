@@ -182,3 +182,20 @@ def test_a_dead_silo_actor_is_reported_by_name(job):
     message = str(info.value)
     assert message.startswith("silo set-up: silo hungarian died (")
     assert "\n" not in message
+
+
+def test_diverged_training_is_one_clear_error_naming_the_silo(tmp_path, capsys):
+    code = main(
+        [
+            "run",
+            "jobs/heart_disease.yaml",
+            "train.lr=1e6",
+            "rounds=3",
+            "tracking.enabled=false",
+            f"output_dir={tmp_path / 'runs'}",
+        ]
+    )
+    err = capsys.readouterr().err.strip()
+    assert code != 0
+    assert err.count("\n") == 0 and "Traceback" not in err
+    assert "training diverged in round 1" in err and "lower train.lr" in err
