@@ -213,13 +213,13 @@ class Silo:
             for phase in self.algorithm.phases()
         ]
         state = self.model.state_dict()
-        delta = {k: (state[k] - reference[k]).numpy() for k in self.split.global_keys}
-        for key, value in delta.items():
-            if not np.all(np.isfinite(value)):
+        for key, value in state.items():
+            if not bool(torch.isfinite(value).all()):
                 raise FederationError(
                     f"silo {self.name}: training diverged in round {round_} ({key} is not "
                     "finite); lower train.lr or the local epochs"
                 )
+        delta = {k: (state[k] - reference[k]).numpy() for k in self.split.global_keys}
         payload = self.split.outgoing(delta)
         self.algorithm.after_fit(self, reference, round_)
         local = {k: state[k] for k in self.split.local_keys}
