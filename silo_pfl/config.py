@@ -229,8 +229,8 @@ def _check_ranges(cfg: FederationConfig) -> None:
 def _check_choices(cfg: FederationConfig) -> None:
     """Checks that consult the registries: algorithm, model, data source, split rules."""
     from silo_pfl.algorithms import algorithm_config
-    from silo_pfl.data import silo_names, validate_data_config
-    from silo_pfl.models import ADAPTER_MODELS, MODEL_NAMES
+    from silo_pfl.data import validate_data_config
+    from silo_pfl.models import MODEL_NAMES, check_adapters
     from silo_pfl.split import parse_rules
 
     cfg.algorithm = algorithm_config(cfg.algorithm)
@@ -240,32 +240,26 @@ def _check_choices(cfg: FederationConfig) -> None:
         f"one of {', '.join(sorted(MODEL_NAMES))}",
         cfg.model.name,
     )
-    _require(
-        cfg.model.adapter_dim >= 0, "model.adapter_dim", "an integer >= 0", cfg.model.adapter_dim
-    )
-    if cfg.model.adapter_dim and cfg.model.name not in ADAPTER_MODELS:
-        raise ConfigError(
-            f"model.adapter_dim: {cfg.model.name} has no adapters; use model.name "
-            f"{', '.join(ADAPTER_MODELS)}, or model.adapter_dim=0"
-        )
+    check_adapters(cfg.model.name, cfg.model.adapter_dim)
     if cfg.model.hidden and min(cfg.model.hidden) < 1:
         raise ConfigError(f"model.hidden: got {list(cfg.model.hidden)}, expected widths >= 1")
     validate_data_config(cfg.data)
-    if cfg.aggregation.secure and len(silo_names(cfg.data)) < 2:
-        raise ConfigError(
-            "aggregation.secure: needs at least 2 silos, so that no single update can be unmasked"
-        )
     if cfg.split.local is not None:
         parse_rules(cfg.split.local)
     _check_silos(cfg)
 
 
 def _check_silos(cfg: FederationConfig) -> None:
-    """silos.<name> must name a silo of this federation; store URIs must be usable."""
+    """silos.<name> must name a silo of this federation; store URIs must be usable; secure
+    aggregation needs at least two silos."""
     from silo_pfl.data import silo_names
     from silo_pfl.tracking.uri import check_uri, resolve_uri
 
     names = silo_names(cfg.data)
+    if cfg.aggregation.secure and len(names) < 2:
+        raise ConfigError(
+            "aggregation.secure: needs at least 2 silos, so that no single update can be unmasked"
+        )
     for silo, settings in cfg.silos.items():
         if silo not in names:
             raise ConfigError(

@@ -52,6 +52,17 @@ class BodyHeadModel(nn.Module):
         return self.head(self.body(x))
 
 
+def check_adapters(name: str, adapter_dim: int) -> None:
+    """model.adapter_dim must be >= 0, and > 0 only for a model that has adapters."""
+    if adapter_dim < 0:
+        raise ConfigError(f"model.adapter_dim: got {adapter_dim}, expected an integer >= 0")
+    if adapter_dim and name not in ADAPTER_MODELS:
+        raise ConfigError(
+            f"model.adapter_dim: {name} has no adapters; use model.name "
+            f"{', '.join(ADAPTER_MODELS)}, or model.adapter_dim=0"
+        )
+
+
 def _adapter(name: str, width: int, dim: int, conv: bool) -> list[tuple[str, nn.Module]]:
     return [(name, Adapter(width, dim, conv))] if dim > 0 else []
 
@@ -154,10 +165,7 @@ def build_model(
     """Build a model by name for inputs of `input_shape` and `num_classes` classes."""
     if name not in MODELS:
         raise ConfigError(f"model.name: got {name!r}, expected one of {', '.join(sorted(MODELS))}")
-    if adapter_dim and name not in ADAPTER_MODELS:
-        raise ConfigError(
-            f"model.adapter_dim: {name} has no adapters; use one of {', '.join(ADAPTER_MODELS)}"
-        )
+    check_adapters(name, adapter_dim)
     model = MODELS[name](tuple(input_shape), num_classes, tuple(hidden), adapter_dim)
     if name in ("cnn_small", "cnn_small_bn") and len(input_shape) != 3:
         raise ConfigError(f"model.name: {name} needs image inputs (C, H, W), got {input_shape}")

@@ -33,6 +33,7 @@ class Server:
         state = model.state_dict()
         self.state: State = {k: state[k].numpy().copy() for k in self.split.global_keys}
         self.shapes = {k: v.shape for k, v in self.state.items()}
+        self.masked_shape = (vector_length(self.shapes),)  # of every update under secure
         self.secure = self.cfg.aggregation.secure
         self.round = 0
 
@@ -48,10 +49,10 @@ class Server:
                 f"update from silo {update.silo}: aggregation.secure is on, but the update is "
                 "not masked"
             )
-        if masked.dtype != np.uint64 or masked.shape != (vector_length(self.shapes),):
+        if masked.dtype != np.uint64 or masked.shape != self.masked_shape:
             raise ValueError(
                 f"update from silo {update.silo}: masked vector of {masked.dtype} "
-                f"{masked.shape}, expected uint64 ({vector_length(self.shapes)},)"
+                f"{masked.shape}, expected uint64 {self.masked_shape}"
             )
 
     def _check(self, update: SiloUpdate) -> None:
