@@ -1,67 +1,313 @@
-"""A real multi-node Ray cluster on this one machine, one node per silo.
+"""A real multi-node Ray cluster on this one machine: a head and one labelled node per silo.
 
-Each silo's node offers the custom resource `silo_<name>`, so `ray.placement=per_node` puts
-every silo actor on its own node; the head node hosts the server. Use it to try a federation
-as it would run across premises:
+Every node is started with `ray start` on 127.0.0.1, with token authentication on; silo X's node
+carries the label `silo=X`, so `ray.placement=per_node` puts each silo actor on its own node and
+the server on the head. The dashboard (the Jobs API) listens on 127.0.0.1 only.
 
-    python cluster/local_cluster.py cleveland hungarian switzerland va &
-    silo-pfl run jobs/heart_disease.yaml ray.address=<address printed> ray.placement=per_node
+    python cluster/local_cluster.py cleveland hungarian switzerland va --tracking-server
+    silo-pfl submit jobs/heart_disease.yaml ray.placement=per_node \
+        tracking.uri=<tracking_uri printed> --address <dashboard printed>
 
-It prints one JSON line {"address", "head", "nodes": {silo: node_id}} (also to --info-file),
-then runs until interrupted (SIGINT/SIGTERM), and stops only the nodes it started.
+Options: `--tracking-server` also starts an MLflow tracking server (SQLite, --serve-artifacts)
+beside it; `--tls-dir DIR` turns on TLS between nodes with the certificates that
+`cluster/make_certs.sh DIR` made; `--data-root DIR` gives silo X's node the environment variable
+SILO_PFL_DATA_DIR=DIR/X, the per-node directory a CSV federation names as `$SILO_PFL_DATA_DIR`.
+
+The token is $RAY_AUTH_TOKEN, else ~/.ray/auth_token (created if absent, as Ray itself does).
+It prints one JSON line {"address", "dashboard", "head", "nodes": {silo: node_id},
+"tracking_uri", "env", "marker"} (also to --info-file), then runs until SIGINT or SIGTERM and
+stops every process it started, and only those: each carries the environment variable
+SILO_PFL_CLUSTER=<marker>, which is how they are found, the Ray workers included.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import secrets
+import shutil
 import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import threading
+import time
+import urllib.request
 from pathlib import Path
 
-from ray.cluster_utils import Cluster
+MARKER_VAR = "SILO_PFL_CLUSTER"
+DATA_DIR_VAR = "SILO_PFL_DATA_DIR"
+SILO_LABEL = "silo"
+HOST = "127.0.0.1"
+BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parents[1]
+START_TIMEOUT = 180.0
 
-from silo_pfl.runtime.actors import silo_resource
+
+def free_port() -> int:
+    """A TCP port nothing listens on now, on the loopback interface."""
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
 
 
-def main() -> None:
+def auth_token() -> str:
+    """The cluster's token: $RAY_AUTH_TOKEN, else ~/.ray/auth_token, created if absent."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return os.environ["RAY_AUTH_TOKEN"].strip()
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(secrets.token_hex(32))
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+def tls_env(tls_dir: str | None) -> dict[str, str]:
+    """Ray's TLS variables for certificates made by cluster/make_certs.sh, or nothing."""
+    if not tls_dir:
+        return {}
+    base = Path(tls_dir).resolve()
+    for name in ("ca.crt", "node.crt", "node.key"):
+        if not (base / name).is_file():
+            sys.exit(f"error: --tls-dir {base}: no {name}; run cluster/make_certs.sh {base}")
+    return {
+        "RAY_USE_TLS": "1",
+        "RAY_TLS_SERVER_CERT": str(base / "node.crt"),
+        "RAY_TLS_SERVER_KEY": str(base / "node.key"),
+        "RAY_TLS_CA_CERT": str(base / "ca.crt"),
+    }
+
+
+def _processes_marked(marker: str) -> list[int]:
+    """Pids of the live processes carrying SILO_PFL_CLUSTER=<marker>, and their descendants.
+
+    Descendants count too: a process that rewrites its title can hide its environment."""
+    needle = f"{MARKER_VAR}={marker}".encode()
+    marked, parents = set(), {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if fields[0] == "Z":
+                continue
+            parents[int(entry.name)] = int(fields[1])
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                marked.add(int(entry.name))
+        except (OSError, IndexError):
+            continue
+    grew = True
+    while grew:
+        children = {pid for pid, parent in parents.items() if parent in marked} - marked
+        marked |= children
+        grew = bool(children)
+    return sorted(marked)
+
+
+def stop_marked(marker: str, grace: float = 15.0) -> list[int]:
+    """SIGTERM every process carrying the marker, SIGKILL what is left after `grace` seconds.
+
+    Returns the pids still alive at the end (none, normally)."""
+    for pid in _processes_marked(marker):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while _processes_marked(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in _processes_marked(marker):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    time.sleep(0.5)
+    return _processes_marked(marker)
+
+
+# Prints the live nodes as JSON once `count` of them are alive (or after START_TIMEOUT).
+_NODES_SCRIPT = f"""
+import json, sys, time
+import ray
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+deadline = time.monotonic() + {START_TIMEOUT}
+while True:
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    if len(alive) >= int(sys.argv[2]) or time.monotonic() > deadline:
+        break
+    time.sleep(0.5)
+print(json.dumps([{{"id": n["NodeID"], "labels": n["Labels"]}} for n in alive]))
+"""
+
+
+class LocalCluster:
+    """Starts the nodes (and the tracking server); `stop` ends every process it started."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.marker = secrets.token_hex(8)
+        self.workdir = Path(tempfile.mkdtemp(prefix="silo-pfl-cluster-"))
+        # Ray's socket paths must stay short: its temp dir lives directly under /tmp.
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="rc", dir="/tmp"))
+        self.tls = tls_env(args.tls_dir)
+        self.env = {
+            **os.environ,
+            MARKER_VAR: self.marker,
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": auth_token(),
+            **self.tls,
+            # As on a node with this environment activated: a job's `python` is this one.
+            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        }
+        self.gcs_port = free_port()
+        self.dashboard_port = args.dashboard_port or free_port()
+        self.tracking_uri: str | None = None
+
+    def _ray_start(self, node: str, *extra: str, env: dict[str, str] | None = None) -> None:
+        """`ray start` one node. Each node has a temp dir of its own, as on its own machine:
+        a node that found a shared one would delete job files another node still uses."""
+        command = [
+            str(BIN / "ray"),
+            "start",
+            f"--node-ip-address={HOST}",
+            f"--num-cpus={self.args.cpus_per_node}",
+            f"--temp-dir={self.temp_dir / node}",
+            # Every node of this machine needs ports of its own (the defaults are fixed).
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--metrics-export-port={free_port()}",
+            "--disable-usage-stats",
+            *extra,
+        ]
+        done = subprocess.run(
+            command,
+            env=env or self.env,
+            capture_output=True,
+            text=True,
+            timeout=START_TIMEOUT,
+            start_new_session=True,
+        )
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+            raise RuntimeError(f"{' '.join(command[:3])} failed: {' | '.join(tail)}")
+
+    def start(self) -> dict:
+        """Start the head, one node per silo and the tracking server; return the cluster info."""
+        self._ray_start(
+            "head",
+            "--head",
+            f"--port={self.gcs_port}",
+            f"--dashboard-host={HOST}",
+            f"--dashboard-port={self.dashboard_port}",
+            f"--ray-client-server-port={free_port()}",
+            "--labels=silo-pfl/role=head",
+        )
+        address = f"{HOST}:{self.gcs_port}"
+        for silo in self.args.silos:
+            env = dict(self.env)
+            if self.args.data_root:
+                env[DATA_DIR_VAR] = str(Path(self.args.data_root).resolve() / silo)
+            node = f"n{len(list(self.temp_dir.iterdir()))}"
+            self._ray_start(node, f"--address={address}", f"--labels={SILO_LABEL}={silo}", env=env)
+        if self.args.tracking_server:
+            self.tracking_uri = self._start_tracking_server()
+        head, nodes = self._node_ids(address)
+        return {
+            "address": address,
+            "dashboard": f"http://{HOST}:{self.dashboard_port}",
+            "head": head,
+            "nodes": nodes,
+            "tracking_uri": self.tracking_uri,
+            "env": {"RAY_AUTH_MODE": "token", **self.tls},
+            "marker": self.marker,
+        }
+
+    def _node_ids(self, address: str) -> tuple[str, dict[str, str]]:
+        """Wait until every node is alive; the head's node id and each silo's.
+
+        Asked by a fresh Python process: one that already ran with other settings can keep
+        Ray's authentication mode from before its environment changed."""
+        done = subprocess.run(
+            [sys.executable, "-c", _NODES_SCRIPT, address, str(1 + len(self.args.silos))],
+            env={k: v for k, v in self.env.items() if k != MARKER_VAR},
+            capture_output=True,
+            text=True,
+            timeout=START_TIMEOUT,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"cannot list the nodes: {done.stderr.strip()[-500:]}")
+        by_silo = {n["labels"].get(SILO_LABEL): n["id"] for n in json.loads(done.stdout)}
+        missing = [s for s in self.args.silos if s not in by_silo]
+        if missing:
+            raise RuntimeError(f"nodes of {', '.join(missing)} did not join in time")
+        return by_silo.pop(None), {s: by_silo[s] for s in self.args.silos}
+
+    def _start_tracking_server(self) -> str:
+        """`cluster/tracking_server.sh` on a free loopback port; its URI once it answers."""
+        port = free_port()
+        env = {
+            **self.env,
+            "HOST": HOST,
+            "PORT": str(port),
+            "MLFLOW_DIR": str(self.workdir / "mlflow"),
+        }
+        log = (self.workdir / "mlflow.log").open("w")
+        subprocess.Popen(
+            ["bash", str(ROOT / "cluster" / "tracking_server.sh")],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        uri = f"http://{HOST}:{port}"
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"{uri}/health", timeout=2).close()
+                return uri
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError(f"the tracking server did not answer at {uri}; see {log.name}")
+
+    def stop(self) -> list[int]:
+        """Stop every process this cluster started; remove its directories. Pids left over."""
+        left = stop_marked(self.marker)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        return left
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("silos", nargs="+", help="silo names, one node each")
     parser.add_argument("--cpus-per-node", type=int, default=1)
     parser.add_argument("--info-file", help="also write the JSON line here")
-    parser.add_argument("--dashboard", action="store_true", help="start the dashboard (Ray Jobs)")
-    args = parser.parse_args()
+    parser.add_argument("--dashboard-port", type=int, help="the Jobs API port (default: free)")
+    parser.add_argument("--tracking-server", action="store_true", help="start mlflow server")
+    parser.add_argument("--tls-dir", help="TLS between nodes, certificates of make_certs.sh")
+    parser.add_argument("--data-root", help="silo X's node gets SILO_PFL_DATA_DIR=DATA_ROOT/X")
+    return parser
 
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": args.cpus_per_node,
-            "include_dashboard": args.dashboard,
-        },
-    )
+
+def main() -> None:
+    args = _parser().parse_args()
     stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    cluster = LocalCluster(args)
     try:
-        nodes = {
-            silo: cluster.add_node(
-                num_cpus=args.cpus_per_node,
-                resources={silo_resource(silo): 1},
-            ).node_id
-            for silo in args.silos
-        }
-        cluster.wait_for_nodes()
-        # Installed after the nodes start: Ray's own node handlers would replace them.
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, lambda *_: stop.set())
-        info = {"address": cluster.address, "head": cluster.head_node.node_id, "nodes": nodes}
-        line = json.dumps(info)
+        line = json.dumps(cluster.start())
         if args.info_file:
             Path(args.info_file).write_text(line + "\n")
         print(line, flush=True)
         stop.wait()
+    except Exception as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
     finally:
-        cluster.shutdown()
-    sys.exit(0)
+        left = cluster.stop()
+        if left:
+            print(f"error: processes left running: {left}", file=sys.stderr)
+            sys.exit(1)
 
 
 if __name__ == "__main__":

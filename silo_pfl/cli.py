@@ -1,4 +1,4 @@
-"""The command line: `silo-pfl run CONFIG [key=value ...] [--results PATH]`, `silo-pfl models`."""
+"""The command line: `silo-pfl run|submit CONFIG [key=value ...]`, `jobs`, `stop`, `models`."""
 
 from __future__ import annotations
 
@@ -15,18 +15,47 @@ EXIT_USER_ERROR = 2
 EXIT_FAILURE = 1
 
 
+def _debug(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors"
+    )
+
+
+def _cluster_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--address",
+        help="the cluster's Jobs API (dashboard), e.g. http://127.0.0.1:8265; default "
+        "$RAY_API_SERVER_ADDRESS, else $RAY_ADDRESS",
+    )
+    parser.add_argument(
+        "--token-file",
+        help="the cluster's token; default $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH, "
+        "~/.ray/auth_token",
+    )
+    _debug(parser)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="silo-pfl", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run a federation from a job YAML")
-    run.add_argument("config", help="job YAML, e.g. jobs/heart_disease.yaml")
-    run.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rounds=5 seed=1")
-    run.add_argument("--results", help="write a JSON summary of the run to this path")
+    submit = commands.add_parser("submit", help="submit a federation to a cluster as a Ray Job")
+    for command in (run, submit):
+        command.add_argument("config", help="job YAML, e.g. jobs/heart_disease.yaml")
+        command.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rounds=5")
+        command.add_argument("--results", help="write a JSON summary of the run to this path")
     run.add_argument("--quiet", action="store_true", help="print only the final table")
-    run.add_argument(
-        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors"
-    )
+    run.add_argument("--results-in-log", action="store_true", help=argparse.SUPPRESS)
+    _debug(run)
+    submit.add_argument("--no-wait", action="store_true", help="print the job id and return")
+    _cluster_options(submit)
+    jobs = commands.add_parser("jobs", help="list the cluster's recent jobs")
+    jobs.add_argument("--limit", type=int, default=20, help="how many, newest first")
+    _cluster_options(jobs)
+    stop = commands.add_parser("stop", help="stop a job on the cluster")
+    stop.add_argument("job_id", help="the id `silo-pfl submit` printed")
+    _cluster_options(stop)
     models = commands.add_parser("models", help="list the silos' registered personalized models")
     models.add_argument("--federation", help="only this federation's models")
     models.add_argument(
@@ -34,9 +63,7 @@ def _parser() -> argparse.ArgumentParser:
         help="MLflow store; default $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db",
     )
     models.add_argument("--all", action="store_true", help="every version, not only aliased ones")
-    models.add_argument(
-        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors"
-    )
+    _debug(models)
     return parser
 
 
@@ -54,6 +81,7 @@ def _run(args: argparse.Namespace) -> int:
     from silo_pfl.callbacks import Callback, ProgressPrinter
     from silo_pfl.config import load_config
     from silo_pfl.federation import Federation
+    from silo_pfl.runtime.jobs import print_results_line
 
     config = load_config(args.config, args.overrides)
     _check_results_path(args.results)
@@ -64,6 +92,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.results:
         result.write_json(args.results)
         print(f"results written to {args.results}")
+    if args.results_in_log:
+        print_results_line(result.to_dict())
     tracked = result.extras.get("mlflow")
     if tracked:
         print(
@@ -71,6 +101,53 @@ def _run(args: argparse.Namespace) -> int:
             f"{tracked['tracking_uri']}; models: silo-pfl models --federation {config.name}"
         )
     return 0
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from silo_pfl.config import load_config
+    from silo_pfl.results import write_json_atomic
+    from silo_pfl.runtime.jobs import JobsClient
+
+    config = load_config(args.config, args.overrides)
+    _check_results_path(args.results)
+    if args.results and args.no_wait:
+        raise ConfigError("--results: needs the job's end; drop --no-wait")
+    client = JobsClient(args.address, args.token_file)
+    job_id = client.submit(Path(args.config), args.overrides, config.name)
+    print(f"submitted job {job_id} to {client.address}", flush=True)
+    if args.no_wait:
+        return 0
+    status = client.follow(job_id, sys.stdout)
+    if status != "SUCCEEDED":
+        reason = client.message(job_id)
+        print(f"error: job {job_id} {status}" + (f": {reason}" if reason else ""), file=sys.stderr)
+        return EXIT_FAILURE
+    if args.results:
+        write_json_atomic(args.results, client.results(job_id))
+        print(f"results written to {args.results}")
+    print(f"job {job_id} SUCCEEDED")
+    return 0
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    from silo_pfl.runtime.jobs import JobsClient
+
+    rows = JobsClient(args.address, args.token_file).list(args.limit)
+    print(f"{'job id':<40}{'status':<11}{'federation':<24}started")
+    for row in rows:
+        print(row.line())
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    from silo_pfl.runtime.jobs import JobsClient
+
+    stopped = JobsClient(args.address, args.token_file).stop(args.job_id)
+    print(f"job {args.job_id}: " + ("stopping" if stopped else "had already ended"))
+    return 0
+
+
+COMMANDS = {"run": _run, "submit": _submit, "jobs": _jobs, "stop": _stop}
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -84,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     args = _parser().parse_args(argv)
     try:
-        return _models(args) if args.command == "models" else _run(args)
+        return {**COMMANDS, "models": _models}[args.command](args)
     except SiloPflError as exc:
         if args.debug:
             traceback.print_exc()

@@ -88,7 +88,10 @@ class RayConfig:
 
     address: str | None = None  # None starts a local Ray; "auto" or host:port joins a cluster
     num_cpus: int | None = None  # local Ray only; None uses every core
-    placement: str = "any"  # any | per_node: silo X only on a node offering resource silo_X
+    # any: wherever Ray likes, except where silos.<name>.node_label / server.node_label pin it |
+    # per_node: silo X only on a node labelled silo=X (unless its own node_label says otherwise),
+    # the server on the head node (unless server.node_label says otherwise)
+    placement: str = "any"
     silo_cpus: float = 0.0  # CPUs reserved per silo actor; 0 lets many silos share a core
 
 
@@ -108,6 +111,16 @@ class SiloConfig:
 
     # This silo's personalized model goes only to this MLflow store, never to tracking.uri.
     tracking_uri: str | None = None
+    # Ray node labels this silo's actor needs, e.g. {silo: cleveland}; only such a node hosts it.
+    node_label: dict[str, str] | None = None
+
+
+@dataclass
+class ServerConfig:
+    """The server actor, which holds the global layers."""
+
+    # Ray node labels the server needs; None: the head node under ray.placement=per_node.
+    node_label: dict[str, str] | None = None
 
 
 @dataclass
@@ -127,6 +140,7 @@ class FederationConfig:
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
     silos: dict[str, SiloConfig] = field(default_factory=dict)  # silo name -> its settings
 
 
@@ -267,7 +281,34 @@ def _check_silos(cfg: FederationConfig) -> None:
             )
         if settings.tracking_uri is not None:
             settings.tracking_uri = check_uri(settings.tracking_uri, f"silos.{silo}.tracking_uri")
+        check_node_label(settings.node_label, f"silos.{silo}.node_label")
+    check_node_label(cfg.server.node_label, "server.node_label")
     cfg.tracking.uri = resolve_uri(cfg.tracking.uri, "tracking.uri")
+
+
+# Ray node labels follow Kubernetes' syntax: an optional DNS-subdomain prefix and a name.
+_LABEL_NAME = re.compile(r"^[a-zA-Z0-9]([a-zA-Z0-9_.-]{0,61}[a-zA-Z0-9])?$")
+_LABEL_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def check_node_label(labels: dict[str, str] | None, key: str) -> None:
+    """A node label selector is a non-empty mapping of valid label keys to valid values."""
+    if labels is None:
+        return
+    if not labels:
+        raise ConfigError(f"{key}: got {{}}, expected at least one label, e.g. {{silo: cleveland}}")
+    for name, value in labels.items():
+        prefix, _, bare = str(name).rpartition("/")
+        if not _LABEL_NAME.match(bare) or (prefix and not _LABEL_PREFIX.match(prefix)):
+            raise ConfigError(
+                f"{key}: label key {name!r} is not valid; expected [prefix/]name of letters, "
+                "digits, '-', '_' and '.', e.g. silo"
+            )
+        if not _LABEL_NAME.match(str(value)):
+            raise ConfigError(
+                f"{key}.{name}: got {value!r}, expected a label value of letters, digits, '-', "
+                "'_' and '.' (at most 63), e.g. cleveland"
+            )
 
 
 def build_config(base: Any = None, overrides: list[str] | None = None) -> FederationConfig:

@@ -53,7 +53,8 @@ class FederationResult:
     local_parameters: int
     silos: dict[str, SiloResult]
     history: list[RoundSummary]
-    global_state_path: str = ""
+    global_state_path: str = ""  # the global keys, in a file on the driver's own disk
+    server_node_id: str = ""  # the Ray node the server actor ran on
     # What callbacks add (e.g. "mlflow": where the run and models are); top-level keys in JSON.
     extras: dict[str, Any] = field(default_factory=dict)
 
@@ -103,7 +104,7 @@ def write_json_atomic(path: str | Path, data: Any) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=2, default=_json_default, allow_nan=True)
+            json.dump(data, fh, indent=2, default=json_default, allow_nan=True)
             fh.write("\n")
         os.replace(tmp, target)
     except BaseException:
@@ -111,7 +112,7 @@ def write_json_atomic(path: str | Path, data: Any) -> None:
         raise
 
 
-def _json_default(value: Any) -> Any:
+def json_default(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, tuple):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,8 +14,6 @@ from silo_pfl.messages import SiloUpdate
 from silo_pfl.secure_aggregation import decode_mean, masked_sum, vector_length
 from silo_pfl.silo import init_model, split_rules
 from silo_pfl.split import compute_split
-
-GLOBAL_STATE_FILE = "global_state.npz"
 
 
 class Server:
@@ -96,9 +94,8 @@ class Server:
         self.state = apply_delta(self.state, mean)
         return self.state
 
-    def save(self, directory: str) -> str:
-        """Write the global keys to <directory>/global_state.npz; return the path."""
-        path = Path(directory) / GLOBAL_STATE_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        np.savez(path, **self.state)
-        return str(path)
+    def state_bytes(self) -> bytes:
+        """The global keys as the bytes of an .npz file: what the driver saves, on its own disk."""
+        buffer = io.BytesIO()
+        np.savez(buffer, **self.state)
+        return buffer.getvalue()

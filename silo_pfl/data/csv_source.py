@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import csv
 import math
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -156,7 +158,20 @@ def read_silo_csv(
     silo: str, path: str | Path, label_column: str
 ) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
     """Feature names, raw features (n, d) float64 and labels (n,) int64 of one silo's file."""
-    return _Table(silo, Path(path).expanduser(), label_column).read()
+    return _Table(silo, node_path(silo, path), label_column).read()
+
+
+def node_path(silo: str, path: str | Path) -> Path:
+    """The silo's path as its own node sees it: `~` and `$VARS` expanded from that node's
+    environment (e.g. `$SILO_PFL_DATA_DIR/heart.csv`), so each node may keep its data elsewhere."""
+    expanded = os.path.expandvars(os.path.expanduser(str(path)))
+    unset = re.search(r"\$\{?(\w+)", expanded)
+    if unset:
+        raise DataError(
+            f"silo {silo}, file {path}: environment variable {unset.group(1)} is not set on this "
+            "silo's node; set it where the node's `ray start` runs"
+        )
+    return Path(expanded)
 
 
 def fit_preprocessing(names: tuple[str, ...], features: np.ndarray) -> Preprocessing:
@@ -175,7 +190,7 @@ def load(cfg: DataConfig, silo: str, seed: int) -> SiloData:
         raise DataError(
             f"silo {silo}: not in data.paths; expected one of {', '.join(cfg.paths) or '(none)'}"
         )
-    path = Path(cfg.paths[silo]).expanduser()
+    path = node_path(silo, cfg.paths[silo])
     names, x, y = read_silo_csv(silo, path, cfg.label_column)
     if len(y) < 2:
         raise DataError(

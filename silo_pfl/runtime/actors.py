@@ -11,10 +11,10 @@ import ray
 from silo_pfl.config import FederationConfig
 from silo_pfl.errors import FederationError, SiloPflError
 from silo_pfl.messages import SiloInfo
+from silo_pfl.runtime.placement import actor_options, server_selector, silo_selector
 from silo_pfl.server import Server
 from silo_pfl.silo import Silo
 
-HEAD_RESOURCE = "node:__internal_head__"
 # Actor id (hex) -> what it is ("silo va", "the server"), so a death can be reported by name.
 _ROLES: dict[str, str] = {}
 
@@ -27,44 +27,34 @@ class SiloActor(Silo):
         return dataclasses.replace(info, node_id=ray.get_runtime_context().get_node_id())
 
 
-def silo_resource(silo: str) -> str:
-    """The custom resource a node offers to host silo `silo` under placement per_node."""
-    return f"silo_{silo}"
+class ServerActor(Server):
+    """A Server that can say which Ray node it runs on."""
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
 
 def start_silo(cfg: FederationConfig, config: dict[str, Any], silo: str) -> Any:
-    """Start the actor of one silo; with placement per_node, only on the node that offers it."""
+    """Start the actor of one silo, on a node carrying its label if it has one."""
     options: dict[str, Any] = {"num_cpus": cfg.ray.silo_cpus, "max_restarts": 0}
-    if cfg.ray.placement == "per_node":
-        options["resources"] = {silo_resource(silo): 1}
-        if not _resource_offered(silo_resource(silo)):
-            raise FederationError(
-                f"silo {silo}: ray.placement=per_node but no node offers resource "
-                f"{silo_resource(silo)!r}; start its node with --resources "
-                f"'{{\"{silo_resource(silo)}\": 1}}'"
-            )
+    options.update(actor_options(silo_selector(cfg, silo)))
     return _named(ray.remote(SiloActor).options(**options).remote(config, silo), f"silo {silo}")
 
 
 def start_server(
     cfg: FederationConfig, config: dict[str, Any], input_shape: Sequence[int], num_classes: int
 ) -> Any:
-    """Start the server actor, which holds the global keys; on the head node under per_node."""
+    """Start the server actor: where server.node_label says, else on the head under per_node."""
     options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
-    if cfg.ray.placement == "per_node":
-        options["resources"] = {HEAD_RESOURCE: 0.001}
-    server = ray.remote(Server).options(**options).remote(config, tuple(input_shape), num_classes)
-    return _named(server, "the server")
+    options.update(actor_options(server_selector(cfg), cfg.ray.placement == "per_node"))
+    server = ray.remote(ServerActor).options(**options)
+    return _named(server.remote(config, tuple(input_shape), num_classes), "the server")
 
 
 def _named(actor: Any, role: str) -> Any:
     """Remember what `actor` is, for error messages."""
     _ROLES[actor._actor_id.hex()] = role
     return actor
-
-
-def _resource_offered(name: str) -> bool:
-    return ray.cluster_resources().get(name, 0) >= 1
 
 
 def get(refs: Any, what: str, timeout: float | None = None) -> Any:

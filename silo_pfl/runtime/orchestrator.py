@@ -21,8 +21,16 @@ from silo_pfl.errors import FederationError
 from silo_pfl.messages import EvalMetrics, FitMetrics, SiloInfo, SiloOutcome, SplitInfo
 from silo_pfl.results import FederationResult, RoundSummary, SiloResult
 from silo_pfl.runtime.actors import get, start_server, start_silo, stop
+from silo_pfl.runtime.placement import (
+    LABEL_WAIT_SECONDS,
+    check_labels,
+    server_selector,
+    silo_selector,
+)
 from silo_pfl.runtime.session import ray_session
 from silo_pfl.selection import Selector
+
+GLOBAL_STATE_FILE = "global_state.npz"
 
 
 def _model_shape(infos: Sequence[SiloInfo]) -> tuple[tuple[int, ...], int]:
@@ -84,6 +92,8 @@ class Orchestrator:
             config = to_dict(self.cfg)
             names = silo_names(self.cfg.data)
             actors: dict[str, Any] = {}
+            selectors = {f"silo {n}": silo_selector(self.cfg, n) for n in names}
+            check_labels({**selectors, "the server": server_selector(self.cfg)}, LABEL_WAIT_SECONDS)
             try:
                 for name in names:
                     actors[name] = start_silo(self.cfg, config, name)
@@ -105,10 +115,8 @@ class Orchestrator:
                 outcomes: list[SiloOutcome] = get(
                     [actors[n].outcome.remote() for n in names], "silo outcome"
                 )
-                state_path = get(
-                    server.save.remote(str(Path(self.cfg.output_dir) / self.cfg.name / "server")),
-                    "server checkpoint",
-                )
+                state_path = self._save_global(get(server.state_bytes.remote(), "global state"))
+                server_node = get(server.node_id.remote(), "server node")
                 self._export(exporting, actors)
             finally:
                 stop(list(actors.values()))
@@ -136,10 +144,18 @@ class Orchestrator:
                 },
                 history=history,
                 global_state_path=state_path,
+                server_node_id=server_node,
                 extras={k: v for callback in self.callbacks for k, v in callback.extras().items()},
             )
         self._emit("on_end", result)
         return result
+
+    def _save_global(self, npz: bytes) -> str:
+        """Write the server's global keys, received as bytes, on the driver's own disk."""
+        path = Path(self.cfg.output_dir) / self.cfg.name / "server" / GLOBAL_STATE_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(npz)
+        return str(path.resolve())
 
     def _attach_exporters(self, infos: Sequence[SiloInfo], actors: dict[str, Any]) -> list[str]:
         """Hand each callback's per-silo exporters to their silos, which check them now."""

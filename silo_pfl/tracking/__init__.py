@@ -11,3 +11,9 @@ they are imported only when `tracking.enabled` is true.
   registry.py  the one registration path (publish) and the champion alias
   listing.py   what `silo-pfl models` shows
 """
+
+import os
+
+# No network at run time: MLflow's usage telemetry stays off unless the operator turns it on
+# (it also raced with our store-opening thread: a KeyError on its session id variable).
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")

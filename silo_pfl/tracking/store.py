@@ -23,7 +23,7 @@ from silo_pfl.tracking.uri import artifact_dir, redact, sqlite_path
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
-HEALTH_TIMEOUT_SECONDS = 5.0
+HEALTH_TIMEOUT_SECONDS = 20.0  # a server busy starting up answers slowly on 2 cores
 
 
 def quiet() -> None:

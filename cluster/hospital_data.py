@@ -1,0 +1,44 @@
+"""Lay out each hospital's rows in a directory of its own, as if on that hospital's node.
+
+    python cluster/hospital_data.py DATA_ROOT [cleveland hungarian ...]
+
+writes DATA_ROOT/<hospital>/heart.csv (the ten raw columns of UCI Heart Disease and `label`) from
+the data shipped in the package. Start the cluster with `--data-root DATA_ROOT`, and each silo's
+node finds its own file as $SILO_PFL_DATA_DIR/heart.csv (jobs/hospitals_on_nodes.yaml).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+
+from silo_pfl.data.heart_disease import RAW_COLUMNS, SILOS, read_complete_rows
+
+FILE_NAME = "heart.csv"
+
+
+def write_hospital(root: Path, hospital: str) -> Path:
+    """DATA_ROOT/<hospital>/heart.csv: a header row, then one row per complete record."""
+    rows, labels = read_complete_rows(hospital)
+    path = root / hospital / FILE_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow([*RAW_COLUMNS, "label"])
+        for row, label in zip(rows, labels, strict=True):
+            writer.writerow([f"{v:g}" for v in row] + [int(label)])
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("data_root", type=Path)
+    parser.add_argument("hospitals", nargs="*", default=list(SILOS), choices=SILOS)
+    args = parser.parse_args()
+    for hospital in args.hospitals:
+        print(write_hospital(args.data_root, hospital))
+
+
+if __name__ == "__main__":
+    main()

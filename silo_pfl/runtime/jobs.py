@@ -1,0 +1,217 @@
+"""Federations as Ray Jobs: submit, follow, list and stop them through Ray's Jobs API.
+
+The Jobs API is the cluster's dashboard address (http://HOST:8265), not `ray.address`. A
+submission ships the silo_pfl package (`py_modules`) and the job's YAML (`working_dir`) and
+runs `python -m silo_pfl run job.yaml key=value ...` on the cluster; the run's driver joins the
+cluster through the RAY_ADDRESS that Ray sets for it. Every request carries the cluster's token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from silo_pfl.errors import ConfigError, FederationError
+
+JOB_FILE = "job.yaml"
+# The line a run prints with --results-in-log; `submit --results` reads it back from the logs.
+RESULTS_MARKER = "silo-pfl-results: "
+ADDRESS_VARS = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
+TOKEN_VAR, TOKEN_PATH_VAR = "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+METADATA_KEY = "silo_pfl.federation"
+POLL_SECONDS = 1.0
+QUIET_LOGGERS = (
+    "ray.dashboard.modules.dashboard_sdk",
+    "ray.dashboard.modules.job.sdk",
+    "ray._private.runtime_env.packaging",
+)
+
+
+def jobs_address(address: str | None) -> str:
+    """--address, else $RAY_API_SERVER_ADDRESS, else $RAY_ADDRESS (as Ray's CLI), as http://."""
+    chosen = address or next((os.environ[v] for v in ADDRESS_VARS if os.environ.get(v)), None)
+    if not chosen:
+        raise ConfigError(
+            "--address: no Jobs API address; give --address http://HOST:8265 (the cluster's "
+            "dashboard) or set RAY_API_SERVER_ADDRESS"
+        )
+    if chosen == "auto" or chosen.startswith("ray://"):
+        raise ConfigError(
+            f"--address: got {chosen!r}, expected the Jobs API (dashboard) address, e.g. "
+            "http://127.0.0.1:8265"
+        )
+    return chosen if "://" in chosen else f"http://{chosen}"
+
+
+def auth_token(token_file: str | None = None) -> str | None:
+    """$RAY_AUTH_TOKEN, else the file (--token-file, $RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token)."""
+    if os.environ.get(TOKEN_VAR):
+        return os.environ[TOKEN_VAR].strip()
+    named = token_file or os.environ.get(TOKEN_PATH_VAR)
+    path = Path(named).expanduser() if named else Path.home() / ".ray" / "auth_token"
+    if named and not path.is_file():
+        key = "--token-file" if token_file else TOKEN_PATH_VAR
+        raise ConfigError(f"{key} {path}: not found")
+    return path.read_text().strip() if path.is_file() else None
+
+
+@dataclass(frozen=True)
+class JobRow:
+    """One line of `silo-pfl jobs`."""
+
+    job_id: str
+    status: str
+    federation: str
+    start_time: float | None  # seconds since the epoch
+
+    def line(self) -> str:
+        started = (
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.start_time))
+            if self.start_time
+            else "-"
+        )
+        return f"{self.job_id:<40}{self.status:<11}{self.federation:<24}{started}"
+
+
+class JobsClient:
+    """A thin, checked wrapper of Ray's JobSubmissionClient with one-line errors."""
+
+    def __init__(self, address: str | None, token_file: str | None = None) -> None:
+        self.address = jobs_address(address)
+        token = auth_token(token_file)
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._client: Any = None
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            from ray.job_submission import JobSubmissionClient
+
+            for name in QUIET_LOGGERS:  # "Uploading package ...", "WebSocket closed ..."
+                logging.getLogger(name).setLevel(logging.WARNING)
+
+            with self._errors():
+                self._client = JobSubmissionClient(self.address, headers=self.headers)
+        return self._client
+
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
+        """Turn the SDK's multi-line errors into one FederationError naming the address."""
+        from ray.exceptions import AuthenticationError
+
+        try:
+            yield
+        except AuthenticationError as exc:
+            first = str(exc).strip().splitlines()[0]
+            raise FederationError(
+                f"--address {self.address}: the cluster refused the request ({first}); set "
+                f"{TOKEN_VAR} or --token-file to the cluster's token"
+            ) from None
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            text = str(exc).strip()
+            first = text.splitlines()[0] if text else type(exc).__name__
+            raise FederationError(f"--address {self.address}: {first}") from None
+
+    def submit(self, config: Path, overrides: Sequence[str], federation: str) -> str:
+        """Submit `python -m silo_pfl run` on the config; return the job's submission id."""
+        import silo_pfl
+
+        command = ["python", "-m", "silo_pfl", "run", JOB_FILE, *overrides, "--results-in-log"]
+        job_id = f"silo-pfl-{federation}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+        with tempfile.TemporaryDirectory(prefix="silo-pfl-job-") as staging:
+            shutil.copyfile(config, Path(staging) / JOB_FILE)
+            runtime_env = {
+                "working_dir": staging,
+                "py_modules": [str(Path(silo_pfl.__file__).parent)],
+                "excludes": ["__pycache__"],
+            }
+            with self._errors():
+                return str(
+                    self.client.submit_job(
+                        entrypoint=shlex.join(command),
+                        submission_id=job_id,
+                        runtime_env=runtime_env,
+                        metadata={METADATA_KEY: federation},
+                    )
+                )
+
+    def follow(self, job_id: str, stream: TextIO) -> str:
+        """Print the job's logs as they come; return its final status."""
+
+        async def tail() -> None:
+            async for chunk in self.client.tail_job_logs(job_id):
+                lines = chunk.splitlines(keepends=True)
+                stream.write("".join(x for x in lines if not x.startswith(RESULTS_MARKER)))
+                stream.flush()
+
+        with self._errors():
+            asyncio.run(tail())
+        return self.wait(job_id)
+
+    def wait(self, job_id: str) -> str:
+        """Poll until the job is in a terminal state; return it."""
+        while True:
+            with self._errors():
+                status = str(self.client.get_job_status(job_id).value)
+            if status in TERMINAL:
+                return status
+            time.sleep(POLL_SECONDS)
+
+    def results(self, job_id: str) -> dict[str, Any]:
+        """The results JSON the job's run printed in its logs (`--results-in-log`)."""
+        with self._errors():
+            logs = self.client.get_job_logs(job_id)
+        for line in reversed(logs.splitlines()):
+            if line.startswith(RESULTS_MARKER):
+                return dict(json.loads(line[len(RESULTS_MARKER) :]))
+        raise FederationError(f"job {job_id}: its logs hold no results line")
+
+    def message(self, job_id: str) -> str:
+        """Ray's one-line reason for the job's state (e.g. why it failed), or ''."""
+        with self._errors():
+            info = self.client.get_job_info(job_id)
+        text = (info.message or "").strip()
+        return text.splitlines()[-1] if text else ""
+
+    def list(self, limit: int = 20) -> list[JobRow]:
+        """The most recent jobs first."""
+        with self._errors():
+            jobs = self.client.list_jobs()
+        rows = [
+            JobRow(
+                job_id=str(job.submission_id or job.job_id),
+                status=str(job.status.value),
+                federation=str((job.metadata or {}).get(METADATA_KEY, "-")),
+                start_time=job.start_time / 1000 if job.start_time else None,
+            )
+            for job in jobs
+        ]
+        rows.sort(key=lambda r: r.start_time or 0, reverse=True)
+        return rows[:limit]
+
+    def stop(self, job_id: str) -> bool:
+        """Ask the cluster to stop the job; False if it had already ended."""
+        with self._errors():
+            return bool(self.client.stop_job(job_id))
+
+
+def print_results_line(data: dict[str, Any], stream: TextIO = sys.stdout) -> None:
+    """The one line `JobsClient.results` looks for in a job's logs."""
+    from silo_pfl.results import json_default
+
+    stream.write(RESULTS_MARKER + json.dumps(data, default=json_default) + "\n")
+    stream.flush()

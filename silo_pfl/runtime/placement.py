@@ -1,0 +1,76 @@
+"""Where each actor may run: Ray node labels, checked against the live nodes before any start.
+
+Under `ray.placement=per_node` silo X needs a node labelled `silo=X` and the server the head
+node; `silos.<name>.node_label` and `server.node_label` choose other labels. A label that no
+live node carries is an error naming the actor and the label, never a hang.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import ray
+
+from silo_pfl.config import FederationConfig
+from silo_pfl.errors import FederationError
+
+SILO_LABEL = "silo"  # per_node: silo X runs on the node labelled silo=X
+HEAD_RESOURCE = "node:__internal_head__"  # offered by the head node only
+# A node may still be joining when the run starts: wait this long for a label before failing.
+LABEL_WAIT_SECONDS = 10.0
+
+
+def silo_selector(cfg: FederationConfig, silo: str) -> dict[str, str] | None:
+    """The labels silo `silo`'s node must carry, or None for any node."""
+    own = cfg.silos.get(silo)
+    if own is not None and own.node_label:
+        return dict(own.node_label)
+    return {SILO_LABEL: silo} if cfg.ray.placement == "per_node" else None
+
+
+def server_selector(cfg: FederationConfig) -> dict[str, str] | None:
+    """The labels the server's node must carry (None: the head under per_node, else any)."""
+    return dict(cfg.server.node_label) if cfg.server.node_label else None
+
+
+def actor_options(selector: Mapping[str, str] | None, on_head: bool = False) -> dict[str, Any]:
+    """Ray actor options that pin an actor to nodes with `selector`, or to the head node."""
+    if selector:
+        return {"label_selector": dict(selector)}
+    if on_head:
+        return {"resources": {HEAD_RESOURCE: 0.001}}
+    return {}
+
+
+def _describe(selector: Mapping[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector.items())
+
+
+def _carries(node: Mapping[str, Any], selector: Mapping[str, str]) -> bool:
+    labels = node.get("Labels") or {}
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def check_labels(selectors: Mapping[str, Mapping[str, str] | None], wait: float) -> None:
+    """Every role ("silo va", "the server") with a selector has a live node carrying it.
+
+    Polls for up to `wait` seconds (nodes that are still joining), then raises a one-line
+    FederationError naming the first role whose label no node carries.
+    """
+    pending = {role: sel for role, sel in selectors.items() if sel}
+    deadline = time.monotonic() + wait
+    while True:
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        pending = {r: s for r, s in pending.items() if not any(_carries(n, s) for n in nodes)}
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    if pending:
+        role, selector = next(iter(pending.items()))
+        raise FederationError(
+            f"{role}: no live Ray node carries the label {_describe(selector)} (waited "
+            f"{wait:.0f} s); start its node with `ray start --labels={_describe(selector)}` "
+            "or change the label"
+        )

@@ -1,0 +1,299 @@
+"""Federations submitted as Ray Jobs to a real multi-node cluster on loopback.
+
+The cluster is the project's own `cluster/local_cluster.py`, started with `ray start`: a head and
+two nodes labelled silo=cleveland and silo=hungarian, token authentication on, and an MLflow
+tracking server (--serve-artifacts) beside it. Each hospital's rows exist only in the directory
+its node names as $SILO_PFL_DATA_DIR; neither the head (where the job's driver runs) nor this
+test process has that variable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import numpy as np
+import pytest
+
+from silo_pfl.config import load_config
+from silo_pfl.data import csv_source
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = "jobs/hospitals_on_nodes.yaml"
+SILOS = ("cleveland", "hungarian")
+BIN = Path(sys.executable).parent
+STARTUP_SECONDS = 240
+CLIENT_VARS = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "MLFLOW_TRACKING_URI", "RAY_AUTH_TOKEN")
+
+
+def _module(name: str) -> ModuleType:
+    """A script of cluster/, imported from its path (cluster/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "cluster" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _stop_group(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM a process we started in its own session; SIGKILL its group if it lingers."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Start the cluster; at the end, stop it and check that nothing it started is left."""
+    base = tmp_path_factory.mktemp("jobs_cluster")
+    hospital_data = _module("hospital_data")
+    for silo in SILOS:
+        hospital_data.write_hospital(base / "nodes", silo)
+    token = secrets.token_hex(32)
+    env = {k: v for k, v in os.environ.items() if k not in CLIENT_VARS}
+    env["RAY_AUTH_TOKEN"] = token
+    info_file = base / "cluster.json"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "cluster" / "local_cluster.py"),
+            *SILOS,
+            "--tracking-server",
+            "--data-root",
+            str(base / "nodes"),
+            "--info-file",
+            str(info_file),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=(base / "cluster.err").open("w"),
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + STARTUP_SECONDS
+    while not (info_file.exists() and info_file.read_text().strip()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _stop_group(proc, 60)
+            pytest.fail(f"local_cluster.py did not come up: {(base / 'cluster.err').read_text()}")
+        time.sleep(0.5)
+    info = json.loads(info_file.read_text())
+    yield SimpleNamespace(info=info, env={**env, **info["env"]}, base=base)
+    _stop_group(proc, 90)
+    assert proc.returncode == 0, (base / "cluster.err").read_text()[-2000:]
+    assert _module("local_cluster")._processes_marked(info["marker"]) == []
+
+
+def _cli(env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "silo_pfl", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _client(uri: str):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def _assert_tracked_on_nodes(uri: str, name: str, nodes: dict[str, str]) -> str:
+    """Each silo's child run says it ran on its node, and its model is registered as champion.
+
+    Returns the parent run's id."""
+    client = _client(uri)
+    experiment = client.get_experiment_by_name(name)
+    assert experiment is not None
+    runs = client.search_runs([experiment.experiment_id])
+    children = {r.data.tags["silo"]: r for r in runs if "silo" in r.data.tags}
+    assert {s: r.data.tags["node_id"] for s, r in children.items()} == nodes
+    for silo in SILOS:
+        version = client.get_model_version_by_alias(f"{name}-{silo}", "champion")
+        assert version.tags["silo"] == silo
+    (parent,) = [r for r in runs if "silo" not in r.data.tags]
+    return parent.info.run_id
+
+
+def _serve_and_score(tmp_path: Path, uri: str, model: str, silo: str, rows_file: Path) -> float:
+    """Accuracy of `mlflow models serve` of `model` on the silo's held-out test rows."""
+    cfg = load_config(JOB, [f"data.paths.{silo}={rows_file}"])
+    data = csv_source.load(cfg.data, silo, cfg.seed)
+    port = _module("local_cluster").free_port()
+    command = [str(BIN / "mlflow"), "models", "serve", "-m", model, "--env-manager", "local"]
+    command += ["--host", "127.0.0.1", "--port", str(port)]
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": uri,
+        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+    }
+    log = tmp_path / "serve.log"
+    server = subprocess.Popen(
+        command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while True:
+            assert server.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "mlflow models serve did not answer /ping"
+            try:
+                urllib.request.urlopen(f"{url}/ping", timeout=2).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        body = {
+            "dataframe_split": {"columns": list(data.raw_columns), "data": data.x_test_raw.tolist()}
+        }
+        request = urllib.request.Request(
+            f"{url}/invocations",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            predictions = np.asarray(json.loads(answer.read())["predictions"])
+    finally:
+        _stop_group(server, 30)
+    assert server.poll() is not None
+    return float(np.mean(predictions == data.y_test))
+
+
+def test_silo_pfl_submit_places_each_silo_on_its_node_and_registers_its_model(cluster, tmp_path):
+    uri, results = cluster.info["tracking_uri"], tmp_path / "results.json"
+    done = _cli(
+        cluster.env,
+        "submit",
+        JOB,
+        "rounds=2",
+        "name=jobs_submit",
+        f"tracking.uri={uri}",
+        "--address",
+        cluster.info["dashboard"],
+        "--results",
+        str(results),
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "SUCCEEDED" in done.stdout.splitlines()[-1]
+    summary = json.loads(results.read_text())
+    assert {s: summary["silos"][s]["node_id"] for s in SILOS} == cluster.info["nodes"]
+    assert summary["server_node_id"] == cluster.info["head"]
+    _assert_tracked_on_nodes(uri, "jobs_submit", cluster.info["nodes"])
+    rows = cluster.base / "nodes" / "cleveland" / "heart.csv"
+    model = summary["mlflow"]["models"]["cleveland"]
+    accuracy = _serve_and_score(tmp_path, uri, model, "cleveland", rows)
+    assert accuracy == pytest.approx(summary["silos"]["cleveland"]["test_accuracy"], abs=0.005)
+
+
+def test_plain_ray_job_submit_with_the_server_on_a_worker_node(cluster, tmp_path):
+    """`ray job submit --working-dir .`, as the README shows; the server pinned to a worker."""
+    uri = cluster.info["tracking_uri"]
+    command = [str(BIN / "ray"), "job", "submit", "--address", cluster.info["dashboard"]]
+    command += ["--working-dir", ".", "--", "python", "-m", "silo_pfl", "run", JOB]
+    command += ["rounds=2", "name=jobs_plain", f"tracking.uri={uri}"]
+    command += ["server.node_label.silo=hungarian", "--results-in-log"]
+    done = subprocess.run(
+        command, cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    marker = "silo-pfl-results: "
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith(marker)]
+    summary = json.loads(line[len(marker) :])
+    assert {s: summary["silos"][s]["node_id"] for s in SILOS} == cluster.info["nodes"]
+    assert summary["server_node_id"] == cluster.info["nodes"]["hungarian"]
+    parent = _assert_tracked_on_nodes(uri, "jobs_plain", cluster.info["nodes"])
+    artifacts = [a.path for a in _client(uri).list_artifacts(parent, "global_model")]
+    assert artifacts == ["global_model/global_state.npz"]
+
+
+def test_jobs_lists_a_submission_and_stop_stops_it(cluster):
+    address = ["--address", cluster.info["dashboard"]]
+    done = _cli(
+        cluster.env,
+        "submit",
+        JOB,
+        "rounds=500",
+        "name=jobs_stop",
+        "tracking.enabled=false",
+        "--no-wait",
+        *address,
+    )
+    assert done.returncode == 0, done.stderr
+    job_id = done.stdout.split("submitted job ")[1].split()[0]
+    listed = _cli(cluster.env, "jobs", *address)
+    assert listed.returncode == 0, listed.stderr
+    (row,) = [x for x in listed.stdout.splitlines() if x.startswith(job_id)]
+    assert "jobs_stop" in row
+    stopped = _cli(cluster.env, "stop", job_id, *address)
+    assert stopped.returncode == 0 and "stopping" in stopped.stdout, stopped.stderr
+    deadline = time.monotonic() + 60
+    while "STOPPED" not in row:
+        assert time.monotonic() < deadline, row
+        time.sleep(1)
+        listed = _cli(cluster.env, "jobs", *address)
+        (row,) = [x for x in listed.stdout.splitlines() if x.startswith(job_id)]
+
+
+def test_a_submission_without_the_token_is_refused_in_one_line(cluster, tmp_path):
+    env = {k: v for k, v in cluster.env.items() if k != "RAY_AUTH_TOKEN"}
+    env["HOME"] = str(tmp_path)  # no ~/.ray/auth_token either
+    done = _cli(env, "submit", JOB, "--address", cluster.info["dashboard"])
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"error: --address {cluster.info['dashboard']}: the cluster refused")
+    assert "RAY_AUTH_TOKEN" in line
+
+
+def test_a_silo_pinned_to_a_label_no_node_has_fails_within_30_seconds(cluster, tmp_path):
+    began = time.monotonic()
+    done = _cli(
+        cluster.env,
+        "run",
+        JOB,
+        f"ray.address={cluster.info['address']}",
+        "silos.cleveland.node_label.silo=nowhere",
+        "tracking.enabled=false",
+        f"output_dir={tmp_path}",
+        timeout=120,
+    )
+    elapsed = time.monotonic() - began
+    assert done.returncode == 1
+    assert elapsed < 30, elapsed
+    assert "Traceback" not in done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert "silo cleveland" in line and "silo=nowhere" in line, line
+
+
+def test_the_data_path_exists_only_on_the_silos_own_node(tmp_path):
+    """Off the silo's node (here: a local Ray, no $SILO_PFL_DATA_DIR) the file cannot be found."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SILO_PFL_DATA_DIR", "RAY_ADDRESS")}
+    done = _cli(
+        env,
+        "run",
+        JOB,
+        "rounds=1",
+        "ray.placement=any",
+        "ray.num_cpus=1",
+        "tracking.enabled=false",
+        f"output_dir={tmp_path}",
+    )
+    assert done.returncode == 1
+    line = done.stderr.strip().splitlines()[-1]
+    assert "silo cleveland" in line or "silo hungarian" in line, line
+    assert "SILO_PFL_DATA_DIR is not set on this silo's node" in line, line
