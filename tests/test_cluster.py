@@ -1,23 +1,37 @@
-"""A real multi-node Ray cluster on this machine: every silo on its own node, by placement.
+"""A real multi-node Ray cluster on this machine: every silo on its own node, by label.
 
-The cluster is the project's own `cluster/local_cluster.py` (one node per silo, each offering
-the resource silo_<name>); the federation joins it with ray.address, as a user would.
+The cluster is the project's own `cluster/local_cluster.py`, started with `ray start` (a head and
+one node per hospital labelled silo=<name>, token authentication on); the federation joins it
+with ray.address or RAY_ADDRESS, as a user would.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 SILOS = ("cleveland", "hungarian", "switzerland", "va")
+
+
+# A fresh token for this cluster and its clients; ~/.ray/auth_token is left alone.
+TOKEN_ENV = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return {**env, **TOKEN_ENV, **extra}
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +46,12 @@ def cluster(tmp_path_factory):
             "--info-file",
             str(info_file),
         ],
+        env=_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 240
     while not (info_file.exists() and info_file.read_text().strip()):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
@@ -45,15 +60,16 @@ def cluster(tmp_path_factory):
     yield json.loads(info_file.read_text())
     proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(timeout=60)
+        proc.wait(timeout=90)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0
 
 
 def _run(
     tmp_path: Path, address: str | None, *overrides: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    """The CLI on the heart-disease job, 2 rounds, per-node placement; address=None sets none."""
+    """The CLI on the heart-disease job, per-node placement; address=None sets none."""
     joined = [f"ray.address={address}"] if address else []
     return subprocess.run(
         [
@@ -62,7 +78,6 @@ def _run(
             "silo_pfl.cli",
             "run",
             "jobs/heart_disease.yaml",
-            "rounds=2",
             *joined,
             "ray.placement=per_node",
             f"output_dir={tmp_path / 'runs'}",
@@ -73,25 +88,43 @@ def _run(
         capture_output=True,
         text=True,
         timeout=600,
-        env=env,
+        env=env or _env(),
     )
 
 
-@pytest.mark.parametrize("joined_by", ["ray.address", "RAY_ADDRESS"])
-def test_each_silo_runs_on_its_own_node(cluster, tmp_path, joined_by):
-    """Joined by the config key, or (as a Ray Job's driver is) by the RAY_ADDRESS variable."""
+def test_each_silo_runs_on_its_own_node(cluster, tmp_path):
+    """Joined by the config key; the server on the head node."""
     results = tmp_path / "results.json"
-    if joined_by == "ray.address":
-        proc = _run(tmp_path, cluster["address"], "--results", str(results))
-    else:
-        env = {**os.environ, "RAY_ADDRESS": cluster["address"]}
-        proc = _run(tmp_path, None, "--results", str(results), env=env)
+    proc = _run(tmp_path, cluster["address"], "rounds=2", "--results", str(results))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    silos = json.loads(results.read_text())["silos"]
-    placed = {name: silos[name]["node_id"] for name in SILOS}
+    summary = json.loads(results.read_text())
+    placed = {name: summary["silos"][name]["node_id"] for name in SILOS}
     assert placed == cluster["nodes"]
     assert len(set(placed.values())) == len(SILOS)
-    assert cluster["head"] not in placed.values()
+    assert summary["server_node_id"] == cluster["head"]
+
+
+def test_the_four_hospitals_on_five_nodes_equal_the_single_node_run(cluster, tmp_path):
+    """The whole job joined by RAY_ADDRESS (as a Ray Job's driver is), and on one local node:
+    the same seed gives the same accuracies and global model, wherever the silos run."""
+    on_cluster, single = tmp_path / "cluster.json", tmp_path / "single.json"
+    env = _env(RAY_ADDRESS=cluster["address"])
+    proc = _run(tmp_path / "c", None, "--results", str(on_cluster), env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _run(tmp_path / "s", None, "ray.placement=any", "--results", str(single))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    a, b = json.loads(on_cluster.read_text()), json.loads(single.read_text())
+    assert {s: a["silos"][s]["node_id"] for s in SILOS} == cluster["nodes"]
+    assert len({s["node_id"] for s in b["silos"].values()}) == 1
+    for silo in SILOS:
+        assert a["silos"][silo]["test_accuracy"] == pytest.approx(
+            b["silos"][silo]["test_accuracy"], abs=1e-6
+        )
+    assert a["mean_test_accuracy"] == pytest.approx(b["mean_test_accuracy"], abs=1e-6)
+    state_a, state_b = np.load(a["global_state_path"]), np.load(b["global_state_path"])
+    assert set(state_a) == set(state_b)
+    for key in state_a:
+        np.testing.assert_allclose(state_a[key], state_b[key], rtol=0, atol=1e-6)
 
 
 def test_a_silo_without_a_node_is_a_clear_error(cluster, tmp_path):
@@ -107,7 +140,7 @@ def test_a_silo_without_a_node_is_a_clear_error(cluster, tmp_path):
     assert proc.returncode != 0
     err = proc.stderr.strip().splitlines()[-1]
     assert "Traceback" not in proc.stderr
-    assert "silo nowhere" in err and "silo_nowhere" in err
+    assert "silo nowhere" in err and "silo=nowhere" in err
 
 
 def test_no_address_starts_its_own_ray_rather_than_joining_a_running_cluster(cluster, tmp_path):
@@ -130,7 +163,7 @@ def test_no_address_starts_its_own_ray_rather_than_joining_a_running_cluster(clu
         capture_output=True,
         text=True,
         timeout=600,
-        env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+        env=_env(),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     used = {silo["node_id"] for silo in json.loads(results.read_text())["silos"].values()}
