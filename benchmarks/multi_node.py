@@ -31,8 +31,13 @@ SILOS = ("cleveland", "hungarian", "switzerland", "va")
 def start_cluster(env: dict[str, str], tmp: Path) -> tuple[subprocess.Popen, dict]:
     info_file = tmp / "cluster.json"
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "cluster" / "local_cluster.py"), *SILOS]
-        + ["--info-file", str(info_file)],
+        [
+            sys.executable,
+            str(ROOT / "cluster" / "local_cluster.py"),
+            *SILOS,
+            "--info-file",
+            str(info_file),
+        ],
         env=env,
         stdout=subprocess.DEVNULL,
         start_new_session=True,
