@@ -64,6 +64,13 @@ def test_every_job_loads():
         ),
         (["data.paths.a=/x.csv"], "data.paths: not used by data.source=heart_disease"),
         (["rounds"], "expected key=value"),
+        (
+            ["silos.cleveland.node_label.silo=bad/value"],
+            "silos.cleveland.node_label.silo: got 'bad/value', expected a label value",
+        ),
+        (["server.node_label.-silo=x"], "server.node_label: label key '-silo' is not valid"),
+        (["server.node_labels.silo=x"], "server.node_labels: unknown key; allowed: node_label"),
+        (["ray.placement=everywhere"], "ray.placement: got 'everywhere', expected one of any"),
     ],
 )
 def test_bad_values_name_the_key(overrides, expected):

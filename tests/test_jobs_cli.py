@@ -1,0 +1,91 @@
+"""`silo-pfl submit/jobs/stop` before any cluster answers: bad input is one line, exit 2."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from silo_pfl.errors import ConfigError
+from silo_pfl.runtime.jobs import auth_token, jobs_address
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = "jobs/heart_disease.yaml"
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    return subprocess.run(
+        [sys.executable, "-m", "silo_pfl", *args],
+        cwd=ROOT,
+        env={**base, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_the_jobs_address_comes_from_the_flag_then_ray_s_variables(monkeypatch):
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ConfigError, match="--address: no Jobs API address"):
+        jobs_address(None)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:8265")
+    assert jobs_address(None) == "http://10.0.0.1:8265"
+    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", "https://head:8265")
+    assert jobs_address(None) == "https://head:8265"
+    assert jobs_address("http://127.0.0.1:9") == "http://127.0.0.1:9"
+    with pytest.raises(ConfigError, match="expected the Jobs API"):
+        jobs_address("auto")
+
+
+def test_the_token_comes_from_the_variable_then_a_file(monkeypatch, tmp_path):
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert auth_token() is None
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("from-home\n")
+    assert auth_token() == "from-home"
+    (tmp_path / "t").write_text("from-file")
+    assert auth_token(str(tmp_path / "t")) == "from-file"
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "from-env")
+    assert auth_token(str(tmp_path / "t")) == "from-env"
+    monkeypatch.delenv("RAY_AUTH_TOKEN")
+    with pytest.raises(ConfigError, match="--token-file .*missing: not found"):
+        auth_token(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ((JOB, "rounds=0", "--address", "http://127.0.0.1:9"), "error: rounds: got 0"),
+        ((JOB,), "error: --address: no Jobs API address"),
+        ((JOB, "--no-wait", "--results", "r.json", "--address", "x:1"), "error: --results: needs"),
+    ],
+)
+def test_a_bad_submission_exits_2_in_one_line_before_anything_is_sent(args, expected):
+    done = _cli("submit", *args)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
+    assert done.stderr.startswith(expected)
+
+
+@pytest.mark.parametrize("command", [("jobs",), ("stop", "some-job"), ("submit", JOB)])
+def test_an_unreachable_cluster_is_one_line_naming_the_address(command):
+    address = f"http://127.0.0.1:{_closed_port()}"
+    done = _cli(*command, "--address", address, env={"RAY_AUTH_TOKEN": "t"})
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: --address {address}: "), last
