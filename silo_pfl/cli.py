@@ -67,6 +67,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse the command line; key=value overrides may also follow the options."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    late = [item for item in extra if "=" in item and not item.startswith("-")]
+    if extra != late or (late and args.command not in ("run", "submit")):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if late:
+        args.overrides = [*args.overrides, *late]
+    return args
+
+
 def _check_results_path(path: str | None) -> None:
     if path is None:
         return
@@ -159,7 +171,7 @@ def _models(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     try:
         return {**COMMANDS, "models": _models}[args.command](args)
     except SiloPflError as exc:

@@ -89,3 +89,14 @@ def test_an_unreachable_cluster_is_one_line_naming_the_address(command):
     assert "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: --address {address}: "), last
+
+
+def test_overrides_may_follow_the_options():
+    from silo_pfl.cli import _parse
+
+    args = _parse(["submit", JOB, "rounds=2", "--address", "http://h:8265", "seed=3", "--no-wait"])
+    assert args.overrides == ["rounds=2", "seed=3"] and args.address == "http://h:8265"
+    args = _parse(["run", JOB, "--quiet", "rounds=2", "--results", "r.json"])
+    assert args.overrides == ["rounds=2"] and args.quiet and args.results == "r.json"
+    with pytest.raises(SystemExit):
+        _parse(["jobs", "rounds=2"])
