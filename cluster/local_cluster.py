@@ -243,7 +243,7 @@ class LocalCluster:
 
     def _start_tracking_server(self) -> str:
         """`cluster/tracking_server.sh` on a free loopback port; its URI once it answers."""
-        port = free_port()
+        port = self.args.tracking_port or free_port()
         env = {
             **self.env,
             "HOST": HOST,
@@ -283,6 +283,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--info-file", help="also write the JSON line here")
     parser.add_argument("--dashboard-port", type=int, help="the Jobs API port (default: free)")
     parser.add_argument("--tracking-server", action="store_true", help="start mlflow server")
+    parser.add_argument("--tracking-port", type=int, help="its port (default: free)")
     parser.add_argument("--tls-dir", help="TLS between nodes, certificates of make_certs.sh")
     parser.add_argument("--data-root", help="silo X's node gets SILO_PFL_DATA_DIR=DATA_ROOT/X")
     return parser
