@@ -38,8 +38,14 @@ def ray_session(cfg: RayConfig) -> Iterator[None]:
     except (ConnectionError, RuntimeError, ValueError) as exc:
         where = address or "a local instance"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        hint = ""
+        if address is not None and os.environ.get("RAY_AUTH_MODE") != "token":
+            hint = (
+                " (a cluster with token authentication needs RAY_AUTH_MODE=token, and its token "
+                "in RAY_AUTH_TOKEN or ~/.ray/auth_token)"
+            )
         raise FederationError(
-            f"ray.address: cannot start or reach Ray at {where}: {first}"
+            f"ray.address: cannot start or reach Ray at {where}: {first}{hint}"
         ) from None
     try:
         yield
