@@ -17,12 +17,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import numpy as np
 import pytest
+from serving import predict, served
 
 from silo_pfl.config import load_config
 from silo_pfl.data import csv_source
@@ -135,42 +135,8 @@ def _serve_and_score(tmp_path: Path, uri: str, model: str, silo: str, rows_file:
     """Accuracy of `mlflow models serve` of `model` on the silo's held-out test rows."""
     cfg = load_config(JOB, [f"data.paths.{silo}={rows_file}"])
     data = csv_source.load(cfg.data, silo, cfg.seed)
-    port = _module("local_cluster").free_port()
-    command = [str(BIN / "mlflow"), "models", "serve", "-m", model, "--env-manager", "local"]
-    command += ["--host", "127.0.0.1", "--port", str(port)]
-    env = {
-        **os.environ,
-        "MLFLOW_TRACKING_URI": uri,
-        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
-    }
-    log = tmp_path / "serve.log"
-    server = subprocess.Popen(
-        command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + STARTUP_SECONDS
-        while True:
-            assert server.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, "mlflow models serve did not answer /ping"
-            try:
-                urllib.request.urlopen(f"{url}/ping", timeout=2).close()
-                break
-            except OSError:
-                time.sleep(0.5)
-        body = {
-            "dataframe_split": {"columns": list(data.raw_columns), "data": data.x_test_raw.tolist()}
-        }
-        request = urllib.request.Request(
-            f"{url}/invocations",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=60) as answer:
-            predictions = np.asarray(json.loads(answer.read())["predictions"])
-    finally:
-        _stop_group(server, 30)
-    assert server.poll() is not None
+    with served(model, uri, tmp_path / "serve.log") as url:
+        predictions = predict(url, data.raw_columns, data.x_test_raw.tolist())
     return float(np.mean(predictions == data.y_test))
 
 

@@ -1,0 +1,81 @@
+"""A real `mlflow models serve` for tests: start it, ask it for predictions, stop it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+STARTUP_SECONDS = 180
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def served(model_uri: str, tracking_uri: str, log: Path) -> Iterator[str]:
+    """`mlflow models serve -m model_uri` on a free port; yields its URL, then stops its group."""
+    port = free_port()
+    command = [str(BIN / "mlflow"), "models", "serve", "-m", model_uri, "--env-manager", "local"]
+    command += ["--host", "127.0.0.1", "--port", str(port)]
+    # As in an activated venv: the server runs `uvicorn` from the venv's bin directory.
+    path = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking_uri, "PATH": path}
+    with log.open("w") as out:
+        server = subprocess.Popen(
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_for_ping(url, server, log)
+        yield url
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+
+
+def _wait_for_ping(url: str, server: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + STARTUP_SECONDS
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"mlflow models serve exited with {server.returncode}: {log.read_text()}")
+        try:
+            with urllib.request.urlopen(f"{url}/ping", timeout=2) as answer:
+                if answer.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.5)
+    pytest.fail(f"mlflow models serve did not answer /ping in {STARTUP_SECONDS} s")
+
+
+def predict(url: str, columns: Sequence[str], rows: list[list[float]]) -> np.ndarray:
+    """POST raw rows to /invocations as a dataframe_split; the predictions."""
+    body = {"dataframe_split": {"columns": list(columns), "data": rows}}
+    request = urllib.request.Request(
+        f"{url}/invocations",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        return np.asarray(json.loads(answer.read())["predictions"])
