@@ -92,21 +92,10 @@ def _run(
     )
 
 
-def test_each_silo_runs_on_its_own_node(cluster, tmp_path):
-    """Joined by the config key; the server on the head node."""
-    results = tmp_path / "results.json"
-    proc = _run(tmp_path, cluster["address"], "rounds=2", "--results", str(results))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    summary = json.loads(results.read_text())
-    placed = {name: summary["silos"][name]["node_id"] for name in SILOS}
-    assert placed == cluster["nodes"]
-    assert len(set(placed.values())) == len(SILOS)
-    assert summary["server_node_id"] == cluster["head"]
-
-
 def test_the_four_hospitals_on_five_nodes_equal_the_single_node_run(cluster, tmp_path):
-    """The whole job joined by RAY_ADDRESS (as a Ray Job's driver is), and on one local node:
-    the same seed gives the same accuracies and global model, wherever the silos run."""
+    """The whole job joined by RAY_ADDRESS (as a Ray Job's driver is), each silo on its own node
+    and the server on the head, and on one local node: the same seed gives the same accuracies
+    and global model, wherever the silos run."""
     on_cluster, single = tmp_path / "cluster.json", tmp_path / "single.json"
     env = _env(RAY_ADDRESS=cluster["address"])
     proc = _run(tmp_path / "c", None, "--results", str(on_cluster), env=env)
@@ -115,6 +104,8 @@ def test_the_four_hospitals_on_five_nodes_equal_the_single_node_run(cluster, tmp
     assert proc.returncode == 0, proc.stderr[-2000:]
     a, b = json.loads(on_cluster.read_text()), json.loads(single.read_text())
     assert {s: a["silos"][s]["node_id"] for s in SILOS} == cluster["nodes"]
+    assert len(set(cluster["nodes"].values())) == len(SILOS)
+    assert a["server_node_id"] == cluster["head"]
     assert len({s["node_id"] for s in b["silos"].values()}) == 1
     for silo in SILOS:
         assert a["silos"][silo]["test_accuracy"] == pytest.approx(
