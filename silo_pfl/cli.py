@@ -142,12 +142,9 @@ def _submit(args: argparse.Namespace) -> int:
 
 
 def _jobs(args: argparse.Namespace) -> int:
-    from silo_pfl.runtime.jobs import JobsClient
+    from silo_pfl.runtime.jobs import JobsClient, jobs_table
 
-    rows = JobsClient(args.address, args.token_file).list(args.limit)
-    print(f"{'job id':<40}{'status':<11}{'federation':<24}started")
-    for row in rows:
-        print(row.line())
+    print(jobs_table(JobsClient(args.address, args.token_file).list(args.limit)))
     return 0
 
 

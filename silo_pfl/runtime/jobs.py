@@ -78,13 +78,23 @@ class JobRow:
     federation: str
     start_time: float | None  # seconds since the epoch
 
-    def line(self) -> str:
+    def cells(self) -> tuple[str, str, str, str]:
         started = (
             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.start_time))
             if self.start_time
             else "-"
         )
-        return f"{self.job_id:<40}{self.status:<11}{self.federation:<24}{started}"
+        return self.job_id, self.status, self.federation, started
+
+
+def jobs_table(rows: Sequence[JobRow]) -> str:
+    """`silo-pfl jobs`: a header and a row per job, in columns as wide as their widest cell."""
+    cells = [("job id", "status", "federation", "started"), *(row.cells() for row in rows)]
+    widths = [max(len(line[i]) for line in cells) + 2 for i in range(3)]
+    return "\n".join(
+        "".join(cell.ljust(width) for cell, width in zip(line, widths, strict=False)) + line[3]
+        for line in cells
+    )
 
 
 class JobsClient:
@@ -131,7 +141,7 @@ class JobsClient:
         import silo_pfl
 
         command = ["python", "-m", "silo_pfl", "run", JOB_FILE, *overrides, "--results-in-log"]
-        job_id = f"silo-pfl-{federation}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+        job_id = f"silo-pfl-{federation}-{secrets.token_hex(4)}"
         with tempfile.TemporaryDirectory(prefix="silo-pfl-job-") as staging:
             shutil.copyfile(config, Path(staging) / JOB_FILE)
             runtime_env = {
@@ -188,9 +198,9 @@ class JobsClient:
         return text.splitlines()[-1] if text else ""
 
     def list(self, limit: int = 20) -> list[JobRow]:
-        """The most recent jobs first."""
+        """The most recent submitted jobs first (drivers that joined directly are not jobs)."""
         with self._errors():
-            jobs = self.client.list_jobs()
+            jobs = [job for job in self.client.list_jobs() if job.submission_id]
         rows = [
             JobRow(
                 job_id=str(job.submission_id or job.job_id),
