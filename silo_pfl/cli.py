@@ -129,7 +129,11 @@ def _submit(args: argparse.Namespace) -> int:
     print(f"submitted job {job_id} to {client.address}", flush=True)
     if args.no_wait:
         return 0
-    status = client.follow(job_id, sys.stdout)
+    try:
+        status = client.follow(job_id, sys.stdout)
+    except KeyboardInterrupt:
+        print(f"\njob {job_id} goes on; stop it with: silo-pfl stop {job_id}", file=sys.stderr)
+        raise
     if status != "SUCCEEDED":
         reason = client.message(job_id)
         print(f"error: job {job_id} {status}" + (f": {reason}" if reason else ""), file=sys.stderr)
