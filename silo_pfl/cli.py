@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("config", help="job YAML, e.g. jobs/heart_disease.yaml")
         command.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rounds=5")
         command.add_argument("--results", help="write a JSON summary of the run to this path")
-    run.add_argument("--quiet", action="store_true", help="print only the final table")
+        command.add_argument("--quiet", action="store_true", help="print only the final table")
     run.add_argument("--results-in-log", action="store_true", help=argparse.SUPPRESS)
     _debug(run)
     submit.add_argument("--no-wait", action="store_true", help="print the job id and return")
@@ -125,7 +125,7 @@ def _submit(args: argparse.Namespace) -> int:
     if args.results and args.no_wait:
         raise ConfigError("--results: needs the job's end; drop --no-wait")
     client = JobsClient(args.address, args.token_file)
-    job_id = client.submit(Path(args.config), args.overrides, config.name)
+    job_id = client.submit(Path(args.config), args.overrides, config.name, args.quiet)
     print(f"submitted job {job_id} to {client.address}", flush=True)
     if args.no_wait:
         return 0

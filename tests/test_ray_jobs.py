@@ -153,9 +153,11 @@ def test_silo_pfl_submit_places_each_silo_on_its_node_and_registers_its_model(cl
         cluster.info["dashboard"],
         "--results",
         str(results),
+        "--quiet",
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "SUCCEEDED" in done.stdout.splitlines()[-1]
+    assert "mean test accuracy" in done.stdout and "round 1/2" not in done.stdout  # --quiet
     summary = json.loads(results.read_text())
     assert {s: summary["silos"][s]["node_id"] for s in SILOS} == cluster.info["nodes"]
     assert summary["server_node_id"] == cluster.info["head"]
@@ -213,6 +215,24 @@ def test_jobs_lists_a_submission_and_stop_stops_it(cluster):
         time.sleep(1)
         listed = _cli(cluster.env, "jobs", *address)
         (row,) = [x for x in listed.stdout.splitlines() if x.startswith(job_id)]
+
+
+def test_a_job_that_fails_on_the_cluster_exits_1_naming_its_status_and_reason(cluster):
+    """The config is valid where it is submitted; on the cluster no node has the label."""
+    done = _cli(
+        cluster.env,
+        "submit",
+        JOB,
+        "silos.hungarian.node_label.silo=nowhere",
+        "tracking.enabled=false",
+        "--quiet",
+        "--address",
+        cluster.info["dashboard"],
+    )
+    assert done.returncode == 1, done.stdout[-2000:]
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: job silo-pfl-hospitals_on_nodes-") and " FAILED: " in line
+    assert "silo hungarian: no live Ray node carries the label silo=nowhere" in line, line
 
 
 def test_a_submission_without_the_token_is_refused_in_one_line(cluster, tmp_path):

@@ -136,11 +136,14 @@ class JobsClient:
             first = text.splitlines()[0] if text else type(exc).__name__
             raise FederationError(f"--address {self.address}: {first}") from None
 
-    def submit(self, config: Path, overrides: Sequence[str], federation: str) -> str:
+    def submit(
+        self, config: Path, overrides: Sequence[str], federation: str, quiet: bool = False
+    ) -> str:
         """Submit `python -m silo_pfl run` on the config; return the job's submission id."""
         import silo_pfl
 
         command = ["python", "-m", "silo_pfl", "run", JOB_FILE, *overrides, "--results-in-log"]
+        command += ["--quiet"] if quiet else []
         job_id = f"silo-pfl-{federation}-{secrets.token_hex(4)}"
         with tempfile.TemporaryDirectory(prefix="silo-pfl-job-") as staging:
             shutil.copyfile(config, Path(staging) / JOB_FILE)
