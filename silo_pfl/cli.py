@@ -118,9 +118,10 @@ def _run(args: argparse.Namespace) -> int:
 def _submit(args: argparse.Namespace) -> int:
     from silo_pfl.config import load_config
     from silo_pfl.results import write_json_atomic
-    from silo_pfl.runtime.jobs import JobsClient
+    from silo_pfl.runtime.jobs import JobsClient, check_tracking_store
 
     config = load_config(args.config, args.overrides)
+    check_tracking_store(Path(args.config), args.overrides, config.tracking.enabled)
     _check_results_path(args.results)
     if args.results and args.no_wait:
         raise ConfigError("--results: needs the job's end; drop --no-wait")

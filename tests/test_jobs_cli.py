@@ -70,8 +70,12 @@ def test_the_token_comes_from_the_variable_then_a_file(monkeypatch, tmp_path):
     ("args", "expected"),
     [
         ((JOB, "rounds=0", "--address", "http://127.0.0.1:9"), "error: rounds: got 0"),
-        ((JOB,), "error: --address: no Jobs API address"),
-        ((JOB, "--no-wait", "--results", "r.json", "--address", "x:1"), "error: --results: needs"),
+        ((JOB, "tracking.enabled=false"), "error: --address: no Jobs API address"),
+        ((JOB, "--address", "http://127.0.0.1:9"), "error: tracking.uri: a federation submitted"),
+        (
+            (JOB, "tracking.enabled=false", "--no-wait", "--results", "r.json", "--address", "x:1"),
+            "error: --results: needs",
+        ),
     ],
 )
 def test_a_bad_submission_exits_2_in_one_line_before_anything_is_sent(args, expected):
@@ -81,7 +85,10 @@ def test_a_bad_submission_exits_2_in_one_line_before_anything_is_sent(args, expe
     assert done.stderr.startswith(expected)
 
 
-@pytest.mark.parametrize("command", [("jobs",), ("stop", "some-job"), ("submit", JOB)])
+@pytest.mark.parametrize(
+    "command",
+    [("jobs",), ("stop", "some-job"), ("submit", JOB, "tracking.uri=http://127.0.0.1:9")],
+)
 def test_an_unreachable_cluster_is_one_line_naming_the_address(command):
     address = f"http://127.0.0.1:{_closed_port()}"
     done = _cli(*command, "--address", address, env={"RAY_AUTH_TOKEN": "t"})

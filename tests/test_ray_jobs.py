@@ -238,7 +238,8 @@ def test_a_job_that_fails_on_the_cluster_exits_1_naming_its_status_and_reason(cl
 def test_a_submission_without_the_token_is_refused_in_one_line(cluster, tmp_path):
     env = {k: v for k, v in cluster.env.items() if k != "RAY_AUTH_TOKEN"}
     env["HOME"] = str(tmp_path)  # no ~/.ray/auth_token either
-    done = _cli(env, "submit", JOB, "--address", cluster.info["dashboard"])
+    address = ["--address", cluster.info["dashboard"]]
+    done = _cli(env, "submit", JOB, "tracking.enabled=false", *address)
     assert done.returncode == 1
     assert "Traceback" not in done.stderr
     (line,) = done.stderr.strip().splitlines()

@@ -69,6 +69,21 @@ def auth_token(token_file: str | None = None) -> str | None:
     return path.read_text().strip() if path.is_file() else None
 
 
+def check_tracking_store(config: Path, overrides: Sequence[str], tracking_enabled: bool) -> None:
+    """A job on a cluster must name its tracking store: the default SQLite file would be made in
+    the job's temporary directory on the head node, and vanish with it."""
+    from omegaconf import OmegaConf
+
+    if not tracking_enabled or any(o.startswith("tracking.uri=") for o in overrides):
+        return
+    if OmegaConf.select(OmegaConf.load(config), "tracking.uri") is None:
+        raise ConfigError(
+            "tracking.uri: a federation submitted to a cluster needs a tracking server that every "
+            "node reaches, e.g. tracking.uri=http://HOST:5000 (the default SQLite file would live "
+            "in the job's temporary directory); or tracking.enabled=false"
+        )
+
+
 @dataclass(frozen=True)
 class JobRow:
     """One line of `silo-pfl jobs`."""

@@ -19,7 +19,7 @@ from silo_pfl.errors import FederationError
 SILO_LABEL = "silo"  # per_node: silo X runs on the node labelled silo=X
 HEAD_RESOURCE = "node:__internal_head__"  # offered by the head node only
 # A node may still be joining when the run starts: wait this long for a label before failing.
-LABEL_WAIT_SECONDS = 10.0
+LABEL_WAIT_SECONDS = 5.0
 
 
 def silo_selector(cfg: FederationConfig, silo: str) -> dict[str, str] | None:
