@@ -75,6 +75,15 @@ class EvalConfig:
 
 
 @dataclass
+class RoundConfig:
+    """How each step of a run waits for the silos and the server."""
+
+    # The longest any remote step (a set-up, a round's fit or evaluation, an export) may take
+    # before the run fails naming who did not answer.
+    timeout_s: float = 600.0
+
+
+@dataclass
 class AggregationConfig:
     """How the server combines the silos' updates."""
 
@@ -137,6 +146,7 @@ class FederationConfig:
     split: SplitConfig = field(default_factory=SplitConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    round: RoundConfig = field(default_factory=RoundConfig)
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
@@ -234,6 +244,9 @@ def _check_ranges(cfg: FederationConfig) -> None:
         "ray.placement",
         "one of any, per_node",
         cfg.ray.placement,
+    )
+    _require(
+        cfg.round.timeout_s > 0, "round.timeout_s", "a number of seconds > 0", cfg.round.timeout_s
     )
     _require(cfg.ray.silo_cpus >= 0, "ray.silo_cpus", "a number >= 0", cfg.ray.silo_cpus)
     if cfg.ray.num_cpus is not None:

@@ -57,8 +57,11 @@ def _named(actor: Any, role: str) -> Any:
     return actor
 
 
-def get(refs: Any, what: str, timeout: float | None = None) -> Any:
-    """ray.get that surfaces a user error from an actor as itself, and anything else in one line."""
+def get(refs: Any, what: str, timeout: float | None = None, names: Sequence[str] = ()) -> Any:
+    """ray.get that surfaces a user error from an actor as itself, and anything else in one line.
+
+    `names` says whose each of a list of refs is ("silo va"): a timeout names who did not answer.
+    """
     try:
         return ray.get(refs, timeout=timeout)
     except ray.exceptions.RayTaskError as exc:
@@ -68,7 +71,11 @@ def get(refs: Any, what: str, timeout: float | None = None) -> Any:
         first = str(cause).strip().splitlines()[-1] if str(cause).strip() else ""
         raise FederationError(f"{what} failed: {type(cause).__name__}: {first}") from exc
     except ray.exceptions.GetTimeoutError:
-        raise FederationError(f"{what}: no answer within {timeout} s") from None
+        late = ""
+        if names and isinstance(refs, list):
+            _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
+            late = " from " + ", ".join(n for n, r in zip(names, refs, strict=True) if r in pending)
+        raise FederationError(f"{what}: no answer within {timeout:g} s{late}") from None
     except ray.exceptions.RayActorError as exc:
         who = _ROLES.get(getattr(exc, "actor_id", None) or "", "an actor")
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""

@@ -81,6 +81,16 @@ class Orchestrator:
         self.cfg = cfg
         self.callbacks = list(callbacks)
 
+    @property
+    def timeout(self) -> float:
+        """How long any remote step may take (round.timeout_s)."""
+        return self.cfg.round.timeout_s
+
+    def _each(self, silos: dict[str, Any], method: str, what: str, *args: Any) -> list[Any]:
+        """Call `method` on every silo actor and wait, bounded; a late silo is named."""
+        refs = [getattr(actor, method).remote(*args) for actor in silos.values()]
+        return get(refs, what, self.timeout, [f"silo {name}" for name in silos])
+
     def _emit(self, hook: str, *args: Any) -> None:
         for callback in self.callbacks:
             getattr(callback, hook)(*args)
@@ -97,26 +107,22 @@ class Orchestrator:
             try:
                 for name in names:
                     actors[name] = start_silo(self.cfg, config, name)
-                infos = get([a.setup.remote() for a in actors.values()], "silo set-up")
+                infos = self._each(actors, "setup", "silo set-up")
                 input_shape, num_classes = _model_shape(infos)
                 public_keys = {i.silo: i.public_key for i in infos if i.public_key}
-                split: SplitInfo = get(
-                    [
-                        a.build.remote(input_shape, num_classes, public_keys)
-                        for a in actors.values()
-                    ],
-                    "silo model",
+                split: SplitInfo = self._each(
+                    actors, "build", "silo model", input_shape, num_classes, public_keys
                 )[0]
                 server = start_server(self.cfg, config, input_shape, num_classes)
                 actors["__server__"] = server
                 self._emit("on_start", self.cfg, infos, split)
                 exporting = self._attach_exporters(infos, actors)
                 history = self._rounds(server, {n: actors[n] for n in names})
-                outcomes: list[SiloOutcome] = get(
-                    [actors[n].outcome.remote() for n in names], "silo outcome"
-                )
-                state_path = self._save_global(get(server.state_bytes.remote(), "global state"))
-                server_node = get(server.node_id.remote(), "server node")
+                silos = {n: actors[n] for n in names}
+                outcomes: list[SiloOutcome] = self._each(silos, "outcome", "silo outcome")
+                state = get(server.state_bytes.remote(), "the server's global state", self.timeout)
+                state_path = self._save_global(state)
+                server_node = get(server.node_id.remote(), "the server's node", self.timeout)
                 self._export(exporting, actors)
             finally:
                 stop(list(actors.values()))
@@ -167,12 +173,13 @@ class Orchestrator:
                         f"{type(callback).__name__}: an exporter for {silo!r}, not a silo here"
                     )
                 per_silo.setdefault(silo, {})[str(index)] = exporter
-        get([actors[s].attach.remote(e) for s, e in per_silo.items()], "silo exporter check")
+        refs = [actors[s].attach.remote(e) for s, e in per_silo.items()]
+        get(refs, "silo exporter check", self.timeout, [f"silo {s}" for s in per_silo])
         return list(per_silo)
 
     def _export(self, silos: list[str], actors: dict[str, Any]) -> None:
         """Each silo runs its exporters in its own process; receipts go back to their callbacks."""
-        done = get([actors[s].export.remote() for s in silos], "silo export")
+        done = self._each({s: actors[s] for s in silos}, "export", "silo export")
         receipts = dict(zip(silos, done, strict=True))
         for index, callback in enumerate(self.callbacks):
             mine = {s: r[str(index)] for s, r in receipts.items() if str(index) in r}
@@ -182,7 +189,9 @@ class Orchestrator:
     def _rounds(self, server: Any, silos: dict[str, Any]) -> list[RoundSummary]:
         history = []
         selector = Selector(self.cfg.eval.selection)
+        who = [f"silo {name}" for name in silos]
         global_ref = server.global_state.remote()
+        keeping: tuple[str, list[Any], list[str]] = ("", [], [])
         for round_ in range(1, self.cfg.rounds + 1):
             began = time.perf_counter()
             fit_refs = [
@@ -190,11 +199,18 @@ class Orchestrator:
             ]
             global_ref = server.aggregate.remote(*[update for update, _ in fit_refs])
             eval_refs = [a.evaluate.remote(global_ref, round_) for a in silos.values()]
-            fits = get([metrics for _, metrics in fit_refs], f"round {round_}: silo fit")
-            evals = get(eval_refs, f"round {round_}: silo evaluation")
-            for silo in selector.choose(evals):
-                silos[silo].keep.remote(round_)
+            metrics = [m for _, m in fit_refs]
+            fits = get(metrics, f"round {round_}: silo fit", self.timeout, who)
+            evals = get(eval_refs, f"round {round_}: silo evaluation", self.timeout, who)
+            get(keeping[1], keeping[0], self.timeout, keeping[2])  # last round's, saved by now
+            chosen = selector.choose(evals)
+            keeping = (
+                f"round {round_}: silo keep",
+                [silos[silo].keep.remote(round_) for silo in chosen],
+                [f"silo {silo}" for silo in chosen],
+            )
             summary = _summary(round_, time.perf_counter() - began, fits, evals)
             history.append(summary)
             self._emit("on_round_end", summary)
+        get(keeping[1], keeping[0], self.timeout, keeping[2])
         return history
