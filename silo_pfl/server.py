@@ -10,6 +10,7 @@ import numpy as np
 
 from silo_pfl.aggregation import State, apply_delta, weighted_mean
 from silo_pfl.config import from_dict
+from silo_pfl.data import silo_names
 from silo_pfl.messages import SiloUpdate
 from silo_pfl.secure_aggregation import decode_mean, masked_sum, vector_length
 from silo_pfl.silo import init_model, split_rules
@@ -19,7 +20,9 @@ from silo_pfl.split import compute_split
 class Server:
     """Aggregates the silos' deltas of the global keys, weighted by their training examples.
 
-    Under aggregation.secure it receives only masked vectors and learns only their sum.
+    It refuses, naming the silo and the reason, an update from a silo not enrolled, for another
+    round, sent twice, or not matching the global keys. Under aggregation.secure it receives only
+    masked vectors and learns only their sum.
     """
 
     def __init__(
@@ -33,7 +36,8 @@ class Server:
         self.shapes = {k: v.shape for k, v in self.state.items()}
         self.masked_shape = (vector_length(self.shapes),)  # of every update under secure
         self.secure = self.cfg.aggregation.secure
-        self.round = 0
+        self.enrolled = frozenset(silo_names(self.cfg.data))
+        self.round = 0  # the last round aggregated
 
     def global_state(self) -> State:
         """The current global keys."""
@@ -52,6 +56,24 @@ class Server:
                 f"update from silo {update.silo}: masked vector of {masked.dtype} "
                 f"{masked.shape}, expected uint64 {self.masked_shape}"
             )
+
+    def _check_senders(self, updates: Sequence[SiloUpdate]) -> None:
+        """Each update comes from a silo of this federation, for this round, and only once."""
+        seen: set[str] = set()
+        for update in updates:
+            if update.silo not in self.enrolled:
+                raise ValueError(
+                    f"update from silo {update.silo}: not a silo of this federation (its silos "
+                    f"are {', '.join(sorted(self.enrolled))})"
+                )
+            if update.round != self.round + 1:
+                raise ValueError(
+                    f"update from silo {update.silo}: for round {update.round}, but round "
+                    f"{self.round + 1} is being aggregated"
+                )
+            if update.silo in seen:
+                raise ValueError(f"update from silo {update.silo}: a second update this round")
+            seen.add(update.silo)
 
     def _check(self, update: SiloUpdate) -> None:
         if self.secure:
@@ -74,6 +96,11 @@ class Server:
                 raise ValueError(
                     f"update from silo {update.silo}: {key} has shape {np.shape(value)}"
                 )
+            if np.asarray(value).dtype != self.state[key].dtype:
+                raise ValueError(
+                    f"update from silo {update.silo}: {key} is {np.asarray(value).dtype}, "
+                    f"expected {self.state[key].dtype}"
+                )
             if not np.all(np.isfinite(value)):
                 raise ValueError(f"update from silo {update.silo}: {key} is not finite")
         if update.num_examples < 1:
@@ -82,6 +109,7 @@ class Server:
     def aggregate(self, *updates: SiloUpdate) -> State:
         """Apply the example-weighted mean of the deltas, in silo-name order (deterministic)."""
         ordered = sorted(updates, key=lambda u: u.silo)
+        self._check_senders(ordered)
         for update in ordered:
             self._check(update)
         self.round += 1
