@@ -42,6 +42,6 @@ class Federation:
         tracker = MlflowTracker(self.config)
         try:
             return Orchestrator(self.config, [*self.callbacks, tracker]).run()
-        except BaseException:
-            tracker.abort()
+        except BaseException as exc:
+            tracker.abort(killed=isinstance(exc, KeyboardInterrupt))
             raise

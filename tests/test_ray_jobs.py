@@ -189,29 +189,32 @@ def test_plain_ray_job_submit_with_the_server_on_a_worker_node(cluster, tmp_path
     assert artifacts == ["global_model/global_state.npz"]
 
 
-def test_jobs_lists_a_submission_and_stop_stops_it(cluster):
-    address = ["--address", cluster.info["dashboard"]]
-    done = _cli(
-        cluster.env,
-        "submit",
-        JOB,
-        "rounds=500",
-        "name=jobs_stop",
-        "tracking.enabled=false",
-        "--no-wait",
-        *address,
-    )
+def _runs(uri: str, name: str) -> list:
+    client = _client(uri)
+    experiment = client.get_experiment_by_name(name)
+    return client.search_runs([experiment.experiment_id]) if experiment else []
+
+
+def test_jobs_lists_a_submission_and_stop_ends_it_as_killed(cluster):
+    """`silo-pfl stop` sends the job's driver SIGTERM: it stops, and its MLflow runs say KILLED."""
+    uri, address = cluster.info["tracking_uri"], ["--address", cluster.info["dashboard"]]
+    args = ("submit", JOB, "rounds=5000", "name=jobs_stop", f"tracking.uri={uri}", "--no-wait")
+    done = _cli(cluster.env, *args, *address)
     assert done.returncode == 0, done.stderr
     job_id = done.stdout.split("submitted job ")[1].split()[0]
     listed = _cli(cluster.env, "jobs", *address)
     assert listed.returncode == 0, listed.stderr
     (row,) = [x for x in listed.stdout.splitlines() if x.startswith(job_id)]
     assert "jobs_stop" in row
+    deadline = time.monotonic() + 120
+    while len(_runs(uri, "jobs_stop")) < 1 + len(SILOS):  # the rounds have begun
+        assert time.monotonic() < deadline, "the job's MLflow runs never appeared"
+        time.sleep(1)
     stopped = _cli(cluster.env, "stop", job_id, *address)
     assert stopped.returncode == 0 and "stopping" in stopped.stdout, stopped.stderr
     deadline = time.monotonic() + 60
-    while "STOPPED" not in row:
-        assert time.monotonic() < deadline, row
+    while "STOPPED" not in row or {r.info.status for r in _runs(uri, "jobs_stop")} != {"KILLED"}:
+        assert time.monotonic() < deadline, (row, [r.info.status for r in _runs(uri, "jobs_stop")])
         time.sleep(1)
         listed = _cli(cluster.env, "jobs", *address)
         (row,) = [x for x in listed.stdout.splitlines() if x.startswith(job_id)]

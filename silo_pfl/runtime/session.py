@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import ray
 
@@ -48,6 +51,28 @@ def ray_session(cfg: RayConfig) -> Iterator[None]:
             f"ray.address: cannot start or reach Ray at {where}: {first}{hint}"
         ) from None
     try:
-        yield
+        with _sigterm_interrupts():
+            yield
     finally:
         ray.shutdown()
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """Raise KeyboardInterrupt once; a second SIGTERM cannot cut the clean-up short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+@contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """While the run uses Ray, SIGTERM (what `ray job stop` and `silo-pfl stop` send) stops it as
+    Ctrl-C does: actors released, the MLflow run KILLED. Ray's own driver handler would abort."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)

@@ -259,8 +259,8 @@ class MlflowTracker(Callback):
             if run_id:
                 self.client.set_terminated(run_id, status=status)
 
-    def abort(self) -> None:
-        """Mark the runs FAILED after an error; never raises over the original error."""
+    def abort(self, killed: bool = False) -> None:
+        """Mark the runs KILLED (interrupted) or FAILED (an error); never raises over either."""
         if not self.run_id:
             return
         from mlflow.entities import RunStatus
@@ -270,5 +270,6 @@ class MlflowTracker(Callback):
         for logged in self.logged.values():
             with contextlib.suppress(Exception):
                 self.client.finalize_logged_model(logged.model_id, "FAILED")
+        status = RunStatus.KILLED if killed else RunStatus.FAILED
         with contextlib.suppress(Exception):
-            self._finish(RunStatus.to_string(RunStatus.FAILED))
+            self._finish(RunStatus.to_string(status))

@@ -1,0 +1,73 @@
+"""SIGTERM (what `ray job stop` sends) stops a run cleanly: MLflow says KILLED, nothing is left."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow
+
+
+def _in_session(sid: int) -> list[int]:
+    """Live processes of session `sid` (the run and everything it started: Ray, its workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def test_sigterm_during_round_5_ends_the_run_as_killed_within_10_seconds(tmp_path, mlflow_store):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "silo_pfl", "run", "jobs/heart_disease.yaml", "rounds=500"),
+            *("ray.num_cpus=2", f"output_dir={tmp_path / 'runs'}"),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("round   5/"):
+                break
+        else:
+            pytest.fail(f"the run ended before round 5: {proc.communicate()[1]}")
+        began = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        elapsed = time.monotonic() - began
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert elapsed < 10, elapsed
+    assert proc.returncode == 130
+    assert err.strip().splitlines()[-1] == "error: interrupted"
+    deadline = time.monotonic() + 15  # Ray's own processes may take a moment to go
+    while _in_session(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _in_session(proc.pid) == []
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=mlflow_store)
+    runs = client.search_runs([client.get_experiment_by_name("heart_disease").experiment_id])
+    assert len(runs) == 5  # the federation's run and one per hospital
+    assert {run.info.status for run in runs} == {"KILLED"}
