@@ -27,6 +27,14 @@ def ray_local():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def loopback_cluster(tmp_path_factory):
+    """The real multi-node cluster of tests/loopback_cluster.py, started once per session."""
+    from loopback_cluster import start
+
+    yield from start(tmp_path_factory.mktemp("loopback_cluster"))
+
+
 @pytest.fixture(autouse=True)
 def mlflow_store(tmp_path, monkeypatch):
     """Every test's default MLflow store (tracking.uri unset) is a SQLite file under tmp_path."""

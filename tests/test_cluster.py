@@ -1,19 +1,15 @@
 """A real multi-node Ray cluster on this machine: every silo on its own node, by label.
 
-The cluster is the project's own `cluster/local_cluster.py`, started with `ray start` (a head and
-one node per hospital labelled silo=<name>, token authentication on); the federation joins it
-with ray.address or RAY_ADDRESS, as a user would.
+The cluster is the shared one of tests/loopback_cluster.py (the project's own
+`cluster/local_cluster.py`: a head and one node per hospital labelled silo=<name>, token
+authentication on); the federation joins it with ray.address or RAY_ADDRESS, as a user would.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import secrets
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -25,49 +21,20 @@ ROOT = Path(__file__).resolve().parents[1]
 SILOS = ("cleveland", "hungarian", "switzerland", "va")
 
 
-# A fresh token for this cluster and its clients; ~/.ray/auth_token is left alone.
-TOKEN_ENV = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+@pytest.fixture
+def cluster(loopback_cluster):
+    """The shared cluster's info (address, head, nodes)."""
+    return loopback_cluster.info
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return {**env, **TOKEN_ENV, **extra}
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """Start head + one node per hospital; yield its info; stop only those nodes."""
-    info_file = tmp_path_factory.mktemp("cluster") / "cluster.json"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            str(ROOT / "cluster" / "local_cluster.py"),
-            *SILOS,
-            "--info-file",
-            str(info_file),
-        ],
-        env=_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 240
-    while not (info_file.exists() and info_file.read_text().strip()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("cluster/local_cluster.py did not come up")
-        time.sleep(0.5)
-    yield json.loads(info_file.read_text())
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0
+@pytest.fixture
+def env(loopback_cluster):
+    """What a client of the cluster needs: its token, RAY_AUTH_MODE=token; no RAY_ADDRESS."""
+    return loopback_cluster.env
 
 
 def _run(
-    tmp_path: Path, address: str | None, *overrides: str, env: dict[str, str] | None = None
+    tmp_path: Path, address: str | None, *overrides: str, env: dict[str, str]
 ) -> subprocess.CompletedProcess:
     """The CLI on the heart-disease job, per-node placement; address=None sets none."""
     joined = [f"ray.address={address}"] if address else []
@@ -88,19 +55,19 @@ def _run(
         capture_output=True,
         text=True,
         timeout=600,
-        env=env or _env(),
+        env=env,
     )
 
 
-def test_the_four_hospitals_on_five_nodes_equal_the_single_node_run(cluster, tmp_path):
+def test_the_four_hospitals_on_five_nodes_equal_the_single_node_run(cluster, env, tmp_path):
     """The whole job joined by RAY_ADDRESS (as a Ray Job's driver is), each silo on its own node
     and the server on the head, and on one local node: the same seed gives the same accuracies
     and global model, wherever the silos run."""
     on_cluster, single = tmp_path / "cluster.json", tmp_path / "single.json"
-    env = _env(RAY_ADDRESS=cluster["address"])
-    proc = _run(tmp_path / "c", None, "--results", str(on_cluster), env=env)
+    joined = {**env, "RAY_ADDRESS": cluster["address"]}
+    proc = _run(tmp_path / "c", None, "--results", str(on_cluster), env=joined)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    proc = _run(tmp_path / "s", None, "ray.placement=any", "--results", str(single))
+    proc = _run(tmp_path / "s", None, "ray.placement=any", "--results", str(single), env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     a, b = json.loads(on_cluster.read_text()), json.loads(single.read_text())
     assert {s: a["silos"][s]["node_id"] for s in SILOS} == cluster["nodes"]
@@ -118,7 +85,7 @@ def test_the_four_hospitals_on_five_nodes_equal_the_single_node_run(cluster, tmp
         np.testing.assert_allclose(state_a[key], state_b[key], rtol=0, atol=1e-6)
 
 
-def test_a_silo_without_a_node_is_a_clear_error(cluster, tmp_path):
+def test_a_silo_without_a_node_is_a_clear_error(cluster, env, tmp_path):
     good = tmp_path / "cleveland.csv"
     good.write_text("x,label\n" + "\n".join(f"{i},{i % 2}" for i in range(30)) + "\n")
     proc = _run(
@@ -127,6 +94,7 @@ def test_a_silo_without_a_node_is_a_clear_error(cluster, tmp_path):
         "data.source=csv",
         f"data.paths.cleveland={good}",
         f"data.paths.nowhere={good}",
+        env=env,
     )
     assert proc.returncode != 0
     err = proc.stderr.strip().splitlines()[-1]
@@ -134,7 +102,9 @@ def test_a_silo_without_a_node_is_a_clear_error(cluster, tmp_path):
     assert "silo nowhere" in err and "silo=nowhere" in err
 
 
-def test_no_address_starts_its_own_ray_rather_than_joining_a_running_cluster(cluster, tmp_path):
+def test_no_address_starts_its_own_ray_rather_than_joining_a_running_cluster(
+    cluster, env, tmp_path
+):
     results = tmp_path / "results.json"
     proc = subprocess.run(
         [
@@ -154,7 +124,7 @@ def test_no_address_starts_its_own_ray_rather_than_joining_a_running_cluster(clu
         capture_output=True,
         text=True,
         timeout=600,
-        env=_env(),
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     used = {silo["node_id"] for silo in json.loads(results.read_text())["silos"].values()}

@@ -1,24 +1,21 @@
 """Federations submitted as Ray Jobs to a real multi-node cluster on loopback.
 
-The cluster is the project's own `cluster/local_cluster.py`, started with `ray start`: a head and
-two nodes labelled silo=cleveland and silo=hungarian, token authentication on, and an MLflow
-tracking server (--serve-artifacts) beside it. Each hospital's rows exist only in the directory
-its node names as $SILO_PFL_DATA_DIR; neither the head (where the job's driver runs) nor this
-test process has that variable.
+The cluster is the shared one of tests/loopback_cluster.py (the project's own
+`cluster/local_cluster.py`, started with `ray start`): a head and a node per hospital labelled
+silo=<name>, token authentication on, and an MLflow tracking server (--serve-artifacts) beside
+it. Each hospital's rows exist only in the directory its node names as $SILO_PFL_DATA_DIR;
+neither the head (where the job's driver runs) nor this test process has that variable. The job
+federates two of the hospitals.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import secrets
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
 
 import numpy as np
 import pytest
@@ -33,68 +30,12 @@ ROOT = Path(__file__).resolve().parents[1]
 JOB = "jobs/hospitals_on_nodes.yaml"
 SILOS = ("cleveland", "hungarian")
 BIN = Path(sys.executable).parent
-STARTUP_SECONDS = 240
-CLIENT_VARS = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "MLFLOW_TRACKING_URI", "RAY_AUTH_TOKEN")
 
 
-def _module(name: str) -> ModuleType:
-    """A script of cluster/, imported from its path (cluster/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "cluster" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _stop_group(proc: subprocess.Popen, timeout: float) -> None:
-    """SIGTERM a process we started in its own session; SIGKILL its group if it lingers."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """Start the cluster; at the end, stop it and check that nothing it started is left."""
-    base = tmp_path_factory.mktemp("jobs_cluster")
-    hospital_data = _module("hospital_data")
-    for silo in SILOS:
-        hospital_data.write_hospital(base / "nodes", silo)
-    token = secrets.token_hex(32)
-    env = {k: v for k, v in os.environ.items() if k not in CLIENT_VARS}
-    env["RAY_AUTH_TOKEN"] = token
-    info_file = base / "cluster.json"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            str(ROOT / "cluster" / "local_cluster.py"),
-            *SILOS,
-            "--tracking-server",
-            "--data-root",
-            str(base / "nodes"),
-            "--info-file",
-            str(info_file),
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=(base / "cluster.err").open("w"),
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + STARTUP_SECONDS
-    while not (info_file.exists() and info_file.read_text().strip()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            _stop_group(proc, 60)
-            pytest.fail(f"local_cluster.py did not come up: {(base / 'cluster.err').read_text()}")
-        time.sleep(0.5)
-    info = json.loads(info_file.read_text())
-    yield SimpleNamespace(info=info, env={**env, **info["env"]}, base=base)
-    _stop_group(proc, 90)
-    assert proc.returncode == 0, (base / "cluster.err").read_text()[-2000:]
-    assert _module("local_cluster")._processes_marked(info["marker"]) == []
+@pytest.fixture
+def cluster(loopback_cluster):
+    """The shared cluster: info, the env its clients need, and the base of its data."""
+    return loopback_cluster
 
 
 def _cli(env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -159,9 +100,10 @@ def test_silo_pfl_submit_places_each_silo_on_its_node_and_registers_its_model(cl
     assert "SUCCEEDED" in done.stdout.splitlines()[-1]
     assert "mean test accuracy" in done.stdout and "round 1/2" not in done.stdout  # --quiet
     summary = json.loads(results.read_text())
-    assert {s: summary["silos"][s]["node_id"] for s in SILOS} == cluster.info["nodes"]
+    nodes = {s: cluster.info["nodes"][s] for s in SILOS}
+    assert {s: summary["silos"][s]["node_id"] for s in SILOS} == nodes
     assert summary["server_node_id"] == cluster.info["head"]
-    _assert_tracked_on_nodes(uri, "jobs_submit", cluster.info["nodes"])
+    _assert_tracked_on_nodes(uri, "jobs_submit", nodes)
     rows = cluster.base / "nodes" / "cleveland" / "heart.csv"
     model = summary["mlflow"]["models"]["cleveland"]
     accuracy = _serve_and_score(tmp_path, uri, model, "cleveland", rows)
@@ -182,9 +124,10 @@ def test_plain_ray_job_submit_with_the_server_on_a_worker_node(cluster, tmp_path
     marker = "silo-pfl-results: "
     (line,) = [x for x in done.stdout.splitlines() if x.startswith(marker)]
     summary = json.loads(line[len(marker) :])
-    assert {s: summary["silos"][s]["node_id"] for s in SILOS} == cluster.info["nodes"]
+    nodes = {s: cluster.info["nodes"][s] for s in SILOS}
+    assert {s: summary["silos"][s]["node_id"] for s in SILOS} == nodes
     assert summary["server_node_id"] == cluster.info["nodes"]["hungarian"]
-    parent = _assert_tracked_on_nodes(uri, "jobs_plain", cluster.info["nodes"])
+    parent = _assert_tracked_on_nodes(uri, "jobs_plain", nodes)
     artifacts = [a.path for a in _client(uri).list_artifacts(parent, "global_model")]
     assert artifacts == ["global_model/global_state.npz"]
 
