@@ -33,7 +33,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -289,18 +288,26 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
 def main() -> None:
     args = _parser().parse_args()
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+    # While the nodes start, a stop signal is only noted (no lock may be taken in a handler: an
+    # Event.set there can deadlock with the wait it interrupts); then the main thread blocks the
+    # signals and waits for one, so one that came in between is not lost.
+    requested: list[int] = []
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, lambda number, _frame: requested.append(number))
     cluster = LocalCluster(args)
     try:
         line = json.dumps(cluster.start())
         if args.info_file:
             Path(args.info_file).write_text(line + "\n")
         print(line, flush=True)
-        stop.wait()
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        if not requested:
+            signal.sigwait(STOP_SIGNALS)
     except Exception as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
