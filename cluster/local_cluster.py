@@ -37,6 +37,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from silo_pfl.runtime.jobs import auth_token
+
 MARKER_VAR = "SILO_PFL_CLUSTER"
 DATA_DIR_VAR = "SILO_PFL_DATA_DIR"
 SILO_LABEL = "silo"
@@ -53,16 +55,16 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def auth_token() -> str:
-    """The cluster's token: $RAY_AUTH_TOKEN, else ~/.ray/auth_token, created if absent."""
-    if os.environ.get("RAY_AUTH_TOKEN"):
-        return os.environ["RAY_AUTH_TOKEN"].strip()
-    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
-    if not path.is_file():
+def cluster_token() -> str:
+    """The token clients find too (silo_pfl's `auth_token`); else a new ~/.ray/auth_token."""
+    token = auth_token()
+    if token is None:
+        path = Path.home() / ".ray" / "auth_token"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(secrets.token_hex(32))
         path.chmod(0o600)
-    return path.read_text().strip()
+        token = path.read_text().strip()
+    return token
 
 
 def tls_env(tls_dir: str | None) -> dict[str, str]:
@@ -153,7 +155,7 @@ class LocalCluster:
             **os.environ,
             MARKER_VAR: self.marker,
             "RAY_AUTH_MODE": "token",
-            "RAY_AUTH_TOKEN": auth_token(),
+            "RAY_AUTH_TOKEN": cluster_token(),
             **self.tls,
             # As on a node with this environment activated: a job's `python` is this one.
             "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",

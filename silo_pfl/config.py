@@ -16,7 +16,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from silo_pfl.errors import ConfigError
+from silo_pfl.errors import ConfigError, one_line
 
 
 @dataclass
@@ -172,7 +172,7 @@ def _known_keys(schema: Any, key: str) -> str:
 def _omegaconf_error(exc: OmegaConfBaseException, schema: Any = None) -> ConfigError:
     """Turn OmegaConf's multi-line error into one line that names the key."""
     key = getattr(exc, "full_key", None) or ""
-    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    reason = one_line(exc)
     converted = re.search(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", reason)
     if converted:
         reason = (
@@ -210,7 +210,7 @@ def _read_yaml(path: Path) -> DictConfig:
     try:
         loaded = OmegaConf.load(path)
     except Exception as exc:  # yaml.YAMLError and friends
-        line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        line = one_line(exc)
         raise ConfigError(f"config file {path}: not valid YAML ({line})") from None
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"config file {path}: expected a mapping of keys at the top level")

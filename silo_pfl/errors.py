@@ -15,3 +15,9 @@ class DataError(SiloPflError):
 
 class FederationError(SiloPflError):
     """The federation could not run: a silo failed, the cluster is unreachable, ..."""
+
+
+def one_line(exc: BaseException) -> str:
+    """The first line of an exception's message, or its type."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -9,7 +9,6 @@ jobs/hospitals_on_nodes.yaml on it; one with the token alone cannot even join.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import secrets
@@ -21,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from loopback_cluster import cluster_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SILOS = ("cleveland", "hungarian")
@@ -35,16 +35,6 @@ import ray
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 print("joined", sum(1 for n in ray.nodes() if n["Alive"]), flush=True)
 """
-
-
-def _local_cluster():
-    """cluster/local_cluster.py as a module (it is a script, not part of the package)."""
-    spec = importlib.util.spec_from_file_location(
-        "local_cluster_under_test", ROOT / "cluster" / "local_cluster.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _client_env(token: str, tls: dict[str, str]) -> dict[str, str]:
@@ -113,7 +103,7 @@ def test_a_federation_over_tls_and_no_client_without_it(tmp_path):
         capture_output=True,
     )
 
-    local_cluster = _local_cluster()
+    local_cluster = cluster_script("local_cluster")
     token = secrets.token_hex(32)
     info_file = tmp_path / "cluster.json"
     log = (tmp_path / "cluster.log").open("w")

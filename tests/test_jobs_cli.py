@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from serving import free_port
 
 from silo_pfl.errors import ConfigError
 from silo_pfl.runtime.jobs import auth_token, jobs_address
@@ -27,12 +27,6 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
         text=True,
         timeout=120,
     )
-
-
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_the_jobs_address_comes_from_the_flag_then_ray_s_variables(monkeypatch):
@@ -90,7 +84,7 @@ def test_a_bad_submission_exits_2_in_one_line_before_anything_is_sent(args, expe
     [("jobs",), ("stop", "some-job"), ("submit", JOB, "tracking.uri=http://127.0.0.1:9")],
 )
 def test_an_unreachable_cluster_is_one_line_naming_the_address(command):
-    address = f"http://127.0.0.1:{_closed_port()}"
+    address = f"http://127.0.0.1:{free_port()}"
     done = _cli(*command, "--address", address, env={"RAY_AUTH_TOKEN": "t"})
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr

@@ -33,7 +33,7 @@ import numpy as np
 from silo_pfl.config import DataConfig
 from silo_pfl.data import partitioners
 from silo_pfl.data.base import Preprocessing, SiloData, assemble
-from silo_pfl.errors import ConfigError, DataError
+from silo_pfl.errors import ConfigError, DataError, one_line
 from silo_pfl.seeding import numpy_rng
 
 NUM_IMAGES = 1797
@@ -136,7 +136,7 @@ def read_digits(silo: str = "?") -> tuple[np.ndarray, np.ndarray]:
     try:
         images, labels = _read(path)
     except (OSError, ValueError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        reason = one_line(exc)
         raise DataError(f"silo {silo}: cannot read digits file {path}: {reason}") from None
     if images.shape[0] != NUM_IMAGES:
         raise DataError(

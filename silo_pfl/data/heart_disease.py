@@ -29,7 +29,7 @@ import numpy as np
 
 from silo_pfl.config import DataConfig
 from silo_pfl.data.base import Preprocessing, SiloData, assemble
-from silo_pfl.errors import DataError
+from silo_pfl.errors import DataError, one_line
 
 SILOS = ("cleveland", "hungarian", "switzerland", "va")
 DATA_DIR = Path(__file__).with_name("heart_disease")
@@ -86,7 +86,7 @@ def read_complete_rows(silo: str) -> tuple[np.ndarray, np.ndarray]:
     try:
         table = np.loadtxt(path, delimiter=",", dtype=np.float64, ndmin=2)
     except (OSError, ValueError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        reason = one_line(exc)
         raise DataError(f"silo {silo}: cannot read {path}: {reason}") from None
     table = np.delete(table, [10, 11, 12], axis=1)
     table = table[~np.isnan(table).any(axis=1)]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from silo_pfl.errors import ConfigError, FederationError
+from silo_pfl.errors import ConfigError, FederationError, one_line
 
 JOB_FILE = "job.yaml"
 # The line a run prints with --results-in-log; `submit --results` reads it back from the logs.
@@ -141,15 +141,12 @@ class JobsClient:
         try:
             yield
         except AuthenticationError as exc:
-            first = str(exc).strip().splitlines()[0]
             raise FederationError(
-                f"--address {self.address}: the cluster refused the request ({first}); set "
+                f"--address {self.address}: the cluster refused the request ({one_line(exc)}); set "
                 f"{TOKEN_VAR} or --token-file to the cluster's token"
             ) from None
         except (ConnectionError, RuntimeError, ValueError) as exc:
-            text = str(exc).strip()
-            first = text.splitlines()[0] if text else type(exc).__name__
-            raise FederationError(f"--address {self.address}: {first}") from None
+            raise FederationError(f"--address {self.address}: {one_line(exc)}") from None
 
     def submit(
         self, config: Path, overrides: Sequence[str], federation: str, quiet: bool = False

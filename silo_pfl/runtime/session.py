@@ -13,7 +13,7 @@ from typing import Any
 import ray
 
 from silo_pfl.config import RayConfig
-from silo_pfl.errors import FederationError
+from silo_pfl.errors import FederationError, one_line
 
 
 @contextmanager
@@ -40,7 +40,6 @@ def ray_session(cfg: RayConfig) -> Iterator[None]:
             ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         where = address or "a local instance"
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         hint = ""
         if address is not None and os.environ.get("RAY_AUTH_MODE") != "token":
             hint = (
@@ -48,7 +47,7 @@ def ray_session(cfg: RayConfig) -> Iterator[None]:
                 "in RAY_AUTH_TOKEN or ~/.ray/auth_token)"
             )
         raise FederationError(
-            f"ray.address: cannot start or reach Ray at {where}: {first}{hint}"
+            f"ray.address: cannot start or reach Ray at {where}: {one_line(exc)}{hint}"
         ) from None
     try:
         with _sigterm_interrupts():

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
-from silo_pfl.errors import ConfigError, FederationError
+from silo_pfl.errors import ConfigError, FederationError, one_line
 from silo_pfl.tracking.uri import artifact_dir, redact, sqlite_path
 
 if TYPE_CHECKING:
@@ -35,12 +35,6 @@ def quiet() -> None:
     logging.getLogger("alembic").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", module=r"mlflow(\.|$)")
     warnings.filterwarnings("ignore", module=r"alembic(\.|$)")
-
-
-def one_line(exc: BaseException) -> str:
-    """The first line of an exception's message, or its type."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _check_sqlite(uri: str, key: str) -> None:
