@@ -43,6 +43,13 @@ class Callback:
     def on_end(self, result: FederationResult) -> None:
         """After the last round, with the final result."""
 
+    def state(self) -> dict[str, Any]:
+        """What this callback needs to go on after a resume (checkpointed with every round)."""
+        return {}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """On resume, before on_start: what `state` returned at the checkpoint resumed from."""
+
 
 class ProgressPrinter(Callback):
     """Prints the split, a line per round, and a per-silo table at the end."""

@@ -46,6 +46,15 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rounds=5")
         command.add_argument("--results", help="write a JSON summary of the run to this path")
         command.add_argument("--quiet", action="store_true", help="print only the final table")
+    run.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="RUN_ID",
+        help="continue the latest run of this federation (or RUN_ID) from its last checkpoint; "
+        "only rounds= may change",
+    )
     run.add_argument("--results-in-log", action="store_true", help=argparse.SUPPRESS)
     _debug(run)
     submit.add_argument("--no-wait", action="store_true", help="print the job id and return")
@@ -74,6 +83,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     late = [item for item in extra if "=" in item and not item.startswith("-")]
     if extra != late or (late and args.command not in ("run", "submit")):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if isinstance(getattr(args, "resume", None), str) and "=" in args.resume:
+        late, args.resume = [args.resume, *late], True  # `--resume rounds=9`: an override
     if late:
         args.overrides = [*args.overrides, *late]
     return args
@@ -98,7 +109,7 @@ def _run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     _check_results_path(args.results)
     callbacks: list[Callback] = [] if args.quiet else [ProgressPrinter()]
-    result = Federation(config, callbacks=callbacks).run()
+    result = Federation(config, callbacks=callbacks).run(resume=args.resume)
     if args.quiet:
         ProgressPrinter().on_end(result)
     if args.results:
@@ -112,6 +123,7 @@ def _run(args: argparse.Namespace) -> int:
             f"mlflow: run {tracked['run_id']} in experiment {tracked['experiment']} at "
             f"{tracked['tracking_uri']}; models: silo-pfl models --federation {config.name}"
         )
+    print(f"run {result.run_id}: {result.run_dir}")
     return 0
 
 

@@ -32,6 +32,9 @@ class DataConfig:
     classes_per_silo: int = 2  # digits, pathological: classes each silo holds
     paths: dict[str, str] = field(default_factory=dict)  # csv: silo name -> that silo's file
     label_column: str = "label"  # csv: the column holding the class label
+    # csv: the classes 0..num_classes-1 every silo's labels must lie in (a silo may hold only
+    # some); None takes the largest label over the silos, plus one.
+    num_classes: int | None = None
 
 
 @dataclass
@@ -76,11 +79,16 @@ class EvalConfig:
 
 @dataclass
 class RoundConfig:
-    """How each step of a run waits for the silos and the server."""
+    """How a round runs: its deadline, its quorum, and its retries."""
 
-    # The longest any remote step (a set-up, a round's fit or evaluation, an export) may take
-    # before the run fails naming who did not answer.
+    # The deadline of each round's training and evaluation: a silo that misses it is left out
+    # of that round. Every other remote step (set-up, export) fails the run past it, naming who
+    # did not answer.
     timeout_s: float = 600.0
+    # The fewest silos whose updates a round must aggregate; None: every silo.
+    min_silos: int | None = None
+    # How often a round without a quorum is tried again before the run fails.
+    retries: int = 2
 
 
 @dataclass
@@ -89,6 +97,8 @@ class AggregationConfig:
 
     # Pairwise masking (silo_pfl.secure_aggregation): the server sees only the sum of updates.
     secure: bool = False
+    # Reject a silo's update whose L2 norm (over every global key) exceeds this; None: no bound.
+    max_update_norm: float | None = None
 
 
 @dataclass
@@ -139,7 +149,7 @@ class FederationConfig:
     name: str = MISSING  # names the experiment and the silos' state directory
     rounds: int = MISSING  # federated rounds
     seed: int = 0  # the one seed every random generator derives from
-    output_dir: str = "runs"  # silo state lives in <output_dir>/<name>/silos/<silo>/
+    output_dir: str = "runs"  # each run's state lives in <output_dir>/<name>/<run_id>/
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     algorithm: dict[str, Any] = field(default_factory=lambda: {"name": "fedavg"})
@@ -205,13 +215,59 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
 
 
 def _read_yaml(path: Path) -> DictConfig:
+    """The YAML mapping in `path`; every way it can fail is one line naming the file."""
+    import yaml  # OmegaConf's own YAML library
+
+    if path.is_dir():
+        raise ConfigError(f"config file {path}: is a directory, expected a YAML file")
     if not path.is_file():
         raise ConfigError(f"config file {path}: not found")
+
+    def duplicate(exc: yaml.MarkedYAMLError) -> str | None:
+        """'key <dotted key> appears twice (lines M and N)' for OmegaConf's duplicate-key error."""
+        mark = exc.problem_mark
+        if mark is None or not str(exc.problem).startswith("found duplicate key"):
+            return None
+        try:
+            root = yaml.compose(text, Loader=yaml.SafeLoader)
+        except yaml.YAMLError:
+            return None
+        todo: list[tuple[str, yaml.Node]] = [("", root)]
+        while todo:
+            prefix, node = todo.pop()
+            if isinstance(node, yaml.SequenceNode):
+                todo += [(f"{prefix}[{i}]", item) for i, item in enumerate(node.value)]
+            if not isinstance(node, yaml.MappingNode):
+                continue
+            first: dict[str, int] = {}
+            for key, value in node.value:
+                name = f"{prefix}.{key.value}" if prefix else str(key.value)
+                if key.start_mark.line == mark.line and key.value in first:
+                    lines = f"lines {first[key.value] + 1} and {mark.line + 1}"
+                    return f"key {name} appears twice ({lines}); each key may appear only once"
+                first.setdefault(key.value, key.start_mark.line)
+                todo.append((name, value))
+        return None
+
     try:
+        text = path.read_text(encoding="utf-8")
         loaded = OmegaConf.load(path)
-    except Exception as exc:  # yaml.YAMLError and friends
-        line = one_line(exc)
-        raise ConfigError(f"config file {path}: not valid YAML ({line})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path}: is not a UTF-8 text file") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: cannot be read ({exc.strerror or exc})") from None
+    except yaml.MarkedYAMLError as exc:
+        where = exc.problem_mark or exc.context_mark
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        context = exc.context or ""
+        if context and exc.context_mark is not None:
+            context += f" started on line {exc.context_mark.line + 1}"
+        reason = f"{exc.problem}" + (f" ({context})" if context else "")
+        raise ConfigError(
+            f"config file {path}: " + (duplicate(exc) or f"not valid YAML{at}: {reason}")
+        ) from None
+    except Exception as exc:  # any other yaml.YAMLError
+        raise ConfigError(f"config file {path}: not valid YAML ({one_line(exc)})") from None
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"config file {path}: expected a mapping of keys at the top level")
     return loaded
@@ -248,6 +304,15 @@ def _check_ranges(cfg: FederationConfig) -> None:
     _require(
         cfg.round.timeout_s > 0, "round.timeout_s", "a number of seconds > 0", cfg.round.timeout_s
     )
+    _require(cfg.round.retries >= 0, "round.retries", "an integer >= 0", cfg.round.retries)
+    bound = cfg.aggregation.max_update_norm
+    if bound is not None:
+        _require(bound > 0, "aggregation.max_update_norm", "a number > 0, or null", bound)
+        if cfg.aggregation.secure:
+            raise ConfigError(
+                "aggregation.max_update_norm: cannot be checked under aggregation.secure, where "
+                "the server sees only masked updates; set it to null or turn secure off"
+            )
     _require(cfg.ray.silo_cpus >= 0, "ray.silo_cpus", "a number >= 0", cfg.ray.silo_cpus)
     if cfg.ray.num_cpus is not None:
         _require(cfg.ray.num_cpus >= 1, "ray.num_cpus", "an integer >= 1", cfg.ray.num_cpus)
@@ -283,6 +348,12 @@ def _check_silos(cfg: FederationConfig) -> None:
     from silo_pfl.tracking.uri import check_uri, resolve_uri
 
     names = silo_names(cfg.data)
+    quorum = cfg.round.min_silos
+    if quorum is not None and not 1 <= quorum <= len(names):
+        raise ConfigError(
+            f"round.min_silos: got {quorum}, expected 1 to {len(names)} (the number of silos), "
+            "or null for every silo"
+        )
     if cfg.aggregation.secure and len(names) < 2:
         raise ConfigError(
             "aggregation.secure: needs at least 2 silos, so that no single update can be unmasked"

@@ -29,19 +29,22 @@ class Federation:
             self.config = build_config(config, list(overrides))
         self.callbacks = list(callbacks)
 
-    def run(self) -> FederationResult:
+    def run(self, resume: bool | str = False) -> FederationResult:
         """Run every round and return the typed result.
 
+        `resume=True` continues the latest run of this federation from its last checkpoint (a
+        run id continues that run), in the same MLflow run; only `rounds` may differ, upwards.
         With tracking.enabled, an MlflowTracker joins the callbacks; it opens the store first,
         so a bad tracking.uri fails before any silo starts. MLflow is imported only then.
         """
         if not self.config.tracking.enabled:
-            return Orchestrator(self.config, self.callbacks).run()
+            return Orchestrator(self.config, self.callbacks, resume).run()
         from silo_pfl.tracking.tracker import MlflowTracker
 
         tracker = MlflowTracker(self.config)
+        orchestrator = Orchestrator(self.config, [*self.callbacks, tracker], resume)
         try:
-            return Orchestrator(self.config, [*self.callbacks, tracker]).run()
+            return orchestrator.run()
         except BaseException as exc:
             tracker.abort(killed=isinstance(exc, KeyboardInterrupt))
             raise

@@ -20,6 +20,17 @@ class SiloInfo:
     num_classes: int
     node_id: str = ""
     public_key: bytes = b""  # X25519, only under aggregation.secure
+    pid: int = 0  # the silo's process, for operators (and fault tests)
+
+
+@dataclass(frozen=True)
+class RejoinInfo:
+    """A restarted or resumed silo: the round it restored and a digest of its local keys."""
+
+    silo: str
+    round: int
+    local_digest: str  # SHA-256 of the restored local keys (see silo.local_digest)
+    pid: int
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,18 @@ class FitMetrics:
     train_loss: float
     train_seconds: float
     bytes_sent: int
+    withheld: str = ""  # why the silo sent no update this round (its training diverged)
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """The server's account of one round's aggregation."""
+
+    round: int
+    accepted: tuple[str, ...]  # silos whose updates were aggregated
+    rejected: dict[str, str]  # silo -> why its update was rejected
+    aggregated: bool  # False: no quorum; the global state did not change
+    reason: str = ""  # why not aggregated
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,11 @@ class RoundSummary:
     mean_train_loss: float
     mean_val_accuracy: float
     mean_test_accuracy: float
-    silos: dict[str, dict[str, float]] = field(default_factory=dict)
+    silos: dict[str, dict[str, float]] = field(default_factory=dict)  # the silos that evaluated
+    participants: list[str] = field(default_factory=list)  # silos whose updates were aggregated
+    absent: dict[str, str] = field(default_factory=dict)  # silo -> why it was left out
+    attempts: int = 1  # 1, or more when a try had no quorum
+    restarted: dict[str, str] = field(default_factory=dict)  # silo -> digest of restored local keys
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,8 @@ class SiloResult:
     num_test: int
     bytes_sent_per_round: int
     node_id: str = ""
+    restarts: int = 0  # times its process died and it rejoined
+    rounds_taken_part: int = 0  # rounds whose aggregate held its update
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,8 @@ class FederationResult:
     silos: dict[str, SiloResult]
     history: list[RoundSummary]
     global_state_path: str = ""  # the global keys, in a file on the driver's own disk
+    run_id: str = ""  # this run's directory is <output_dir>/<name>/<run_id>/
+    run_dir: str = ""
     server_node_id: str = ""  # the Ray node the server actor ran on
     # What callbacks add (e.g. "mlflow": where the run and models are); top-level keys in JSON.
     extras: dict[str, Any] = field(default_factory=dict)

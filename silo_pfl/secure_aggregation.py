@@ -11,7 +11,8 @@ the server learns the weighted mean and nothing about any single silo.
 
 Threat model: an honest-but-curious server that follows the protocol. The public keys are
 relayed by the driver unauthenticated, so a malicious driver could stand in the middle; every
-silo must take part in every round (a silo lost mid-round fails the run).
+silo must take part in every round: a round that loses one is tried again as a whole, with masks
+derived afresh for the new attempt, so that no mask is ever used twice.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from cryptography.hazmat.primitives.serialization import (
+    Encoding,
+    NoEncryption,
+    PrivateFormat,
+    PublicFormat,
+)
 
 from silo_pfl.errors import FederationError
 
@@ -89,10 +95,16 @@ def masked_sum(vectors: Sequence[np.ndarray]) -> np.ndarray:
 class Masker:
     """One silo's side: its key pair, the keys it shares with its peers, and its masks."""
 
-    def __init__(self, federation: str, silo: str) -> None:
+    def __init__(self, federation: str, silo: str, private: bytes | None = None) -> None:
         self.federation, self.silo = federation, silo
-        self._private = X25519PrivateKey.generate()
+        self._private = (
+            X25519PrivateKey.from_private_bytes(private) if private else X25519PrivateKey.generate()
+        )
         self._pair_keys: dict[str, bytes] = {}
+
+    def private_bytes(self) -> bytes:
+        """The raw private key, for the silo's own directory only (resume after a restart)."""
+        return self._private.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
 
     def public_key(self) -> bytes:
         """This silo's X25519 public key, 32 raw bytes; the only thing it publishes."""
@@ -115,8 +127,12 @@ class Masker:
             info = f"silo_pfl secure aggregation|{self.federation}|{first}|{second}".encode()
             self._pair_keys[peer] = _hkdf(secret, info)
 
-    def mask(self, payload: Mapping[str, np.ndarray], weight: int, round_: int) -> np.ndarray:
-        """The encoded update plus the streams shared with later peers, minus earlier peers'."""
+    def mask(
+        self, payload: Mapping[str, np.ndarray], weight: int, round_: int, attempt: int = 1
+    ) -> np.ndarray:
+        """The encoded update plus the streams shared with later peers, minus earlier peers'.
+
+        Each (round, attempt) has its own streams: a retried round never reuses a mask."""
         if not self._pair_keys:
             raise FederationError(f"silo {self.silo}: mask() before pair_with()")
         try:
@@ -124,7 +140,8 @@ class Masker:
         except OverflowError as exc:
             raise FederationError(f"silo {self.silo}: {exc}") from None
         for peer, key in self._pair_keys.items():
-            stream = _stream(_hkdf(key, f"round {round_}".encode()), vector.size)
+            info = f"round {round_} attempt {attempt}".encode()
+            stream = _stream(_hkdf(key, info), vector.size)
             if self.silo < peer:
                 vector += stream
             else:

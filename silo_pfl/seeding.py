@@ -30,3 +30,26 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, object]:
+    """Python's, numpy's and torch's global generator states, as checkpointable values."""
+    import torch
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+        "torch": torch.get_rng_state(),
+    }
+
+
+def set_rng_state(state: dict[str, object]) -> None:
+    """Restore what `rng_state` captured."""
+    import torch
+
+    python = state["python"]
+    random.setstate((python[0], tuple(python[1]), python[2]))  # type: ignore[index]
+    kind, keys, pos, has_gauss, gauss = state["numpy"]  # type: ignore[misc]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])  # type: ignore[arg-type]

@@ -3,30 +3,42 @@
 from __future__ import annotations
 
 import io
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
+from silo_pfl import checkpoint
 from silo_pfl.aggregation import State, apply_delta, weighted_mean
 from silo_pfl.config import from_dict
 from silo_pfl.data import silo_names
-from silo_pfl.messages import SiloUpdate
+from silo_pfl.messages import RoundReport, SiloUpdate
+from silo_pfl.run_dir import server_dir
 from silo_pfl.secure_aggregation import decode_mean, masked_sum, vector_length
 from silo_pfl.silo import init_model, split_rules
 from silo_pfl.split import compute_split
+
+log = logging.getLogger("silo_pfl.server")
 
 
 class Server:
     """Aggregates the silos' deltas of the global keys, weighted by their training examples.
 
-    It refuses, naming the silo and the reason, an update from a silo not enrolled, for another
-    round, sent twice, or not matching the global keys. Under aggregation.secure it receives only
-    masked vectors and learns only their sum.
+    Before aggregating it checks every update; one from a silo not enrolled, for another round,
+    sent twice, not matching the global keys, not finite or over aggregation.max_update_norm is
+    rejected, naming the silo and the reason, and the round goes on without it if the accepted
+    ones still make a quorum (round.min_silos). Under aggregation.secure it receives only masked
+    vectors and learns only their sum, so every enrolled silo must send one.
     """
 
     def __init__(
-        self, config: dict[str, Any], input_shape: Sequence[int], num_classes: int
+        self,
+        config: dict[str, Any],
+        input_shape: Sequence[int],
+        num_classes: int,
+        run_id: str = "default",
     ) -> None:
         self.cfg = from_dict(config)
         model = init_model(self.cfg, tuple(input_shape), num_classes)
@@ -37,6 +49,10 @@ class Server:
         self.masked_shape = (vector_length(self.shapes),)  # of every update under secure
         self.secure = self.cfg.aggregation.secure
         self.enrolled = frozenset(silo_names(self.cfg.data))
+        self.quorum = len(self.enrolled) if self.secure else self.cfg.round.min_silos
+        self.quorum = self.quorum or len(self.enrolled)
+        self.max_norm = self.cfg.aggregation.max_update_norm
+        self.dir = server_dir(self.cfg, run_id)
         self.round = 0  # the last round aggregated
 
     def global_state(self) -> State:
@@ -57,23 +73,20 @@ class Server:
                 f"{masked.shape}, expected uint64 {self.masked_shape}"
             )
 
-    def _check_senders(self, updates: Sequence[SiloUpdate]) -> None:
-        """Each update comes from a silo of this federation, for this round, and only once."""
-        seen: set[str] = set()
-        for update in updates:
-            if update.silo not in self.enrolled:
-                raise ValueError(
-                    f"update from silo {update.silo}: not a silo of this federation (its silos "
-                    f"are {', '.join(sorted(self.enrolled))})"
-                )
-            if update.round != self.round + 1:
-                raise ValueError(
-                    f"update from silo {update.silo}: for round {update.round}, but round "
-                    f"{self.round + 1} is being aggregated"
-                )
-            if update.silo in seen:
-                raise ValueError(f"update from silo {update.silo}: a second update this round")
-            seen.add(update.silo)
+    def _check_sender(self, update: SiloUpdate, seen: set[str]) -> None:
+        """The update comes from a silo of this federation, for this round, and only once."""
+        if update.silo not in self.enrolled:
+            raise ValueError(
+                f"update from silo {update.silo}: not a silo of this federation (its silos "
+                f"are {', '.join(sorted(self.enrolled))})"
+            )
+        if update.round != self.round + 1:
+            raise ValueError(
+                f"update from silo {update.silo}: for round {update.round}, but round "
+                f"{self.round + 1} is being aggregated"
+            )
+        if update.silo in seen:
+            raise ValueError(f"update from silo {update.silo}: a second update this round")
 
     def _check(self, update: SiloUpdate) -> None:
         if self.secure:
@@ -105,22 +118,75 @@ class Server:
                 raise ValueError(f"update from silo {update.silo}: {key} is not finite")
         if update.num_examples < 1:
             raise ValueError(f"update from silo {update.silo}: num_examples must be >= 1")
+        if self.max_norm is not None:
+            norm = float(
+                np.sqrt(sum(np.sum(np.square(v, dtype=np.float64)) for v in update.delta.values()))
+            )
+            if norm > self.max_norm:
+                raise ValueError(
+                    f"update from silo {update.silo}: norm {norm:.4g} exceeds "
+                    f"aggregation.max_update_norm={self.max_norm:g}"
+                )
 
-    def aggregate(self, *updates: SiloUpdate) -> State:
-        """Apply the example-weighted mean of the deltas, in silo-name order (deterministic)."""
-        ordered = sorted(updates, key=lambda u: u.silo)
-        self._check_senders(ordered)
-        for update in ordered:
-            self._check(update)
-        self.round += 1
-        if not self.state:
-            return self.state
-        if self.secure:
-            mean = decode_mean(masked_sum([u.masked for u in ordered]), self.shapes)
-        else:
-            mean = weighted_mean([u.delta for u in ordered], [u.num_examples for u in ordered])
-        self.state = apply_delta(self.state, mean)
-        return self.state
+    def aggregate(self, *updates: SiloUpdate) -> RoundReport:
+        """Check every update, then, with a quorum, apply the example-weighted mean of the
+        accepted deltas in silo-name order (deterministic). Without a quorum nothing changes."""
+        round_ = self.round + 1
+        accepted: list[SiloUpdate] = []
+        rejected: dict[str, str] = {}
+        for update in sorted(updates, key=lambda u: u.silo):
+            try:
+                self._check_sender(update, {u.silo for u in accepted})
+                self._check(update)
+            except ValueError as exc:
+                log.warning("round %d: %s; rejected", round_, exc)
+                rejected.setdefault(update.silo, str(exc))
+                continue
+            accepted.append(update)
+        names = tuple(u.silo for u in accepted)
+        missing = sorted(self.enrolled - set(names))
+        if len(accepted) < self.quorum:
+            why = "every silo under aggregation.secure" if self.secure else "round.min_silos"
+            reason = (
+                f"{len(accepted)} of {self.quorum} updates needed ({why}); none from "
+                f"{', '.join(missing)}"
+            )
+            return RoundReport(round_, names, rejected, False, reason)
+        self.round = round_
+        if self.state:
+            if self.secure:
+                mean = decode_mean(masked_sum([u.masked for u in accepted]), self.shapes)
+            else:
+                mean = weighted_mean(
+                    [u.delta for u in accepted], [u.num_examples for u in accepted]
+                )
+            self.state = apply_delta(self.state, mean)
+        return RoundReport(round_, names, rejected, True)
+
+    def checkpoint(self, round_: int, driver: dict[str, Any]) -> None:
+        """Checkpoint, atomically, the global keys and the round, with the driver's part of the
+        run's state (its selector, history, the MLflow run): all that resume needs."""
+        if round_ != self.round:
+            raise RuntimeError(f"server: checkpoint({round_}) after round {self.round}")
+        state = {k: torch.from_numpy(v.copy()) for k, v in self.state.items()}
+        checkpoint.save(self.dir, round_, {"round": round_, "global": state, "driver": driver})
+
+    def resume(self) -> dict[str, Any]:
+        """Load the newest good checkpoint; return the driver's part of it."""
+        found = checkpoint.load_latest(self.dir)
+        if found is None:
+            raise checkpoint.CheckpointError(f"server: no good checkpoint in {self.dir}")
+        round_, saved = found
+        loaded = {k: v.numpy() for k, v in saved["global"].items()}
+        if set(loaded) != set(self.state) or any(
+            loaded[k].shape != self.state[k].shape for k in loaded
+        ):
+            raise checkpoint.CheckpointError(
+                f"checkpoint {checkpoint.path_of(self.dir, round_)}: its global keys do not "
+                "match this federation's model"
+            )
+        self.state, self.round = loaded, round_
+        return saved["driver"]
 
     def state_bytes(self) -> bytes:
         """The global keys as the bytes of an .npz file: what the driver saves, on its own disk."""

@@ -1,12 +1,21 @@
 """A silo: its private data, its model, and the local keys that never leave it.
 
-A plain class with a narrow API (`setup`, `fit`, `evaluate`, `outcome`, `attach`, `export`), so
-it is tested without Ray; the runtime makes it an actor. Its directory holds its local state and
-its selected personalized model, which only the exporters attached to it may send anywhere.
+A plain class with a narrow API (`setup`, `build`, `fit`, `evaluate`, `commit`, `rejoin`,
+`outcome`, `attach`, `export`), so it is tested without Ray; the runtime makes it an actor. Its
+directory, on its own node, holds a checkpoint per committed round (its local keys, its
+algorithm's personal state, its selected model and its RNG state) and its selected personalized
+model, which only the exporters attached to it may send anywhere.
+
+A round changes the silo only when it commits: a fit that is not committed (the silo was late,
+its update was rejected, the round was retried) is rolled back to the last commit before the
+next fit, so a retried round computes exactly what it would have the first time.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -17,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from silo_pfl import checkpoint
 from silo_pfl.algorithms import build_algorithm
 from silo_pfl.algorithms.base import Phase
 from silo_pfl.config import FederationConfig, from_dict
@@ -25,24 +35,22 @@ from silo_pfl.errors import FederationError
 from silo_pfl.messages import (
     EvalMetrics,
     FitMetrics,
+    RejoinInfo,
     SiloInfo,
     SiloOutcome,
     SiloUpdate,
     SplitInfo,
 )
 from silo_pfl.models import BodyHeadModel, build_model
+from silo_pfl.run_dir import silo_dir
 from silo_pfl.secure_aggregation import Masker, vector_length
-from silo_pfl.seeding import derive_seed, seed_everything
+from silo_pfl.seeding import derive_seed, rng_state, seed_everything, set_rng_state
 from silo_pfl.split import Split, compute_split
 from silo_pfl.training import ExtraLoss, evaluate, make_optimizer, to_tensors, train_epochs
 
-LOCAL_STATE_FILE = "local_state.pt"
 PERSONALIZED_FILE = "personalized_model.pt"
-
-
-def silo_dir(cfg: FederationConfig, silo: str) -> Path:
-    """The directory that belongs to one silo: <output_dir>/<name>/silos/<silo>."""
-    return Path(cfg.output_dir) / cfg.name / "silos" / silo
+CHECKPOINTS = "checkpoints"
+SECURE_KEY_FILE = "secure_aggregation.key"  # this silo's X25519 private key, mode 0600
 
 
 def init_model(
@@ -90,19 +98,23 @@ class SiloExporter(Protocol):
 class Silo:
     """One participant. Only `Split.outgoing` payloads and attached exporters ever leave it."""
 
-    def __init__(self, config: dict[str, Any], name: str) -> None:
+    def __init__(self, config: dict[str, Any], name: str, run_id: str = "default") -> None:
         self.cfg = from_dict(config)
         self.name = name
-        self.dir = silo_dir(self.cfg, name)
+        self.dir = silo_dir(self.cfg, run_id, name)
         self.algorithm = build_algorithm(self.cfg.algorithm, self.cfg.train)
         self._last: EvalMetrics | None = None
         self._selected: EvalMetrics | None = None
+        self._selected_state: dict[str, torch.Tensor] | None = None
         self._exporters: dict[str, SiloExporter] = {}
         self._masker: Masker | None = None
         self._evaluated: nn.Module | None = None  # the model the last evaluate() judged
+        self.committed = 0  # the last round whose state this silo checkpointed
+        self._dirty = False  # trained since that commit
 
-    def setup(self) -> SiloInfo:
-        """Load this silo's private data and start with a fresh directory; report sizes only."""
+    def setup(self, resume: bool = False) -> SiloInfo:
+        """Load this silo's private data; report sizes only. A fresh run starts a fresh
+        directory; `resume` keeps it (and, under secure aggregation, the key pair in it)."""
         seed_everything(derive_seed(self.cfg.seed, "silo", self.name))
         torch.set_num_threads(self.cfg.train.torch_threads)
         data: SiloData = load_silo_data(self.cfg.data, self.name, self.cfg.seed)
@@ -110,11 +122,14 @@ class Silo:
         self.train_xy = to_tensors(data.x_train, data.y_train)
         self.val_xy = to_tensors(data.x_val, data.y_val)
         self.test_xy = to_tensors(data.x_test, data.y_test)
-        if self.dir.exists():
-            shutil.rmtree(self.dir)
-        self.dir.mkdir(parents=True)
+        if resume and not self.dir.is_dir():
+            raise FederationError(f"silo {self.name}: no state to resume from in {self.dir}")
+        if not resume:
+            if self.dir.exists():
+                shutil.rmtree(self.dir)
+            self.dir.mkdir(parents=True)
         if self.cfg.aggregation.secure:
-            self._masker = Masker(self.cfg.name, self.name)
+            self._masker = self._secure_masker(resume)
         return SiloInfo(
             silo=self.name,
             num_train=data.num_train_total,
@@ -124,7 +139,22 @@ class Silo:
             input_shape=data.input_shape,
             num_classes=data.num_classes,
             public_key=self._masker.public_key() if self._masker else b"",
+            pid=os.getpid(),
         )
+
+    def _secure_masker(self, resume: bool) -> Masker:
+        """This silo's key pair: made on a fresh start and kept in its directory, so that a
+        restarted or resumed silo pairs with its peers again as the same party."""
+        path = self.dir / SECURE_KEY_FILE
+        if resume:
+            if not path.is_file():
+                raise FederationError(f"silo {self.name}: its key {path} is missing; cannot resume")
+            return Masker(self.cfg.name, self.name, path.read_bytes())
+        masker = Masker(self.cfg.name, self.name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(masker.private_bytes())
+        return masker
 
     def build(
         self,
@@ -141,16 +171,67 @@ class Silo:
         self.model = init_model(self.cfg, tuple(input_shape), num_classes)
         self.num_classes = num_classes
         self.split: Split = compute_split(self.model, split_rules(self.cfg))
+        self.algorithm.check_split(self.split)
         sent = self.split.global_bytes
         if self._masker is not None:
             self._masker.pair_with(public_keys or {})
             state = self.model.state_dict()
             sent = 8 * vector_length({k: tuple(state[k].shape) for k in self.split.global_keys})
+        if 0 not in checkpoint.rounds(self.dir / CHECKPOINTS):
+            self._checkpoint(0)
         return SplitInfo(
             global_parameters=self.split.global_parameters,
             local_parameters=self.split.local_parameters,
             bytes_sent_per_round=sent,
         )
+
+    def rejoin(
+        self,
+        input_shape: tuple[int, ...],
+        num_classes: int,
+        public_keys: dict[str, bytes],
+        round_: int,
+        exporters: dict[str, SiloExporter] | None = None,
+    ) -> RejoinInfo:
+        """After a restart: set up again from this silo's own directory, restore bit for bit
+        the state it committed in `round_`, and take its exporters back."""
+        info = self.setup(resume=True)
+        self.build(input_shape, num_classes, public_keys)
+        digest = self.restore(round_)
+        self.attach(exporters or {})
+        return RejoinInfo(self.name, round_, digest, info.pid)
+
+    def _checkpoint(self, round_: int) -> None:
+        local = {k: v.clone() for k, v in self.model.state_dict().items() if k in self.local_set}
+        state = {
+            "round": round_,
+            "local": local,
+            "algorithm": self.algorithm.local_state(),
+            "selected": dataclasses.asdict(self._selected) if self._selected else None,
+            "selected_state": self._selected_state,
+            "last": dataclasses.asdict(self._last) if self._last else None,
+            "rng": rng_state(),
+        }
+        checkpoint.save(self.dir / CHECKPOINTS, round_, state)
+        self.committed, self._dirty = round_, False
+
+    def restore(self, round_: int) -> str:
+        """Load the checkpoint of `round_`; return the SHA-256 of the restored local keys."""
+        state = checkpoint.load(self.dir / CHECKPOINTS, round_)
+        self.model.load_state_dict(state["local"], strict=False)
+        self.algorithm.load_local_state(self, state["algorithm"])
+        self._selected = EvalMetrics(**state["selected"]) if state["selected"] else None
+        self._selected_state = state["selected_state"]
+        self._last = EvalMetrics(**state["last"]) if state["last"] else None
+        set_rng_state(state["rng"])
+        if self._selected_state is not None:
+            torch.save(self._selected_state, self.dir / PERSONALIZED_FILE)
+        self.committed, self._dirty = round_, False
+        return local_digest(self.model.state_dict(), self.split.local_keys)
+
+    @property
+    def local_set(self) -> set[str]:
+        return set(self.split.local_keys)
 
     def _load_global(self, global_state: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Overwrite the global keys of the model; the local keys are untouched."""
@@ -202,45 +283,50 @@ class Silo:
                 param.requires_grad_(True)
 
     def fit(
-        self, global_state: dict[str, np.ndarray], round_: int
-    ) -> tuple[SiloUpdate, FitMetrics]:
-        """One round of local training; returns the delta of the global keys only."""
+        self, global_state: dict[str, np.ndarray], round_: int, attempt: int = 1
+    ) -> tuple[SiloUpdate | None, FitMetrics]:
+        """One round of local training from the last committed state; returns the delta of the
+        global keys only. A silo whose training diverges sends no update, and says why."""
         start = time.perf_counter()
+        if self._dirty:
+            self.restore(self.committed)
+        self._dirty = True
         reference = self._load_global(global_state)
         loss_term = self.algorithm.extra_loss
         losses = [
             self.train(self.model, phase, round_, lambda model: loss_term(model, reference))
             for phase in self.algorithm.phases()
         ]
-        state = self.model.state_dict()
-        for key, value in state.items():
-            if not bool(torch.isfinite(value).all()):
-                raise FederationError(
-                    f"silo {self.name}: training diverged in round {round_} ({key} is not "
-                    "finite); lower train.lr or the local epochs"
-                )
-        delta = {k: (state[k] - reference[k]).numpy() for k in self.split.global_keys}
-        payload = self.split.outgoing(delta)
-        self.algorithm.after_fit(self, reference, round_)
-        local = {k: state[k] for k in self.split.local_keys}
-        torch.save({**local, **self.algorithm.local_state()}, self.dir / LOCAL_STATE_FILE)
-        num_examples = len(self.train_xy[1])
-        if self._masker is None:
-            update = SiloUpdate(self.name, round_, num_examples, payload)
-            sent = sum(v.nbytes for v in payload.values())
-        else:
-            masked = self._masker.mask(payload, num_examples, round_)
-            update = SiloUpdate(self.name, round_, 0, {}, masked=masked)
-            sent = masked.nbytes
         finite = [loss for loss in losses if np.isfinite(loss)]
         metrics = FitMetrics(
             silo=self.name,
             round=round_,
             train_loss=float(np.mean(finite)) if finite else float("nan"),
-            train_seconds=time.perf_counter() - start,
-            bytes_sent=sent,
+            train_seconds=0.0,
+            bytes_sent=0,
         )
-        return update, metrics
+        state = self.model.state_dict()
+        diverged = next((k for k, v in state.items() if not bool(torch.isfinite(v).all())), None)
+        if diverged is not None:
+            reason = (
+                f"training diverged ({diverged} is not finite); it sends no update this round. "
+                "If it persists, lower train.lr or the local epochs"
+            )
+            seconds = time.perf_counter() - start
+            return None, dataclasses.replace(metrics, train_seconds=seconds, withheld=reason)
+        delta = {k: (state[k] - reference[k]).numpy() for k in self.split.global_keys}
+        payload = self.split.outgoing(delta)
+        self.algorithm.after_fit(self, reference, round_)
+        num_examples = len(self.train_xy[1])
+        if self._masker is None:
+            update = SiloUpdate(self.name, round_, num_examples, payload)
+            sent = sum(v.nbytes for v in payload.values())
+        else:
+            masked = self._masker.mask(payload, num_examples, round_, attempt)
+            update = SiloUpdate(self.name, round_, 0, {}, masked=masked)
+            sent = masked.nbytes
+        seconds = time.perf_counter() - start
+        return update, dataclasses.replace(metrics, train_seconds=seconds, bytes_sent=sent)
 
     def evaluate(self, global_state: dict[str, np.ndarray], round_: int) -> EvalMetrics:
         """Evaluate this round's personalized model: by default the new global keys with this
@@ -254,13 +340,19 @@ class Silo:
         )
         return self._last
 
-    def keep(self, round_: int) -> None:
-        """Make the model just evaluated this silo's selected personalized model."""
+    def commit(self, round_: int, keep: bool) -> None:
+        """End `round_` for this silo: with `keep`, the model just evaluated becomes its selected
+        personalized model; then its state is checkpointed in its own directory."""
         if self._last is None or self._last.round != round_:
-            raise RuntimeError(f"silo {self.name}: keep({round_}) without evaluate({round_})")
-        self._selected = self._last
-        assert self._evaluated is not None
-        torch.save(self._evaluated.state_dict(), self.dir / PERSONALIZED_FILE)
+            raise RuntimeError(f"silo {self.name}: commit({round_}) without evaluate({round_})")
+        if keep:
+            assert self._evaluated is not None
+            self._selected = self._last
+            self._selected_state = {
+                k: v.detach().clone() for k, v in self._evaluated.state_dict().items()
+            }
+            torch.save(self._selected_state, self.dir / PERSONALIZED_FILE)
+        self._checkpoint(round_)
 
     def outcome(self) -> SiloOutcome:
         """The selected personalized model's scores."""
@@ -303,3 +395,12 @@ class Silo:
             example=np.quantile(raw, 0.5, axis=0, method="lower")[None, :],
             outcome=self.outcome(),
         )
+
+
+def local_digest(state: dict[str, torch.Tensor], keys: list[str] | tuple[str, ...]) -> str:
+    """SHA-256 over the named tensors' bytes, in key order: proves two states equal bit for bit."""
+    digest = hashlib.sha256()
+    for key in sorted(keys):
+        digest.update(key.encode())
+        digest.update(state[key].detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()

@@ -105,6 +105,7 @@ class Split:
     global_parameters: int
     local_parameters: int
     global_bytes: int
+    rules: tuple[str, ...] = ()  # the split.local rules that made it
 
     def global_part(self, state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The global entries of a state mapping."""
@@ -155,4 +156,23 @@ def compute_split(model: BodyHeadModel, rules: Sequence[str]) -> Split:
         global_parameters=count(global_keys),
         local_parameters=count(local_keys),
         global_bytes=sum(state[k].numel() * state[k].element_size() for k in global_keys),
+        rules=tuple(str(rule) for rule in rules),
     )
+
+
+def check_split(split: Split, algorithm: str, needs_global: bool, needs_local: bool) -> None:
+    """Raise a one-line ConfigError if the split leaves no global keys, or no local keys, where
+    the algorithm's procedure needs them."""
+    rules = f"split.local=[{', '.join(split.rules)}]"
+    if needs_global and not split.global_keys:
+        raise ConfigError(
+            f"split.local: {rules} leaves no global keys, so algorithm {algorithm} has nothing "
+            "to federate; keep some keys global (e.g. split.local=[head]), or use "
+            "algorithm.name=local to train each silo alone"
+        )
+    if needs_local and not split.local_keys:
+        raise ConfigError(
+            f"split.local: {rules} leaves no local keys, but algorithm {algorithm} trains or keeps "
+            "personal (local) keys; name some (e.g. split.local=[head]), or use an algorithm "
+            "without them, e.g. algorithm.name=fedavg"
+        )

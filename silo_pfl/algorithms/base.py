@@ -17,6 +17,7 @@ from torch import nn
 
 from silo_pfl.config import TrainConfig
 from silo_pfl.errors import ConfigError
+from silo_pfl.split import Split, check_split
 
 Trainable = Literal["all", "global", "local"]
 
@@ -80,6 +81,10 @@ class Algorithm:
     Params: ClassVar[type] = NoParams
     # Split rules used when the job does not set split.local.
     default_local_rules: ClassVar[tuple[str, ...]] = ()
+    # The split must leave some global keys: something to federate (only `local` needs none).
+    needs_global_keys: ClassVar[bool] = True
+    # The split must leave some local keys: the procedure trains or keeps personal keys.
+    needs_local_keys: ClassVar[bool] = False
 
     def __init__(self, params: object, train: TrainConfig) -> None:
         self.params = params
@@ -88,6 +93,17 @@ class Algorithm:
     def phases(self) -> list[Phase]:
         """The local procedure of one round, as phases of the shared loop."""
         return [Phase("all", self.train.local_epochs)]
+
+    def trains_local_keys(self) -> bool:
+        """Whether this instance's procedure needs local keys: the class says so, or a phase
+        trains the local keys alone."""
+        return self.needs_local_keys or any(
+            phase.trainable == "local" and phase.epochs > 0 for phase in self.phases()
+        )
+
+    def check_split(self, split: Split) -> None:
+        """Raise a one-line ConfigError if `split` leaves no keys of a kind this procedure needs."""
+        check_split(split, self.name, self.needs_global_keys, self.trains_local_keys())
 
     def extra_loss(
         self, model: nn.Module, reference: dict[str, torch.Tensor]
@@ -103,5 +119,8 @@ class Algorithm:
         return silo.model
 
     def local_state(self) -> dict[str, torch.Tensor]:
-        """State this algorithm keeps in the silo, saved with the silo's local keys."""
+        """State this algorithm keeps in the silo, checkpointed with the silo's local keys."""
         return {}
+
+    def load_local_state(self, silo: SiloTrainer, state: dict[str, torch.Tensor]) -> None:
+        """Restore what `local_state` returned (empty: the state before round 1)."""

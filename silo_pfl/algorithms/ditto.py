@@ -18,6 +18,8 @@ from silo_pfl.algorithms.base import (
     require_at_least,
 )
 
+PREFIX = "ditto.personal."
+
 
 @dataclass
 class DittoParams:
@@ -60,4 +62,11 @@ class Ditto(Algorithm):
     def local_state(self) -> dict[str, torch.Tensor]:
         if self.personal is None:
             return {}
-        return {f"ditto.personal.{k}": v for k, v in self.personal.state_dict().items()}
+        return {f"{PREFIX}{k}": v for k, v in self.personal.state_dict().items()}
+
+    def load_local_state(self, silo: SiloTrainer, state: dict[str, torch.Tensor]) -> None:
+        if not state:
+            self.personal = None
+            return
+        self.personal = copy.deepcopy(silo.model)
+        self.personal.load_state_dict({k[len(PREFIX) :]: v for k, v in state.items()})

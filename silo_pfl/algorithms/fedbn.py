@@ -10,3 +10,4 @@ class FedBN(Algorithm):
 
     name = "fedbn"
     default_local_rules = ("batchnorm",)
+    needs_local_keys = True

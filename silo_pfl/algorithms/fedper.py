@@ -23,6 +23,7 @@ class FedPer(Algorithm):
     name = "fedper"
     Params = FedPerParams
     default_local_rules = ("head",)
+    needs_local_keys = True
 
     def phases(self) -> list[Phase]:
         warmup = self.params.head_warmup_epochs

@@ -24,6 +24,7 @@ class FedRep(Algorithm):
     name = "fedrep"
     Params = FedRepParams
     default_local_rules = ("head",)
+    needs_local_keys = True
 
     def phases(self) -> list[Phase]:
         return [Phase("local", self.params.head_epochs), Phase("global", self.params.body_epochs)]

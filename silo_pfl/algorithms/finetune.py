@@ -36,6 +36,10 @@ class FineTune(Algorithm):
     name = "finetune"
     Params = FineTuneParams
 
+    def trains_local_keys(self) -> bool:
+        """Fine-tuning only the local keys needs some."""
+        return self.params.trainable == "local" and self.params.epochs > 0
+
     def personalized_model(self, silo: SiloTrainer, round_: int) -> nn.Module:
         model = copy.deepcopy(silo.model)
         phase = Phase(self.params.trainable, self.params.epochs)  # type: ignore[arg-type]

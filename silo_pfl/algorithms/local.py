@@ -10,3 +10,5 @@ class Local(Algorithm):
 
     name = "local"
     default_local_rules = ("all",)
+    needs_global_keys = False
+    needs_local_keys = True

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from silo_pfl.errors import DataError
 
 
 @dataclass(frozen=True)
@@ -74,18 +77,27 @@ def assemble(
     val_fraction: float,
     seed: int,
     strata: np.ndarray | None = None,
+    source_file: str | Path | None = None,
     **extra: Any,
 ) -> SiloData:
     """A silo's SiloData from its rows and its train/test row indices.
 
     Validation rows are carved from `train` here, the same way for every source: stratified on
-    `strata` (default: the labels) and seeded by (seed, "val", silo).
+    `strata` (default: the labels) and seeded by (seed, "val", silo). A silo left with no rows to
+    train on is a DataError naming the silo (and `source_file`, the file its rows came from).
     """
     from silo_pfl.data.partitioners import holdout
     from silo_pfl.seeding import numpy_rng
 
     strata = y if strata is None else strata
     fit, val = holdout(strata[train], val_fraction, numpy_rng(seed, "val", name))
+    if len(fit) == 0:
+        where = f"silo {name}, file {source_file}" if source_file else f"silo {name}"
+        raise DataError(
+            f"{where}: no rows left to train on ({len(train) + len(test)} rows: {len(test)} held "
+            f"out for test by data.test_fraction, {len(val)} for validation by "
+            "data.val_fraction); give the silo more rows or lower those fractions"
+        )
     return SiloData(
         name=name,
         x_train=x[train][fit],

@@ -1,10 +1,10 @@
 """One CSV file per silo: `data.paths` maps silo name -> file, in the order given.
 
 Each file has a header row. Column `data.label_column` holds the class label, every other column
-is a numeric feature (named by the header). Labels must be integer class indices 0..C-1 (written
-as 3 or 3.0): mapping strings per file would give different class indices at different silos.
-A silo reports num_classes = its largest label + 1; the federation checks elsewhere that all silos
-agree on the class set.
+is a numeric feature (named by the header). The job declares the classes, `data.num_classes` = C,
+and every label of every silo must be a class index 0..C-1 (written as 3 or 3.0): mapping strings
+per file would give different class indices at different silos. A silo may hold only some of the
+classes (label skew); each reports num_classes = C, so every silo builds the same model.
 
 Each silo holds out data.test_fraction of its rows for test and data.val_fraction of the rest for
 validation, both stratified by label and seeded. Features are normalised with the mean and std
@@ -33,11 +33,23 @@ EXAMPLE = "data.paths.hospital_a=/data/a.csv"
 
 
 # The data.* keys this source reads (besides data.source).
-OPTIONS = ("val_fraction", "test_fraction", "paths", "label_column")
+OPTIONS = ("val_fraction", "test_fraction", "paths", "label_column", "num_classes")
+
+
+def declared_classes(cfg: DataConfig) -> int:
+    """data.num_classes, which a CSV federation must declare as an integer >= 2."""
+    if cfg.num_classes is None:
+        raise ConfigError(
+            "data.num_classes: required for data.source=csv; set it to the number of classes C "
+            "(labels are 0..C-1), e.g. data.num_classes=2"
+        )
+    if cfg.num_classes < 2:
+        raise ConfigError(f"data.num_classes: got {cfg.num_classes}, expected an integer >= 2")
+    return cfg.num_classes
 
 
 def validate(cfg: DataConfig) -> None:
-    """Check that every silo has a path and that a label column is named."""
+    """Check that every silo has a path, that a label column is named, and the classes."""
     if not cfg.paths:
         raise ConfigError(f"data.paths: give one CSV path per silo, e.g. {EXAMPLE}")
     for silo, path in cfg.paths.items():
@@ -48,6 +60,7 @@ def validate(cfg: DataConfig) -> None:
             )
     if not cfg.label_column.strip():
         raise ConfigError("data.label_column: got '', expected the name of the label column")
+    declared_classes(cfg)
 
 
 def encode_raw(rows: np.ndarray) -> np.ndarray:
@@ -66,8 +79,11 @@ def silo_names(cfg: DataConfig) -> list[str]:
 class _Table:
     """Reads one silo's CSV file and raises one-line DataErrors naming the silo and the file."""
 
-    def __init__(self, silo: str, path: Path, label_column: str) -> None:
+    def __init__(
+        self, silo: str, path: Path, label_column: str, num_classes: int | None = None
+    ) -> None:
         self.silo, self.path, self.label_column = silo, path, label_column
+        self.num_classes = num_classes
 
     def error(self, message: str) -> DataError:
         """A one-line DataError naming the silo and the file."""
@@ -75,6 +91,8 @@ class _Table:
 
     def read(self) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
         """Feature names, features (n, d) float64 and labels (n,) int64."""
+        if self.path.is_dir():
+            raise self.error(f"is a directory (set data.paths.{self.silo} to a CSV file)")
         if not self.path.is_file():
             raise self.error(f"not found (set data.paths.{self.silo} to an existing CSV file)")
         try:
@@ -83,7 +101,8 @@ class _Table:
         except UnicodeDecodeError:
             raise self.error("is not a UTF-8 text file") from None
         except (OSError, csv.Error) as exc:
-            raise self.error(f"cannot be read ({exc})") from None
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise self.error(f"cannot be read ({reason})") from None
 
     def _header(self, reader: Any) -> list[str]:
         header = [name.strip() for name in next(reader, [])]
@@ -103,7 +122,7 @@ class _Table:
 
     def _parse(self, reader: Any) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
         header = self._header(reader)
-        rows = []
+        rows, lines = [], []
         for record in reader:
             if not any(cell.strip() for cell in record):
                 continue
@@ -118,13 +137,21 @@ class _Table:
                     for cell, name in zip(record, header, strict=True)
                 ]
             )
+            lines.append(reader.line_num)
         if not rows:
             raise self.error("has a header but no data rows")
         table = np.asarray(rows, dtype=np.float64)
         label_at = header.index(self.label_column)
-        labels = self._labels(table[:, label_at])
+        labels = self._labels(table[:, label_at], lines)
         names = tuple(name for name in header if name != self.label_column)
         return names, np.delete(table, label_at, axis=1), labels
+
+    def _allowed(self) -> str:
+        """What a label may be: the declared class indices."""
+        if self.num_classes is None:
+            return "labels must be integers 0..C-1"
+        top = self.num_classes - 1
+        return f"labels must be integers 0..{top} (data.num_classes={self.num_classes})"
 
     def _number(self, cell: str, column: str, row: int, line: int) -> float:
         try:
@@ -134,7 +161,7 @@ class _Table:
         if not math.isfinite(value) and column == self.label_column:
             raise self.error(
                 f"label column {column!r}, data row {row} (line {line}): {cell.strip()!r} is not "
-                "a class index; labels must be integers 0..C-1"
+                f"a class index; {self._allowed()}"
             )
         if not math.isfinite(value):
             raise self.error(
@@ -143,22 +170,25 @@ class _Table:
             )
         return value
 
-    def _labels(self, values: np.ndarray) -> np.ndarray:
+    def _labels(self, values: np.ndarray, lines: list[int]) -> np.ndarray:
         bad = (values < 0) | (values != np.round(values))
+        if self.num_classes is not None:
+            bad |= values >= self.num_classes
         if bad.any():
             row = int(np.flatnonzero(bad)[0]) + 1
             raise self.error(
-                f"label column {self.label_column!r}, data row {row}: {values[row - 1]:g} is not "
-                "a class index; labels must be integers 0..C-1"
+                f"label column {self.label_column!r}, data row {row} (line {lines[row - 1]}): "
+                f"{values[row - 1]:g} is not a class index; {self._allowed()}"
             )
         return values.astype(np.int64)
 
 
 def read_silo_csv(
-    silo: str, path: str | Path, label_column: str
+    silo: str, path: str | Path, label_column: str, num_classes: int | None = None
 ) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
-    """Feature names, raw features (n, d) float64 and labels (n,) int64 of one silo's file."""
-    return _Table(silo, node_path(silo, path), label_column).read()
+    """Feature names, raw features (n, d) float64 and labels (n,) int64 of one silo's file;
+    with `num_classes`, every label must be below it."""
+    return _Table(silo, node_path(silo, path), label_column, num_classes).read()
 
 
 def node_path(silo: str, path: str | Path) -> Path:
@@ -191,7 +221,8 @@ def load(cfg: DataConfig, silo: str, seed: int) -> SiloData:
             f"silo {silo}: not in data.paths; expected one of {', '.join(cfg.paths) or '(none)'}"
         )
     path = node_path(silo, cfg.paths[silo])
-    names, x, y = read_silo_csv(silo, path, cfg.label_column)
+    num_classes = declared_classes(cfg)
+    names, x, y = read_silo_csv(silo, path, cfg.label_column, num_classes)
     if len(y) < 2:
         raise DataError(
             f"silo {silo}, file {path}: has {len(y)} data row, need at least 2 to split into "
@@ -208,7 +239,8 @@ def load(cfg: DataConfig, silo: str, seed: int) -> SiloData:
         test,
         cfg.val_fraction,
         seed,
-        num_classes=int(y.max()) + 1,
+        source_file=path,
+        num_classes=num_classes,
         preprocessing=preprocessing,
         raw_columns=names,
         x_test_raw=raw_test,

@@ -19,11 +19,17 @@ from silo_pfl.silo import Silo
 _ROLES: dict[str, str] = {}
 
 
+# A silo's process may die (its node reboots, it is pre-empted) any number of times: Ray starts
+# it again and the driver has it restore its last commit. Tasks are not retried by Ray: the
+# round decides what a restarted silo does next.
+SILO_MAX_RESTARTS = -1
+
+
 class SiloActor(Silo):
     """A Silo that also reports the Ray node it runs on."""
 
-    def setup(self) -> SiloInfo:
-        info = super().setup()
+    def setup(self, resume: bool = False) -> SiloInfo:
+        info = super().setup(resume)
         return dataclasses.replace(info, node_id=ray.get_runtime_context().get_node_id())
 
 
@@ -34,21 +40,27 @@ class ServerActor(Server):
         return ray.get_runtime_context().get_node_id()
 
 
-def start_silo(cfg: FederationConfig, config: dict[str, Any], silo: str) -> Any:
+def start_silo(cfg: FederationConfig, config: dict[str, Any], silo: str, run_id: str) -> Any:
     """Start the actor of one silo, on a node carrying its label if it has one."""
-    options: dict[str, Any] = {"num_cpus": cfg.ray.silo_cpus, "max_restarts": 0}
+    options: dict[str, Any] = {"num_cpus": cfg.ray.silo_cpus, "max_restarts": SILO_MAX_RESTARTS}
     options.update(actor_options(silo_selector(cfg, silo)))
-    return _named(ray.remote(SiloActor).options(**options).remote(config, silo), f"silo {silo}")
+    actor = ray.remote(SiloActor).options(**options).remote(config, silo, run_id)
+    return _named(actor, f"silo {silo}")
 
 
 def start_server(
-    cfg: FederationConfig, config: dict[str, Any], input_shape: Sequence[int], num_classes: int
+    cfg: FederationConfig,
+    config: dict[str, Any],
+    input_shape: Sequence[int],
+    num_classes: int,
+    run_id: str,
 ) -> Any:
-    """Start the server actor: where server.node_label says, else on the head under per_node."""
+    """Start the server actor: where server.node_label says, else on the head under per_node.
+    It is not restarted: the run fails, and `--resume` continues from its last checkpoint."""
     options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
     options.update(actor_options(server_selector(cfg), cfg.ray.placement == "per_node"))
     server = ray.remote(ServerActor).options(**options)
-    return _named(server.remote(config, tuple(input_shape), num_classes), "the server")
+    return _named(server.remote(config, tuple(input_shape), num_classes, run_id), "the server")
 
 
 def _named(actor: Any, role: str) -> Any:

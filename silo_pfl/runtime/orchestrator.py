@@ -1,25 +1,26 @@
-"""The round loop, written once. It never branches on an algorithm's name.
+"""A run from set-up to export, written once. It never branches on an algorithm's name.
 
-One round: the global state is one object in Ray's object store; every silo fits on it and
-returns a delta of the global keys, which goes straight to the server actor (never through the
-driver); the server aggregates; every silo evaluates its personalized model on the new state.
+A fresh run gets its own directory (run_dir.RunDir); a resumed one continues the latest (or the
+named) run of its federation from the server's newest good checkpoint, each silo restoring its own
+commit of that round on its own node. Rounds themselves run in runtime.rounds; after each one the
+server checkpoints the global state with the driver's bookkeeping (history, selector, each silo's
+last commit, the callbacks' state such as the MLflow run id).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig, to_dict
 from silo_pfl.data import silo_names
-from silo_pfl.errors import FederationError
-from silo_pfl.messages import EvalMetrics, FitMetrics, SiloInfo, SiloOutcome, SplitInfo
+from silo_pfl.errors import ConfigError, FederationError
+from silo_pfl.messages import SiloInfo, SiloOutcome, SplitInfo
 from silo_pfl.results import FederationResult, RoundSummary, SiloResult
+from silo_pfl.run_dir import RESULT_FILE, RunDir, check_resumable
 from silo_pfl.runtime.actors import get, start_server, start_silo, stop
 from silo_pfl.runtime.placement import (
     LABEL_WAIT_SECONDS,
@@ -27,6 +28,7 @@ from silo_pfl.runtime.placement import (
     server_selector,
     silo_selector,
 )
+from silo_pfl.runtime.rounds import Party, Rejoin, RoundRunner
 from silo_pfl.runtime.session import ray_session
 from silo_pfl.selection import Selector
 
@@ -45,41 +47,33 @@ def _model_shape(infos: Sequence[SiloInfo]) -> tuple[tuple[int, ...], int]:
     return first.input_shape, max(info.num_classes for info in infos)
 
 
-def _finite_mean(values: Sequence[float]) -> float:
-    """Mean of the finite values; NaN when there are none (no training, no validation rows)."""
-    finite = [v for v in values if np.isfinite(v)]
-    return float(np.mean(finite)) if finite else float("nan")
-
-
-def _summary(
-    round_: int, seconds: float, fits: list[FitMetrics], evals: list[EvalMetrics]
-) -> RoundSummary:
-    per_silo = {
-        f.silo: {
-            "train_loss": f.train_loss,
-            "train_seconds": f.train_seconds,
-            "bytes_sent": float(f.bytes_sent),
-            "val_accuracy": e.val_accuracy,
-            "test_accuracy": e.test_accuracy,
-        }
-        for f, e in zip(fits, evals, strict=True)
-    }
-    return RoundSummary(
-        round=round_,
-        seconds=seconds,
-        mean_train_loss=_finite_mean([f.train_loss for f in fits]),
-        mean_val_accuracy=_finite_mean([e.val_accuracy for e in evals]),
-        mean_test_accuracy=float(np.mean([e.test_accuracy for e in evals])),
-        silos=per_silo,
-    )
-
-
 class Orchestrator:
     """Runs one federation on Ray and returns its typed result."""
 
-    def __init__(self, cfg: FederationConfig, callbacks: Sequence[Callback] = ()) -> None:
+    def __init__(
+        self,
+        cfg: FederationConfig,
+        callbacks: Sequence[Callback] = (),
+        resume: bool | str = False,
+    ) -> None:
         self.cfg = cfg
         self.callbacks = list(callbacks)
+        self.resume = resume  # True: the latest run of this federation; a str: that run id
+        self.run_dir = self._run_dir()
+
+    def _run_dir(self) -> RunDir:
+        """A fresh run's directory, or the run to resume after checking its config."""
+        if not self.resume:
+            return RunDir.create(self.cfg)
+        run = RunDir.find(self.cfg, self.resume if isinstance(self.resume, str) else None)
+        saved = run.saved_config()
+        check_resumable(saved, self.cfg, run.path)
+        if run.finished() and self.cfg.rounds == saved["rounds"]:
+            raise ConfigError(
+                f"--resume: run {run.run_id} already finished its {saved['rounds']} rounds; "
+                "raise rounds= to train longer"
+            )
+        return run.started_again(self.cfg)
 
     @property
     def timeout(self) -> float:
@@ -96,7 +90,9 @@ class Orchestrator:
             getattr(callback, hook)(*args)
 
     def run(self) -> FederationResult:
-        """Set up every silo and the server, run the rounds, collect each silo's outcome."""
+        """Set up every silo and the server (or restore them), run the rounds, collect each
+        silo's outcome."""
+        run_id = self.run_dir.run_id
         with ray_session(self.cfg.ray):
             start = time.perf_counter()
             config = to_dict(self.cfg)
@@ -106,19 +102,34 @@ class Orchestrator:
             check_labels({**selectors, "the server": server_selector(self.cfg)}, LABEL_WAIT_SECONDS)
             try:
                 for name in names:
-                    actors[name] = start_silo(self.cfg, config, name)
-                infos = self._each(actors, "setup", "silo set-up")
+                    actors[name] = start_silo(self.cfg, config, name, run_id)
+                resuming = bool(self.resume)
+                infos = self._each(actors, "setup", "silo set-up", resuming)
                 input_shape, num_classes = _model_shape(infos)
                 public_keys = {i.silo: i.public_key for i in infos if i.public_key}
                 split: SplitInfo = self._each(
                     actors, "build", "silo model", input_shape, num_classes, public_keys
                 )[0]
-                server = start_server(self.cfg, config, input_shape, num_classes)
+                server = start_server(self.cfg, config, input_shape, num_classes, run_id)
                 actors["__server__"] = server
-                self._emit("on_start", self.cfg, infos, split)
-                exporting = self._attach_exporters(infos, actors)
-                history = self._rounds(server, {n: actors[n] for n in names})
                 silos = {n: actors[n] for n in names}
+                parties = {n: Party(n, actors[n]) for n in names}
+                selector = Selector(self.cfg.eval.selection)
+                history: list[RoundSummary] = []
+                if resuming:
+                    self._restore(server, parties, selector, history)
+                self._emit("on_start", self.cfg, infos, split)
+                if not resuming:
+                    self._checkpoint(server, 0, parties, selector, history)
+                exporting = self._attach_exporters(infos, actors)
+                rejoin = Rejoin(input_shape, num_classes, public_keys, exporting)
+                runner = RoundRunner(self.cfg, server, parties, rejoin, selector)
+                for round_ in range(len(history) + 1, self.cfg.rounds + 1):
+                    summary = runner.run(round_)
+                    history.append(summary)
+                    self._checkpoint(server, round_, parties, selector, history)
+                    self._emit("on_round_end", summary)
+                runner.rejoin_the_dead(self.cfg.rounds)
                 outcomes: list[SiloOutcome] = self._each(silos, "outcome", "silo outcome")
                 state = get(server.state_bytes.remote(), "the server's global state", self.timeout)
                 state_path = self._save_global(state)
@@ -145,25 +156,71 @@ class Orchestrator:
                         num_test=info.num_test,
                         bytes_sent_per_round=split.bytes_sent_per_round,
                         node_id=info.node_id,
+                        restarts=parties[info.silo].restarts,
+                        rounds_taken_part=sum(info.silo in s.participants for s in history),
                     )
                     for info, out in zip(infos, outcomes, strict=True)
                 },
                 history=history,
                 global_state_path=state_path,
                 server_node_id=server_node,
+                run_id=run_id,
+                run_dir=str(self.run_dir.path.resolve()),
                 extras={k: v for callback in self.callbacks for k, v in callback.extras().items()},
             )
         self._emit("on_end", result)
+        result.write_json(self.run_dir.path / RESULT_FILE)
         return result
+
+    def _checkpoint(
+        self,
+        server: Any,
+        round_: int,
+        parties: dict[str, Party],
+        selector: Selector,
+        history: list[RoundSummary],
+    ) -> None:
+        """The server checkpoints `round_` with the driver's bookkeeping: what resume needs."""
+        bookkeeping = {
+            "history": [dataclasses.asdict(s) for s in history],
+            "selector": {k: list(v) for k, v in selector.best.items()},
+            "committed": {n: p.committed for n, p in parties.items()},
+            "restarts": {n: p.restarts for n, p in parties.items()},
+            "callbacks": {type(c).__name__: c.state() for c in self.callbacks},
+        }
+        what = f"round {round_}: server checkpoint"
+        get(server.checkpoint.remote(round_, bookkeeping), what, self.timeout)
+
+    def _restore(
+        self,
+        server: Any,
+        parties: dict[str, Party],
+        selector: Selector,
+        history: list[RoundSummary],
+    ) -> None:
+        """Resume from the server's newest good checkpoint: every silo restores its own commit
+        of that round from its own directory, the driver its bookkeeping."""
+        saved = get(server.resume.remote(), "resume: the server's checkpoint", self.timeout)
+        history.extend(RoundSummary(**s) for s in saved["history"])
+        selector.best = {k: (float(v[0]), float(v[1])) for k, v in saved["selector"].items()}
+        for name, party in parties.items():
+            party.committed = int(saved["committed"][name])
+            party.restarts = int(saved["restarts"][name])
+        for callback in self.callbacks:
+            callback.restore(saved["callbacks"].get(type(callback).__name__, {}))
+        refs = {n: p.actor.restore.remote(p.committed) for n, p in parties.items()}
+        get(list(refs.values()), "resume: silo restore", self.timeout, [f"silo {n}" for n in refs])
 
     def _save_global(self, npz: bytes) -> str:
         """Write the server's global keys, received as bytes, on the driver's own disk."""
-        path = Path(self.cfg.output_dir) / self.cfg.name / "server" / GLOBAL_STATE_FILE
+        path = self.run_dir.path / "server" / GLOBAL_STATE_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(npz)
         return str(path.resolve())
 
-    def _attach_exporters(self, infos: Sequence[SiloInfo], actors: dict[str, Any]) -> list[str]:
+    def _attach_exporters(
+        self, infos: Sequence[SiloInfo], actors: dict[str, Any]
+    ) -> dict[str, dict[str, Any]]:
         """Hand each callback's per-silo exporters to their silos, which check them now."""
         per_silo: dict[str, dict[str, Any]] = {}
         for index, callback in enumerate(self.callbacks):
@@ -175,42 +232,13 @@ class Orchestrator:
                 per_silo.setdefault(silo, {})[str(index)] = exporter
         refs = [actors[s].attach.remote(e) for s, e in per_silo.items()]
         get(refs, "silo exporter check", self.timeout, [f"silo {s}" for s in per_silo])
-        return list(per_silo)
+        return per_silo
 
-    def _export(self, silos: list[str], actors: dict[str, Any]) -> None:
+    def _export(self, silos: Sequence[str], actors: dict[str, Any]) -> None:
         """Each silo runs its exporters in its own process; receipts go back to their callbacks."""
         done = self._each({s: actors[s] for s in silos}, "export", "silo export")
-        receipts = dict(zip(silos, done, strict=True))
+        receipts = dict(zip(list(silos), done, strict=True))
         for index, callback in enumerate(self.callbacks):
             mine = {s: r[str(index)] for s, r in receipts.items() if str(index) in r}
             if mine:
                 callback.on_exported(mine)
-
-    def _rounds(self, server: Any, silos: dict[str, Any]) -> list[RoundSummary]:
-        history = []
-        selector = Selector(self.cfg.eval.selection)
-        who = [f"silo {name}" for name in silos]
-        global_ref = server.global_state.remote()
-        keeping: tuple[str, list[Any], list[str]] = ("", [], [])
-        for round_ in range(1, self.cfg.rounds + 1):
-            began = time.perf_counter()
-            fit_refs = [
-                a.fit.options(num_returns=2).remote(global_ref, round_) for a in silos.values()
-            ]
-            global_ref = server.aggregate.remote(*[update for update, _ in fit_refs])
-            eval_refs = [a.evaluate.remote(global_ref, round_) for a in silos.values()]
-            metrics = [m for _, m in fit_refs]
-            fits = get(metrics, f"round {round_}: silo fit", self.timeout, who)
-            evals = get(eval_refs, f"round {round_}: silo evaluation", self.timeout, who)
-            get(keeping[1], keeping[0], self.timeout, keeping[2])  # last round's, saved by now
-            chosen = selector.choose(evals)
-            keeping = (
-                f"round {round_}: silo keep",
-                [silos[silo].keep.remote(round_) for silo in chosen],
-                [f"silo {silo}" for silo in chosen],
-            )
-            summary = _summary(round_, time.perf_counter() - began, fits, evals)
-            history.append(summary)
-            self._emit("on_round_end", summary)
-        get(keeping[1], keeping[0], self.timeout, keeping[2])
-        return history

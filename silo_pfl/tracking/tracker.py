@@ -98,6 +98,7 @@ class MlflowTracker(Callback):
         self.buffered: dict[str, list[Metric]] = {}
         self.flushed_at = time.monotonic()
         self.logged: dict[str, Any] = {}  # silo -> the logged model it writes its files into
+        self.restarts: dict[str, int] = {}  # silo -> times it restarted, as recorded
 
     def _log(self, run_id: str, metrics: list[Metric]) -> None:
         """Buffer metrics; every FLUSH_SECONDS each run's buffer goes out as one batch."""
@@ -114,12 +115,35 @@ class MlflowTracker(Callback):
         self.buffered.clear()
         self.flushed_at = time.monotonic()
 
+    def state(self) -> dict[str, Any]:
+        """The MLflow runs this federation run logs to: a resume goes on in them."""
+        return {"run_id": self.run_id, "children": dict(self.children), "restarts": self.restarts}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.run_id = str(state.get("run_id", ""))
+        self.children = dict(state.get("children", {}))
+        self.restarts = {k: int(v) for k, v in state.get("restarts", {}).items()}
+
+    def _reopen(self) -> None:
+        """On resume: the parent and child runs are RUNNING again; the resume is tagged."""
+        from mlflow.entities import RunStatus
+
+        running = RunStatus.to_string(RunStatus.RUNNING)
+        for run_id in [self.run_id, *self.children.values()]:
+            self.client.update_run(run_id, status=running)
+        resumes = self.client.get_run(self.run_id).data.tags.get("resumes", "0")
+        self.client.set_tag(self.run_id, "resumes", str(int(resumes) + 1))
+
     def on_start(
         self, config: FederationConfig, silos: Sequence[SiloInfo], split: SplitInfo
     ) -> None:
         from mlflow.entities import Param
 
         self.client, self.experiment_id = self.opening.result()
+        self.split = split
+        if self.run_id:
+            self._reopen()
+            return
         algorithm = config.algorithm["name"]
         run = self.client.create_run(
             self.experiment_id,
@@ -127,7 +151,6 @@ class MlflowTracker(Callback):
             tags={registry.ALGORITHM: algorithm, registry.FEDERATION: config.name},
         )
         self.run_id = run.info.run_id
-        self.split = split
         params = [Param(k, v) for k, v in flatten(to_dict(config)).items()]
         for start in range(0, len(params), MAX_PARAMS_PER_BATCH):
             batch = params[start : start + MAX_PARAMS_PER_BATCH]
@@ -179,9 +202,16 @@ class MlflowTracker(Callback):
         from mlflow.entities import Metric
 
         stamp, step = _now_ms(), summary.round
-        for silo, values in summary.silos.items():
+        for silo, child in self.children.items():
+            values = {**summary.silos.get(silo, {}), "took_part": silo in summary.participants}
             metrics = [Metric(k, float(v), stamp, step) for k, v in values.items()]
-            self._log(self.children[silo], metrics)
+            self._log(child, metrics)
+            if silo in summary.absent:
+                self.client.set_tag(child, f"round_{step}_left_out", summary.absent[silo][:5000])
+            if silo in summary.restarted:
+                self.restarts[silo] = self.restarts.get(silo, 0) + 1
+                self.client.set_tag(child, "restarts", str(self.restarts[silo]))
+                self.client.set_tag(child, f"round_{step}_restored", summary.restarted[silo])
         means = [Metric(k, float(getattr(summary, k)), stamp, step) for k in ROUND_MEANS]
         self._log(self.run_id, [*means, Metric("round_seconds", summary.seconds, stamp, step)])
 

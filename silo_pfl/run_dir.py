@@ -1,0 +1,132 @@
+"""Each run's own directory, `<output_dir>/<name>/<run_id>/`, and finding one to resume.
+
+The driver writes `run.json` (the run id, when it started, the resolved config) when the run
+starts and `result.json` when it ends. Silos keep their state under `silos/<silo>/`, the server
+under `server/`, each on its own node's disk at the same path.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from silo_pfl.config import FederationConfig, to_dict
+from silo_pfl.errors import ConfigError
+from silo_pfl.results import write_json_atomic
+
+RUN_FILE = "run.json"
+RESULT_FILE = "result.json"
+
+
+def federation_dir(cfg: FederationConfig) -> Path:
+    """Where every run of this federation has its directory."""
+    return Path(cfg.output_dir).expanduser() / cfg.name
+
+
+def run_path(cfg: FederationConfig, run_id: str) -> Path:
+    """The directory of one run."""
+    return federation_dir(cfg) / run_id
+
+
+def silo_dir(cfg: FederationConfig, run_id: str, silo: str) -> Path:
+    """The directory that belongs to one silo in one run, on that silo's node."""
+    return run_path(cfg, run_id) / "silos" / silo
+
+
+def server_dir(cfg: FederationConfig, run_id: str) -> Path:
+    """The server's directory in one run, on the server's node."""
+    return run_path(cfg, run_id) / "server"
+
+
+def new_run_id() -> str:
+    """A run id that sorts by start time: 20261130-052301-3fa9c2."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """One run's directory on the driver's disk."""
+
+    run_id: str
+    path: Path
+
+    @classmethod
+    def create(cls, cfg: FederationConfig) -> RunDir:
+        """A new run: its directory, with run.json."""
+        run_id = new_run_id()
+        path = run_path(cfg, run_id)
+        path.mkdir(parents=True)
+        record = {"run_id": run_id, "started_ns": time.time_ns(), "config": to_dict(cfg)}
+        write_json_atomic(path / RUN_FILE, record)
+        return cls(run_id, path)
+
+    @classmethod
+    def find(cls, cfg: FederationConfig, run_id: str | None) -> RunDir:
+        """The run to resume: `run_id`, or the latest run of this federation."""
+        parent = federation_dir(cfg)
+        if run_id is not None:
+            if not (parent / run_id / RUN_FILE).is_file():
+                raise ConfigError(f"--resume {run_id}: no run {run_id} of {cfg.name} in {parent}")
+            return cls(run_id, parent / run_id)
+        runs = [p.parent for p in parent.glob(f"*/{RUN_FILE}")] if parent.is_dir() else []
+        if not runs:
+            raise ConfigError(f"--resume: no run of {cfg.name} to resume in {parent}")
+        latest = max(runs, key=lambda p: (_read(p / RUN_FILE).get("started_ns", 0), p.name))
+        return cls(latest.name, latest)
+
+    def started_again(self, cfg: FederationConfig) -> RunDir:
+        """Record the config this run resumes with (it may have raised `rounds`)."""
+        record = _read(self.path / RUN_FILE)
+        record["config"] = to_dict(cfg)
+        record["resumed_ns"] = [*record.get("resumed_ns", []), time.time_ns()]
+        write_json_atomic(self.path / RUN_FILE, record)
+        (self.path / RESULT_FILE).unlink(missing_ok=True)
+        return self
+
+    def saved_config(self) -> dict[str, Any]:
+        """The resolved config the run started with."""
+        return _read(self.path / RUN_FILE)["config"]
+
+    def finished(self) -> bool:
+        """Whether the run ended and wrote its result."""
+        return (self.path / RESULT_FILE).is_file()
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--resume: {path} cannot be read ({exc})") from None
+
+
+def check_resumable(saved: dict[str, Any], cfg: FederationConfig, path: Path) -> None:
+    """Only `rounds` may change on resume, and only upwards; any other change names its key."""
+    current = json.loads(json.dumps(to_dict(cfg)))
+    for key in sorted(_flat(saved).keys() | _flat(current).keys()):
+        if key == "rounds":
+            continue
+        before, after = _flat(saved).get(key), _flat(current).get(key)
+        if before != after:
+            raise ConfigError(
+                f"{key}: got {after!r}, but run {path.name} was started with {before!r}; on "
+                "--resume only rounds may change"
+            )
+    if cfg.rounds < saved["rounds"]:
+        raise ConfigError(
+            f"rounds: got {cfg.rounds}, but run {path.name} was started with {saved['rounds']}; "
+            "on --resume rounds may only be raised"
+        )
+
+
+def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

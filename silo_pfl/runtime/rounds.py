@@ -1,0 +1,226 @@
+"""One federated round with a deadline, a quorum and retries; written once, for every algorithm.
+
+An attempt: silos that died are first rejoined (restarted by Ray, they restore their own last
+commit); every silo fits on the global state; the fits that arrive by the deadline (round.timeout_s)
+go to the server, which rejects bad updates and aggregates if a quorum (round.min_silos) is left;
+the silos whose updates were aggregated evaluate the new global state, by the deadline; selection
+runs on those evaluations; those silos commit (checkpoint) the round. Without a quorum nothing is
+committed and the round is tried again, up to round.retries times; every silo then starts again
+from its last commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ray
+
+from silo_pfl.config import FederationConfig
+from silo_pfl.errors import FederationError, one_line
+from silo_pfl.messages import EvalMetrics, FitMetrics, RejoinInfo, RoundReport
+from silo_pfl.results import RoundSummary
+from silo_pfl.runtime.actors import get
+from silo_pfl.selection import Selector
+
+log = logging.getLogger("silo_pfl.rounds")
+
+
+@dataclass
+class Party:
+    """The driver's view of one silo: its actor, its last commit, its restarts."""
+
+    name: str
+    actor: Any
+    committed: int = 0
+    restarts: int = 0
+    died: bool = False  # its process died: rejoin it before its next round
+
+
+@dataclass
+class Rejoin:
+    """What a silo needs to set itself up again after a restart."""
+
+    input_shape: tuple[int, ...]
+    num_classes: int
+    public_keys: dict[str, bytes] = field(default_factory=dict)
+    exporters: dict[str, dict[str, Any]] = field(default_factory=dict)  # silo -> its exporters
+
+
+def gather(refs: dict[str, Any], timeout: float) -> tuple[dict[str, Any], dict[str, str], set[str]]:
+    """Wait for every ref until `timeout` s from now. Returns the answers, a reason for each silo
+    that failed or was late, and the silos whose process died."""
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+    answers: dict[str, Any] = {}
+    absent: dict[str, str] = {}
+    died: set[str] = set()
+    for name, ref in refs.items():
+        if ref not in ready:
+            absent[name] = f"no answer within round.timeout_s={timeout:g} s"
+            continue
+        try:
+            answers[name] = ray.get(ref)
+        except ray.exceptions.RayActorError as exc:
+            died.add(name)
+            absent[name] = f"its process died ({type(exc).__name__})"
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
+            absent[name] = f"failed: {type(cause).__name__}: {one_line(cause)}"
+    return answers, absent, died
+
+
+def _mean(values: list[float]) -> float:
+    """Mean of the finite values; NaN when there are none."""
+    finite = [v for v in values if np.isfinite(v)]
+    return float(np.mean(finite)) if finite else float("nan")
+
+
+class RoundRunner:
+    """Runs rounds for the orchestrator; holds the parties and the selector between rounds."""
+
+    def __init__(
+        self,
+        cfg: FederationConfig,
+        server: Any,
+        parties: dict[str, Party],
+        rejoin: Rejoin,
+        selector: Selector,
+    ) -> None:
+        self.cfg, self.server, self.parties = cfg, server, parties
+        self.rejoin_args, self.selector = rejoin, selector
+        self.timeout = cfg.round.timeout_s
+
+    def run(self, round_: int) -> RoundSummary:
+        """Run `round_` until an attempt has a quorum; fail, naming who was missing, if none."""
+        began = time.perf_counter()
+        failures = []
+        for attempt in range(1, self.cfg.round.retries + 2):
+            rejoined = self.rejoin_the_dead(round_)
+            summary = self._attempt(round_, attempt, began, rejoined)
+            if isinstance(summary, RoundSummary):
+                return summary
+            failures.append(summary)
+            log.warning("round %d, attempt %d: no quorum: %s", round_, attempt, summary)
+        raise FederationError(
+            f"round {round_}: no quorum after {len(failures)} attempts (round.retries="
+            f"{self.cfg.round.retries}); last: {failures[-1]}"
+        )
+
+    def rejoin_the_dead(self, round_: int) -> dict[str, RejoinInfo]:
+        """Each silo whose process died is restarted by Ray; it restores its last commit."""
+        dead = {n: p for n, p in self.parties.items() if p.died}
+        if not dead:
+            return {}
+        args = self.rejoin_args
+        refs = {
+            n: p.actor.rejoin.remote(
+                args.input_shape,
+                args.num_classes,
+                args.public_keys,
+                p.committed,
+                args.exporters.get(n, {}),
+            )
+            for n, p in dead.items()
+        }
+        infos, absent, _ = gather(refs, self.timeout)
+        for name, info in infos.items():
+            party = self.parties[name]
+            party.died, party.restarts = False, party.restarts + 1
+            log.warning(
+                "round %d: silo %s restarted (pid %d) and restored round %d",
+                round_,
+                name,
+                info.pid,
+                info.round,
+            )
+        for name, reason in absent.items():
+            log.warning("round %d: silo %s did not rejoin: %s", round_, name, reason)
+        return infos
+
+    def _attempt(
+        self, round_: int, attempt: int, began: float, rejoined: dict[str, RejoinInfo]
+    ) -> RoundSummary | str:
+        """One attempt at `round_`: its summary, or why it had no quorum."""
+        live = {n: p for n, p in self.parties.items() if not p.died}
+        global_ref = self.server.global_state.remote()
+        fit_refs = {
+            n: p.actor.fit.options(num_returns=2).remote(global_ref, round_, attempt)
+            for n, p in live.items()
+        }
+        fits, absent, died = gather({n: m for n, (_, m) in fit_refs.items()}, self.timeout)
+        absent.update({n: "not running (restart pending)" for n in self.parties if n not in live})
+        sent: dict[str, FitMetrics] = {}
+        for name, metrics in fits.items():
+            if metrics.withheld:
+                absent[name] = metrics.withheld
+            else:
+                sent[name] = metrics
+        report: RoundReport = get(
+            self.server.aggregate.remote(*[fit_refs[n][0] for n in sent]),
+            f"round {round_}: aggregation",
+            self.timeout,
+        )
+        absent.update(report.rejected)
+        self._mark_dead(died)
+        if not report.aggregated:
+            detail = "; ".join(f"{n}: {r}" for n, r in sorted(absent.items()))
+            return report.reason + (f" ({detail})" if detail else "")
+        new_global = self.server.global_state.remote()
+        eval_refs = {
+            n: self.parties[n].actor.evaluate.remote(new_global, round_) for n in report.accepted
+        }
+        evals, late, died = gather(eval_refs, self.timeout)
+        absent.update(late)
+        self._mark_dead(died)
+        ordered = [evals[n] for n in sorted(evals)]
+        chosen = set(self.selector.choose(ordered))
+        commit_refs = {n: self.parties[n].actor.commit.remote(round_, n in chosen) for n in evals}
+        done, failed, died = gather(commit_refs, self.timeout)
+        absent.update({n: f"could not commit: {r}" for n, r in failed.items()})
+        self._mark_dead(died)
+        for name in done:
+            self.parties[name].committed = round_
+        for name, reason in sorted(absent.items()):
+            log.warning("round %d: silo %s left out: %s", round_, name, reason)
+        return self._summary(round_, began, attempt, report, sent, evals, absent, rejoined)
+
+    def _mark_dead(self, names: set[str]) -> None:
+        for name in names:
+            self.parties[name].died = True
+
+    def _summary(
+        self,
+        round_: int,
+        began: float,
+        attempt: int,
+        report: RoundReport,
+        fits: dict[str, FitMetrics],
+        evals: dict[str, EvalMetrics],
+        absent: dict[str, str],
+        rejoined: dict[str, RejoinInfo],
+    ) -> RoundSummary:
+        per_silo = {
+            name: {
+                "train_loss": fits[name].train_loss,
+                "train_seconds": fits[name].train_seconds,
+                "bytes_sent": float(fits[name].bytes_sent),
+                "val_accuracy": e.val_accuracy,
+                "test_accuracy": e.test_accuracy,
+            }
+            for name, e in sorted(evals.items())
+        }
+        return RoundSummary(
+            round=round_,
+            seconds=time.perf_counter() - began,
+            mean_train_loss=_mean([fits[n].train_loss for n in evals]),
+            mean_val_accuracy=_mean([e.val_accuracy for e in evals.values()]),
+            mean_test_accuracy=_mean([e.test_accuracy for e in evals.values()]),
+            silos=per_silo,
+            participants=list(report.accepted),
+            absent=dict(sorted(absent.items())),
+            attempts=attempt,
+            restarted={n: i.local_digest for n, i in rejoined.items()},
+        )
