@@ -40,10 +40,12 @@ def in_process(cfg) -> list[float]:
     for round_ in range(1, cfg.rounds + 1):
         began = time.perf_counter()
         updates = [silo.fit(state, round_)[0] for silo in silos]
-        state = server.aggregate(*updates)
+        server.aggregate(*updates)
+        state = server.global_state()
         evals = [silo.evaluate(state, round_) for silo in silos]
-        for name in selector.choose(evals):
-            next(s for s in silos if s.name == name).keep(round_)
+        chosen = selector.choose(evals)
+        for silo in silos:
+            silo.commit(round_, keep=silo.name in chosen)
         seconds.append(time.perf_counter() - began)
     return seconds
 

@@ -14,7 +14,8 @@ SILOS = ("cleveland", "hungarian")
 
 
 def _federation(job, algorithm: str, *overrides: str) -> tuple[list[Silo], Server]:
-    cfg = job("jobs/heart_disease.yaml", f"algorithm.name={algorithm}", *overrides)
+    quorum = f"round.min_silos={len(SILOS)}"
+    cfg = job("jobs/heart_disease.yaml", f"algorithm.name={algorithm}", quorum, *overrides)
     config = to_dict(cfg)
     silos = [Silo(config, name) for name in SILOS]
     infos = [silo.setup() for silo in silos]
@@ -27,7 +28,8 @@ def _round(silos: list[Silo], server: Server, round_: int):
     """One round; returns the updates, the new global state and the evaluations."""
     start = server.global_state()
     updates = [silo.fit(start, round_)[0] for silo in silos]
-    state = server.aggregate(*updates)
+    assert server.aggregate(*updates).aggregated
+    state = server.global_state()
     evals = [silo.evaluate(state, round_) for silo in silos]
     return updates, state, evals
 
@@ -52,7 +54,7 @@ def test_ditto_sends_fedavgs_update_and_is_judged_by_its_personal_model(job):
     assert [e.val_loss for e in d_evals] != [e.val_loss for e in f_evals]
     silo = ditto[0]
     personal = silo.algorithm.personal.state_dict()
-    silo.keep(2)
+    silo.commit(2, keep=True)
     kept = torch.load(silo.dir / PERSONALIZED_FILE)
     assert all(torch.equal(kept[k], personal[k]) for k in personal)
     # Nothing the silo sent equals a personal weight.

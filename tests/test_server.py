@@ -1,4 +1,5 @@
-"""The server refuses, with a named reason, any update it must not aggregate."""
+"""The server rejects, with a named reason, any update it must not aggregate, and goes on with
+the others while they make a quorum (round.min_silos)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,28 @@ from silo_pfl.server import Server
 from silo_pfl.silo import Silo
 
 
+def _round_one(job, *overrides: str) -> tuple[Server, list[SiloUpdate]]:
+    """A server for the four hospitals and two hospitals' real updates for round 1."""
+    config = to_dict(job("jobs/heart_disease.yaml", *overrides))
+    updates = []
+    for name in ("hungarian", "va"):
+        silo = Silo(config, name)
+        info = silo.setup()
+        silo.build(info.input_shape, info.num_classes)
+        server = Server(config, info.input_shape, info.num_classes)
+        updates.append(silo.fit(server.global_state(), 1)[0])
+    return server, updates
+
+
+def _fresh(server: Server) -> Server:
+    """Another server of the same federation, at round 0."""
+    return Server(to_dict(server.cfg), (13,), 2)
+
+
 @pytest.fixture
 def round_one(job):
-    """A server for the four hospitals and hungarian's real update for round 1."""
-    config = to_dict(job("jobs/heart_disease.yaml"))
-    silo = Silo(config, "hungarian")
-    info = silo.setup()
-    silo.build(info.input_shape, info.num_classes)
-    server = Server(config, info.input_shape, info.num_classes)
-    update, _ = silo.fit(server.global_state(), 1)
-    return server, update
+    """Hungarian's and va's updates; a quorum of one."""
+    return _round_one(job, "round.min_silos=1")
 
 
 def _nan(update: SiloUpdate) -> SiloUpdate:
@@ -41,28 +54,64 @@ def _float64(update: SiloUpdate) -> SiloUpdate:
 @pytest.mark.parametrize(
     ("forge", "reason"),
     [
-        (lambda u: [u, u], "update from silo hungarian: a second update this round"),
+        (lambda u: dataclasses.replace(u, round=2), "for round 2, but round 1 is being aggregated"),
         (
-            lambda u: [dataclasses.replace(u, round=2)],
-            "update from silo hungarian: for round 2, but round 1 is being aggregated",
+            lambda u: dataclasses.replace(u, silo="mallory"),
+            "not a silo of this federation (its silos are cleveland,",
         ),
-        (
-            lambda u: [dataclasses.replace(u, silo="mallory")],
-            "update from silo mallory: not a silo of this federation (its silos are cleveland,",
-        ),
-        (lambda u: [_nan(u)], "update from silo hungarian: body.fc1.weight is not finite"),
-        (lambda u: [_float64(u)], "is float64, expected float32"),
+        (_nan, "body.fc1.weight is not finite"),
+        (_float64, "is float64, expected float32"),
     ],
 )
-def test_a_bad_update_is_refused_with_its_reason_and_changes_nothing(round_one, forge, reason):
-    server, update = round_one
+def test_a_bad_update_is_rejected_with_its_reason_and_the_round_goes_on(round_one, forge, reason):
+    server, (hungarian, va) = round_one
+    start = {k: v.copy() for k, v in server.global_state().items()}
+    bad = forge(hungarian)
+    report = server.aggregate(bad, va)
+    assert reason in report.rejected[bad.silo]
+    assert report.rejected[bad.silo].startswith(f"update from silo {bad.silo}: ")
+    assert report.aggregated and report.accepted == ("va",)
+    alone = _fresh(server)
+    alone.aggregate(va)
+    for key, value in server.global_state().items():
+        assert np.array_equal(value, alone.global_state()[key]), "the bad update changed a key"
+    assert not np.array_equal(server.global_state()["body.fc1.weight"], start["body.fc1.weight"])
+
+
+def test_a_duplicate_is_rejected_and_a_replay_next_round_too(round_one):
+    server, (hungarian, va) = round_one
+    report = server.aggregate(hungarian, hungarian, va)
+    assert report.rejected == {
+        "hungarian": "update from silo hungarian: a second update this round"
+    }
+    assert report.accepted == ("hungarian", "va") and server.round == 1
+    replay = server.aggregate(hungarian)
+    assert "for round 1, but round 2 is being aggregated" in replay.rejected["hungarian"]
+    assert not replay.aggregated and server.round == 1
+
+
+def test_without_a_quorum_nothing_changes_and_the_missing_silos_are_named(job):
+    server, (hungarian, va) = _round_one(job, "round.min_silos=3")
     before = {k: v.copy() for k, v in server.global_state().items()}
-    with pytest.raises(ValueError) as info:
-        server.aggregate(*forge(update))
-    assert reason in str(info.value)
-    assert server.round == 0
+    report = server.aggregate(hungarian, va)
+    assert not report.aggregated and server.round == 0
+    assert (
+        report.reason == "2 of 3 updates needed (round.min_silos); none from cleveland, switzerland"
+    )
     assert all(np.array_equal(before[k], v) for k, v in server.global_state().items())
-    server.aggregate(update)  # the genuine update of round 1 still goes through
-    assert server.round == 1
-    with pytest.raises(ValueError, match="for round 1, but round 2 is being aggregated"):
-        server.aggregate(update)  # and cannot be replayed in round 2
+
+
+def test_an_update_over_the_norm_bound_is_rejected(job):
+    _, (hungarian, va) = _round_one(job, "round.min_silos=1")
+    norms = {
+        u.silo: float(np.sqrt(sum(np.sum(v.astype(np.float64) ** 2) for v in u.delta.values())))
+        for u in (hungarian, va)
+    }
+    bound = (norms["hungarian"] + norms["va"]) / 2
+    larger = max(norms, key=norms.get)
+    bound_key = f"aggregation.max_update_norm={bound}"
+    bounded_cfg = job("jobs/heart_disease.yaml", "round.min_silos=1", bound_key)
+    bounded = Server(to_dict(bounded_cfg), (13,), 2)
+    report = bounded.aggregate(hungarian, va)
+    assert f"exceeds aggregation.max_update_norm={bound:g}" in report.rejected[larger]
+    assert report.accepted == tuple(n for n in ("hungarian", "va") if n != larger)

@@ -16,7 +16,9 @@ from silo_pfl.tracking.exporter import MlflowExporter
 
 def _registered_silo(tmp_path: Path, store: str, silo: str) -> Silo:
     """Train one hospital for two rounds with the plain classes and register its model."""
-    cfg = load_config("jobs/heart_disease.yaml", [f"output_dir={tmp_path / 'runs'}"])
+    cfg = load_config(
+        "jobs/heart_disease.yaml", [f"output_dir={tmp_path / 'runs'}", "round.min_silos=1"]
+    )
     node = Silo(to_dict(cfg), silo)
     info = node.setup()
     node.build(info.input_shape, info.num_classes)
@@ -24,8 +26,9 @@ def _registered_silo(tmp_path: Path, store: str, silo: str) -> Silo:
     node.attach({"mlflow": MlflowExporter(store, "tracking.uri", cfg.name, "-")})
     for round_ in (1, 2):
         update, _ = node.fit(server.global_state(), round_)
-        node.evaluate(server.aggregate(update), round_)
-        node.keep(round_)
+        assert server.aggregate(update).aggregated
+        node.evaluate(server.global_state(), round_)
+        node.commit(round_, keep=True)
     node.export()
     return node
 

@@ -79,15 +79,18 @@ def test_mlflow_is_imported_only_when_tracking_is_enabled():
 
 def _trained_silo(tmp_path, silo: str) -> Silo:
     """A silo and a server in this process, two rounds: the plain classes, no Ray."""
-    cfg = load_config("jobs/heart_disease.yaml", [f"output_dir={tmp_path / 'runs'}"])
+    cfg = load_config(
+        "jobs/heart_disease.yaml", [f"output_dir={tmp_path / 'runs'}", "round.min_silos=1"]
+    )
     node = Silo(to_dict(cfg), silo)
     info = node.setup()
     node.build(info.input_shape, info.num_classes)
     server = Server(to_dict(cfg), info.input_shape, info.num_classes)
     for round_ in (1, 2):
         update, _ = node.fit(server.global_state(), round_)
-        node.evaluate(server.aggregate(update), round_)
-        node.keep(round_)
+        assert server.aggregate(update).aggregated
+        node.evaluate(server.global_state(), round_)
+        node.commit(round_, keep=True)
     return node
 
 
