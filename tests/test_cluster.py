@@ -92,6 +92,7 @@ def test_a_silo_without_a_node_is_a_clear_error(cluster, env, tmp_path):
         tmp_path,
         cluster["address"],
         "data.source=csv",
+        "data.num_classes=2",
         f"data.paths.cleveland={good}",
         f"data.paths.nowhere={good}",
         env=env,

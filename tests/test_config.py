@@ -59,7 +59,12 @@ def test_every_job_loads():
         (["data.val_fraction=1.5"], "data.val_fraction"),
         (["data.num_silos=3"], "data.num_silos: not used by data.source=heart_disease; its opt"),
         (
-            ["data.source=csv", "data.paths.a=/x.csv", "aggregation.secure=true"],
+            [
+                "data.source=csv",
+                "data.num_classes=2",
+                "data.paths.a=/x.csv",
+                "aggregation.secure=true",
+            ],
             "aggregation.secure: needs at least 2 silos",
         ),
         (["data.paths.a=/x.csv"], "data.paths: not used by data.source=heart_disease"),

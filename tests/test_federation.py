@@ -154,6 +154,7 @@ def test_bad_csv_file_is_one_clear_error_through_ray(tmp_path, capsys):
             "run",
             "jobs/heart_disease.yaml",
             "data.source=csv",
+            "data.num_classes=2",
             "tracking.enabled=false",
             f"data.paths.alpha={good}",
             f"data.paths.beta={tmp_path / 'missing.csv'}",

@@ -26,7 +26,8 @@ def good_table(rows: int = 40, seed: int = 0) -> str:
 
 
 def config(paths: dict[str, Path], **overrides) -> DataConfig:
-    return DataConfig(source="csv", paths={k: str(v) for k, v in paths.items()}, **overrides)
+    options = {"num_classes": 3, **overrides}
+    return DataConfig(source="csv", paths={k: str(v) for k, v in paths.items()}, **options)
 
 
 def load_error(tmp_path: Path, text: str | None, silo: str = "clinic_b") -> str:
@@ -44,6 +45,17 @@ def load_error(tmp_path: Path, text: str | None, silo: str = "clinic_b") -> str:
 def test_validate_requires_paths():
     with pytest.raises(ConfigError, match=r"data\.paths: give one CSV path per silo, e\.g\."):
         csv_source.validate(DataConfig(source="csv"))
+
+
+def test_validate_requires_num_classes():
+    with pytest.raises(ConfigError, match=r"^data\.num_classes: required for data\.source=csv"):
+        csv_source.validate(DataConfig(source="csv", paths={"a": "/a.csv"}))
+
+
+@pytest.mark.parametrize("count", [1, 0, -2])
+def test_validate_needs_at_least_two_classes(count):
+    with pytest.raises(ConfigError, match=rf"^data\.num_classes: got {count}, expected an integer"):
+        csv_source.validate(config({"a": Path("/a.csv")}, num_classes=count))
 
 
 def test_validate_rejects_an_empty_path():
@@ -141,10 +153,25 @@ def test_ragged_row(tmp_path):
     assert "data row 2" in message and "has 2 values" in message
 
 
-@pytest.mark.parametrize("label", ["cat", "-1", "1.5"])
-def test_labels_must_be_class_indices(tmp_path, label):
+@pytest.mark.parametrize(
+    ("label", "shown"), [("cat", "'cat'"), ("-1", "-1"), ("1.5", "1.5"), ("3", "3"), ("7.0", "7")]
+)
+def test_labels_must_be_declared_class_indices(tmp_path, label, shown):
     message = load_error(tmp_path, f"a,label\n1,0\n2,{label}\n3,1\n")
-    assert "labels must be integers 0..C-1" in message and "data row 2" in message
+    assert f"data row 2 (line 3): {shown} is not a class index" in message
+    assert message.endswith("labels must be integers 0..2 (data.num_classes=3)")
+
+
+def test_a_silo_may_hold_only_some_of_the_classes(tmp_path):
+    path = write(tmp_path / "skew.csv", "a,label\n" + "".join(f"{i},{i % 2}\n" for i in range(8)))
+    data = csv_source.load(config({"s": path}, num_classes=5), "s", seed=0)
+    assert data.num_classes == 5 and set(data.y_train) <= {0, 1}
+
+
+def test_directory_given_as_path(tmp_path):
+    path = tmp_path / "table.csv"
+    path.mkdir()
+    assert "is a directory" in load_error(tmp_path, None)
 
 
 def test_only_a_label_column(tmp_path):
