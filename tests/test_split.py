@@ -3,9 +3,11 @@
 import numpy as np
 import pytest
 
+from silo_pfl.algorithms import algorithm_config, build_algorithm
+from silo_pfl.config import TrainConfig
 from silo_pfl.errors import ConfigError
 from silo_pfl.models import blocks, build_model
-from silo_pfl.split import PrivacyError, compute_split, parse_rules
+from silo_pfl.split import PrivacyError, check_split, compute_split, parse_rules
 
 
 def cnn(bn: bool = False):
@@ -111,3 +113,55 @@ def test_outgoing_refuses_local_keys_and_partial_payloads():
     partial.pop("body.fc.bias")
     with pytest.raises(PrivacyError, match="body.fc.bias"):
         split.outgoing(partial)
+
+
+def test_check_split_names_the_rules_the_algorithm_and_what_is_allowed():
+    everything, nothing = compute_split(cnn(), ["all"]), compute_split(cnn(), [])
+    assert everything.rules == ("all",) and nothing.rules == ()
+    with pytest.raises(ConfigError) as info:
+        check_split(everything, "fedper", needs_global=True, needs_local=False)
+    assert str(info.value) == (
+        "split.local: split.local=[all] leaves no global keys, so algorithm fedper has nothing to "
+        "federate; keep some keys global (e.g. split.local=[head]), or use algorithm.name=local to "
+        "train each silo alone"
+    )
+    with pytest.raises(ConfigError) as info:
+        check_split(nothing, "fedrep", needs_global=True, needs_local=True)
+    assert str(info.value) == (
+        "split.local: split.local=[] leaves no local keys, but algorithm fedrep trains or keeps "
+        "personal (local) keys; name some (e.g. split.local=[head]), or use an algorithm without "
+        "them, e.g. algorithm.name=fedavg"
+    )
+    check_split(everything, "local", needs_global=False, needs_local=True)
+    check_split(nothing, "fedavg", needs_global=True, needs_local=False)
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "rules", "missing"),
+    [
+        ({"name": "fedavg"}, [], None),
+        ({"name": "fedavg"}, ["all"], "global"),
+        ({"name": "fedprox"}, [], None),
+        ({"name": "ditto"}, [], None),
+        ({"name": "fedper"}, ["head"], None),
+        ({"name": "fedper"}, [], "local"),
+        ({"name": "fedper"}, ["all"], "global"),
+        ({"name": "fedrep"}, [], "local"),
+        ({"name": "fedbn"}, ["batchnorm"], None),
+        ({"name": "fedbn"}, [], "local"),
+        ({"name": "finetune"}, [], None),
+        ({"name": "finetune", "finetune": {"trainable": "local"}}, [], "local"),
+        ({"name": "finetune", "finetune": {"trainable": "local"}}, ["head"], None),
+        ({"name": "finetune", "finetune": {"trainable": "local", "epochs": 0}}, [], None),
+        ({"name": "local"}, ["all"], None),
+        ({"name": "local"}, [], "local"),
+    ],
+)
+def test_each_algorithm_declares_the_keys_its_procedure_needs(algorithm, rules, missing):
+    built = build_algorithm(algorithm_config(algorithm), TrainConfig())
+    split = compute_split(cnn(bn=True), rules)
+    if missing is None:
+        built.check_split(split)
+        return
+    with pytest.raises(ConfigError, match=rf"leaves no {missing} keys, .*algorithm {built.name} "):
+        built.check_split(split)
