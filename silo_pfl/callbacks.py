@@ -30,8 +30,11 @@ class Callback:
         """
         return {}
 
+    def on_round_start(self, round_: int) -> None:
+        """Before a round's first attempt."""
+
     def on_round_end(self, summary: RoundSummary) -> None:
-        """After a round's aggregation and evaluation."""
+        """After a round's aggregation, evaluation and checkpoint."""
 
     def on_exported(self, receipts: Mapping[str, dict[str, str]]) -> None:
         """After the last round: each silo's receipt from the exporter this callback gave it."""

@@ -7,6 +7,7 @@ bad config fails before anything is started.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
 import typing
 from dataclasses import dataclass, field
@@ -32,8 +33,8 @@ class DataConfig:
     classes_per_silo: int = 2  # digits, pathological: classes each silo holds
     paths: dict[str, str] = field(default_factory=dict)  # csv: silo name -> that silo's file
     label_column: str = "label"  # csv: the column holding the class label
-    # csv: the classes 0..num_classes-1 every silo's labels must lie in (a silo may hold only
-    # some); None takes the largest label over the silos, plus one.
+    # csv (required): the classes 0..num_classes-1 every silo's labels must lie in; a silo may
+    # hold only some of them.
     num_classes: int | None = None
 
 
@@ -82,9 +83,11 @@ class RoundConfig:
     """How a round runs: its deadline, its quorum, and its retries."""
 
     # The deadline of each round's training and evaluation: a silo that misses it is left out
-    # of that round. Every other remote step (set-up, export) fails the run past it, naming who
-    # did not answer.
+    # of that round.
     timeout_s: float = 600.0
+    # The longest any other remote step (set-up with the actors' start, resume, outcome, export)
+    # may take before the run fails naming the silo and the step.
+    call_timeout_s: float = 600.0
     # The fewest silos whose updates a round must aggregate; None: every silo.
     min_silos: int | None = None
     # How often a round without a quorum is tried again before the run fails.
@@ -162,6 +165,10 @@ class FederationConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     silos: dict[str, SiloConfig] = field(default_factory=dict)  # silo name -> its settings
+    # Python modules every process (driver, silos, server) imports before reading the rest of
+    # the config: they may register algorithms of their own. On a cluster each node must be
+    # able to import them (ship them with the job's working_dir or py_modules).
+    plugins: list[str] = field(default_factory=list)
 
 
 def _known_keys(schema: Any, key: str) -> str:
@@ -304,6 +311,12 @@ def _check_ranges(cfg: FederationConfig) -> None:
     _require(
         cfg.round.timeout_s > 0, "round.timeout_s", "a number of seconds > 0", cfg.round.timeout_s
     )
+    _require(
+        cfg.round.call_timeout_s > 0,
+        "round.call_timeout_s",
+        "a number of seconds > 0",
+        cfg.round.call_timeout_s,
+    )
     _require(cfg.round.retries >= 0, "round.retries", "an integer >= 0", cfg.round.retries)
     bound = cfg.aggregation.max_update_norm
     if bound is not None:
@@ -325,6 +338,7 @@ def _check_choices(cfg: FederationConfig) -> None:
     from silo_pfl.models import MODEL_NAMES, check_adapters
     from silo_pfl.split import parse_rules
 
+    _import_plugins(cfg.plugins)
     cfg.algorithm = algorithm_config(cfg.algorithm)
     _require(
         cfg.model.name in MODEL_NAMES,
@@ -339,6 +353,18 @@ def _check_choices(cfg: FederationConfig) -> None:
     if cfg.split.local is not None:
         parse_rules(cfg.split.local)
     _check_silos(cfg)
+
+
+def _import_plugins(modules: list[str]) -> None:
+    """Import each plugin module once; a failure names the entry and the module."""
+    for index, module in enumerate(modules):
+        try:
+            importlib.import_module(module)
+        except Exception as exc:
+            raise ConfigError(
+                f"plugins[{index}]: cannot import {module!r} ({type(exc).__name__}: "
+                f"{one_line(exc)}); expected an importable module name, e.g. my_team.algorithms"
+            ) from None
 
 
 def _check_silos(cfg: FederationConfig) -> None:

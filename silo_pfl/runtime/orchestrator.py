@@ -77,8 +77,8 @@ class Orchestrator:
 
     @property
     def timeout(self) -> float:
-        """How long any remote step may take (round.timeout_s)."""
-        return self.cfg.round.timeout_s
+        """How long a remote step outside the rounds may take (round.call_timeout_s)."""
+        return self.cfg.round.call_timeout_s
 
     def _each(self, silos: dict[str, Any], method: str, what: str, *args: Any) -> list[Any]:
         """Call `method` on every silo actor and wait, bounded; a late silo is named."""
@@ -125,6 +125,7 @@ class Orchestrator:
                 rejoin = Rejoin(input_shape, num_classes, public_keys, exporting)
                 runner = RoundRunner(self.cfg, server, parties, rejoin, selector)
                 for round_ in range(len(history) + 1, self.cfg.rounds + 1):
+                    self._emit("on_round_start", round_)
                     summary = runner.run(round_)
                     history.append(summary)
                     self._checkpoint(server, round_, parties, selector, history)

@@ -27,6 +27,7 @@ from silo_pfl.runtime.actors import get
 from silo_pfl.selection import Selector
 
 log = logging.getLogger("silo_pfl.rounds")
+REJOIN_POLL_SECONDS = 0.5  # how often a restarting silo is asked again to rejoin
 
 
 @dataclass
@@ -110,35 +111,41 @@ class RoundRunner:
         )
 
     def rejoin_the_dead(self, round_: int) -> dict[str, RejoinInfo]:
-        """Each silo whose process died is restarted by Ray; it restores its last commit."""
-        dead = {n: p for n, p in self.parties.items() if p.died}
-        if not dead:
-            return {}
+        """Each silo whose process died is restarted by Ray, then restores its last commit.
+        Until Ray has it running again a call fails at once, so this asks again, bounded."""
         args = self.rejoin_args
-        refs = {
-            n: p.actor.rejoin.remote(
-                args.input_shape,
-                args.num_classes,
-                args.public_keys,
-                p.committed,
-                args.exporters.get(n, {}),
-            )
-            for n, p in dead.items()
-        }
-        infos, absent, _ = gather(refs, self.timeout)
-        for name, info in infos.items():
-            party = self.parties[name]
-            party.died, party.restarts = False, party.restarts + 1
-            log.warning(
-                "round %d: silo %s restarted (pid %d) and restored round %d",
-                round_,
-                name,
-                info.pid,
-                info.round,
-            )
-        for name, reason in absent.items():
-            log.warning("round %d: silo %s did not rejoin: %s", round_, name, reason)
-        return infos
+        deadline = time.monotonic() + self.cfg.round.call_timeout_s
+        waiting = [n for n, p in self.parties.items() if p.died]
+        rejoined: dict[str, RejoinInfo] = {}
+        while waiting and time.monotonic() < deadline:
+            refs = {
+                n: self.parties[n].actor.rejoin.remote(
+                    args.input_shape,
+                    args.num_classes,
+                    args.public_keys,
+                    self.parties[n].committed,
+                    args.exporters.get(n, {}),
+                )
+                for n in waiting
+            }
+            infos, absent, restarting = gather(refs, max(0.0, deadline - time.monotonic()))
+            for name, info in infos.items():
+                party = self.parties[name]
+                party.died, party.restarts = False, party.restarts + 1
+                rejoined[name] = info
+                log.warning(
+                    "round %d: silo %s restarted (pid %d) and restored round %d",
+                    round_,
+                    name,
+                    info.pid,
+                    info.round,
+                )
+            for name in set(absent) - restarting:
+                log.warning("round %d: silo %s did not rejoin: %s", round_, name, absent[name])
+            waiting = sorted(restarting)
+            if waiting:
+                time.sleep(REJOIN_POLL_SECONDS)
+        return rejoined
 
     def _attempt(
         self, round_: int, attempt: int, began: float, rejoined: dict[str, RejoinInfo]

@@ -1,0 +1,47 @@
+"""A plugin for the fault tests (config `plugins: [fault_plugins]`): FedPer whose one silo's
+training turns to NaN in one round, as a silo with corrupt data or a bad update would."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from silo_pfl.algorithms import register
+from silo_pfl.algorithms.base import SiloTrainer
+from silo_pfl.algorithms.fedper import FedPer, FedPerParams
+
+
+@dataclass
+class NanOnceParams(FedPerParams):
+    """Which silo's training turns to NaN, and in which round."""
+
+    silo: str = ""
+    round: int = 3
+
+
+@register
+class NanOnce(FedPer):
+    """FedPer, except that `silo`'s loss is NaN in round `round` (and only then)."""
+
+    name = "nan_once"
+    Params = NanOnceParams
+
+    def __init__(self, params: NanOnceParams, train) -> None:
+        super().__init__(params, train)
+        self.poison = False
+
+    def after_fit(self, silo: SiloTrainer, reference: dict[str, torch.Tensor], round_: int) -> None:
+        super().after_fit(silo, reference, round_)
+        self.poison = (
+            getattr(silo, "name", "") == self.params.silo and round_ + 1 == self.params.round
+        )
+
+    def extra_loss(
+        self, model: nn.Module, reference: dict[str, torch.Tensor]
+    ) -> torch.Tensor | None:
+        if not self.poison:
+            return super().extra_loss(model, reference)
+        self.poison = False  # one batch is enough: its NaN gradients reach every weight
+        return float("nan") * sum(param.sum() for param in model.parameters())

@@ -1,0 +1,230 @@
+"""Faults on a real local Ray: a silo killed mid-round, a hung silo, a silo whose training turns
+to NaN, and the driver killed and resumed. The run goes on, and resumes bit for bit."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from silo_pfl import checkpoint
+from silo_pfl.callbacks import Callback
+from silo_pfl.federation import Federation
+from silo_pfl.results import FederationResult
+from silo_pfl.silo import CHECKPOINTS, local_digest
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = "jobs/heart_disease.yaml"
+ROUNDS = 6
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
+
+
+class AtRound(Callback):
+    """Does `act(pid)` to one silo's process, `delay` s after round `round_` starts."""
+
+    def __init__(self, silo: str, round_: int, delay: float, act) -> None:
+        self.silo, self.round, self.delay, self.act = silo, round_, delay, act
+        self.digests: dict[int, str] = {}
+        self.summaries = []
+
+    def on_start(self, config, silos, split) -> None:
+        self.pid = next(info.pid for info in silos if info.silo == self.silo)
+        self.dir = Path(config.output_dir) / config.name
+
+    def on_round_start(self, round_: int) -> None:
+        if round_ == self.round:
+            threading.Timer(self.delay, self.act, args=(self.pid,)).start()
+
+    def on_round_end(self, summary) -> None:
+        """Record the digest of the local keys the silo checkpointed this round, from its file."""
+        self.summaries.append(summary)
+        folder = next(self.dir.glob(f"*/silos/{self.silo}/{CHECKPOINTS}"))
+        if summary.round in checkpoint.rounds(folder):
+            state = checkpoint.load(folder, summary.round)["local"]
+            self.digests[summary.round] = local_digest(state, list(state))
+
+
+def _run(tmp_path: Path, name: str, *overrides: str, callbacks=()) -> FederationResult:
+    options = [f"rounds={ROUNDS}", "train.local_epochs=20", f"output_dir={tmp_path / name}"]
+    return Federation(JOB, [*options, *overrides], callbacks).run()
+
+
+def _final_states(result: FederationResult | dict) -> dict[str, np.ndarray]:
+    """The global keys and every silo's committed local and personal state, as arrays."""
+    summary = result if isinstance(result, dict) else result.to_dict()
+    arrays = dict(np.load(summary["global_state_path"]))
+    for silo in summary["silos"]:
+        folder = Path(summary["run_dir"]) / "silos" / silo / CHECKPOINTS
+        saved = checkpoint.load(folder, checkpoint.rounds(folder)[-1])
+        for part in ("local", "algorithm", "selected_state"):
+            for key, value in (saved[part] or {}).items():
+                arrays[f"{silo}/{part}/{key}"] = value.numpy()
+    return arrays
+
+
+def _assert_bit_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert set(a) == set(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype and np.array_equal(a[key], b[key]), key
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory) -> FederationResult:
+    """The fault-free run the faulty ones are compared with."""
+    return _run(tmp_path_factory.mktemp("undisturbed"), "runs", "tracking.enabled=false")
+
+
+def test_a_silo_killed_mid_round_restarts_from_its_checkpoint(tmp_path, mlflow_store, undisturbed):
+    killer = AtRound("va", 3, 0.05, lambda pid: os.kill(pid, signal.SIGKILL))
+    result = _run(tmp_path, "runs", callbacks=[killer])
+    third = result.history[2]
+    assert third.attempts == 2, "the round without va had no quorum and was tried again"
+    # va restored, bit for bit, the local keys it had checkpointed in round 2, before the crash.
+    assert third.restarted == {"va": killer.digests[2]}
+    assert result.silos["va"].restarts == 1
+    assert all(
+        s.participants == ["cleveland", "hungarian", "switzerland", "va"] for s in result.history
+    )
+    assert abs(result.mean_test_accuracy - undisturbed.mean_test_accuracy) <= 0.02
+    # Stronger: every silo retried from its round-2 commit, so the run equals the undisturbed one.
+    _assert_bit_equal(_final_states(result), _final_states(undisturbed))
+    from mlflow import MlflowClient
+
+    client = MlflowClient(mlflow_store)
+    child = client.get_run(result.extras["mlflow"]["run_id"])
+    runs = client.search_runs(
+        [child.info.experiment_id], f"tags.mlflow.parentRunId = '{child.info.run_id}'"
+    )
+    va = next(r for r in runs if r.data.tags["silo"] == "va")
+    assert va.data.tags["restarts"] == "1"
+    assert va.data.tags["round_3_restored"] == killer.digests[2]
+
+
+def test_a_hung_silo_is_left_out_by_the_deadline_and_rejoins(tmp_path, mlflow_store):
+    timeout = 3.0
+
+    def hang(pid: int) -> None:
+        os.kill(pid, signal.SIGSTOP)
+        threading.Timer(timeout + 2, os.kill, args=(pid, signal.SIGCONT)).start()
+
+    hanger = AtRound("va", 3, 0.0, hang)
+    quorum = ("round.min_silos=3", f"round.timeout_s={timeout}")
+    result = _run(tmp_path, "runs", *quorum, callbacks=[hanger])
+    third = result.history[2]
+    assert third.participants == ["cleveland", "hungarian", "switzerland"]
+    assert third.absent == {"va": f"no answer within round.timeout_s={timeout:g} s"}
+    assert third.seconds <= timeout + 2
+    assert "va" in result.history[-1].participants, "va rejoined once it answered again"
+    assert result.silos["va"].restarts == 0
+    assert result.silos["va"].rounds_taken_part < ROUNDS
+    from mlflow import MlflowClient
+
+    client = MlflowClient(mlflow_store)
+    parent = client.get_run(result.extras["mlflow"]["run_id"])
+    runs = client.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+    )
+    va = next(r for r in runs if r.data.tags["silo"] == "va")
+    took_part = {m.step: m.value for m in client.get_metric_history(va.info.run_id, "took_part")}
+    assert took_part[3] == 0.0 and took_part[ROUNDS] == 1.0
+    assert va.data.tags["round_3_left_out"] == third.absent["va"]
+
+
+def test_a_silo_whose_training_turns_to_nan_sends_nothing_that_round(tmp_path, undisturbed):
+    nan = (
+        "plugins=[tests.fault_plugins]",
+        "algorithm.name=nan_once",
+        "algorithm.nan_once.silo=va",
+        "algorithm.nan_once.round=3",
+        "round.min_silos=3",
+        "tracking.enabled=false",
+    )
+    result = _run(tmp_path, "runs", *nan)
+    third = result.history[2]
+    assert third.participants == ["cleveland", "hungarian", "switzerland"]
+    assert third.absent["va"].startswith("training diverged (")
+    assert "is not finite); it sends no update this round" in third.absent["va"]
+    assert all(np.isfinite(v) for s in result.history for v in s.silos.get("va", {}).values())
+    assert "va" in result.history[3].participants
+    # The other silos are unaffected until round 3 aggregates without va.
+    def scores(summary, silo: str) -> list[float]:
+        values = summary.silos[silo]
+        return [values[k] for k in ("train_loss", "val_accuracy", "test_accuracy")]
+
+    for before, after in zip(undisturbed.history[:2], result.history[:2], strict=True):
+        for silo in before.silos:
+            assert scores(before, silo) == scores(after, silo)
+    third_before = undisturbed.history[2]
+    assert scores(third, "cleveland")[:1] == scores(third_before, "cleveland")[:1]
+    assert result.history[3].silos["cleveland"] != undisturbed.history[3].silos["cleveland"]
+
+
+def _sigkilled_then_resumed(tmp_path: Path, overrides: list[str], kill_after: int) -> Path:
+    """`silo-pfl run` killed with SIGKILL once round `kill_after` is done, then `--resume`."""
+    command = [sys.executable, "-m", "silo_pfl", "run", JOB, *overrides]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(f"round {kill_after}/"):
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+        proc.wait(timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # what the driver started: its local Ray
+    assert proc.returncode == -signal.SIGKILL
+    resumed = subprocess.run(
+        [*command, "--resume", "--results", str(tmp_path / "resumed.json")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    return tmp_path / "resumed.json"
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [["algorithm.name=fedper"], ["algorithm.name=ditto"], ["aggregation.secure=true"]],
+    ids=["fedper", "ditto", "fedper-secure"],
+)
+def test_the_driver_killed_at_a_random_round_then_resumed_is_bit_exact(tmp_path, variant):
+    kill_after = random.Random(" ".join(variant)).randint(1, ROUNDS - 2)
+    overrides = [
+        *variant,
+        f"rounds={ROUNDS}",
+        "train.local_epochs=20",
+        "tracking.enabled=false",
+        "ray.num_cpus=2",
+    ]
+    straight = Federation(JOB, [*overrides, f"output_dir={tmp_path / 'straight'}"]).run()
+    path = _sigkilled_then_resumed(
+        tmp_path, [*overrides, f"output_dir={tmp_path / 'killed'}"], kill_after
+    )
+    resumed = json.loads(path.read_text())
+    assert [h["round"] for h in resumed["history"]] == list(range(1, ROUNDS + 1))
+    assert resumed["mean_test_accuracy"] == straight.mean_test_accuracy
+    _assert_bit_equal(_final_states(resumed), _final_states(straight))
