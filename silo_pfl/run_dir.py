@@ -105,11 +105,13 @@ def _read(path: Path) -> dict[str, Any]:
 
 def check_resumable(saved: dict[str, Any], cfg: FederationConfig, path: Path) -> None:
     """Only `rounds` may change on resume, and only upwards; any other change names its key."""
-    current = json.loads(json.dumps(to_dict(cfg)))
-    for key in sorted(_flat(saved).keys() | _flat(current).keys()):
+    before_all, after_all = _flat(saved), _flat(json.loads(json.dumps(to_dict(cfg))))
+    both = before_all.keys() & after_all.keys()
+    # A key set in both is named before one only in either (an algorithm's added options).
+    for key in sorted(before_all.keys() | after_all.keys(), key=lambda k: (k not in both, k)):
         if key == "rounds":
             continue
-        before, after = _flat(saved).get(key), _flat(current).get(key)
+        before, after = before_all.get(key), after_all.get(key)
         if before != after:
             raise ConfigError(
                 f"{key}: got {after!r}, but run {path.name} was started with {before!r}; on "

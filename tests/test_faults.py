@@ -156,6 +156,7 @@ def test_a_silo_whose_training_turns_to_nan_sends_nothing_that_round(tmp_path, u
     assert "is not finite); it sends no update this round" in third.absent["va"]
     assert all(np.isfinite(v) for s in result.history for v in s.silos.get("va", {}).values())
     assert "va" in result.history[3].participants
+
     # The other silos are unaffected until round 3 aggregates without va.
     def scores(summary, silo: str) -> list[float]:
         values = summary.silos[silo]

@@ -1,0 +1,104 @@
+"""Checkpoints are atomic and verified; a run's directory and `--resume` refuse what they must."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from silo_pfl import checkpoint
+from silo_pfl.cli import main
+from silo_pfl.config import load_config
+from silo_pfl.errors import ConfigError
+from silo_pfl.run_dir import RunDir, check_resumable
+
+
+def _write(tmp_path, rounds):
+    for round_ in rounds:
+        checkpoint.save(tmp_path, round_, {"round": round_, "w": torch.full((3,), float(round_))})
+
+
+def test_only_the_newest_checkpoints_are_kept_and_read_back_exactly(tmp_path):
+    _write(tmp_path, range(6))
+    assert checkpoint.rounds(tmp_path) == [3, 4, 5]
+    assert checkpoint.KEEP == 3
+    round_, state = checkpoint.load_latest(tmp_path)
+    assert round_ == 5 and torch.equal(state["w"], torch.full((3,), 5.0))
+    assert not list(tmp_path.glob(".*.tmp")), "no temporary file is left behind"
+
+
+def test_a_corrupted_checkpoint_is_named_and_the_previous_good_round_is_used(tmp_path, caplog):
+    _write(tmp_path, range(3))
+    newest = checkpoint.path_of(tmp_path, 2)
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        checkpoint.load(tmp_path, 2)
+    assert str(info.value) == (
+        f"checkpoint {newest}: corrupted (its SHA-256 differs from manifest)"
+    )
+    with caplog.at_level(logging.WARNING, logger="silo_pfl.checkpoint"):
+        round_, state = checkpoint.load_latest(tmp_path)
+    assert round_ == 1 and state["round"] == 1
+    assert f"checkpoint {newest}: corrupted" in caplog.text
+
+
+def test_a_checkpoint_without_its_manifest_is_partial(tmp_path, caplog):
+    _write(tmp_path, range(2))
+    checkpoint.path_of(tmp_path, 1).with_suffix(".sha256").unlink()
+    with pytest.raises(checkpoint.CheckpointError, match=r"round-000001.pt: partial \(no manifest"):
+        checkpoint.load(tmp_path, 1)
+    with caplog.at_level(logging.WARNING, logger="silo_pfl.checkpoint"):
+        assert checkpoint.load_latest(tmp_path)[0] == 0
+
+
+def test_each_run_has_its_own_directory_and_resume_finds_the_latest(tmp_path):
+    cfg = load_config("jobs/heart_disease.yaml", [f"output_dir={tmp_path}"])
+    first, second = RunDir.create(cfg), RunDir.create(cfg)
+    assert first.path != second.path and first.path.parent == second.path.parent
+    assert RunDir.find(cfg, None).run_id == second.run_id
+    assert RunDir.find(cfg, first.run_id).path == first.path
+    with pytest.raises(ConfigError, match=r"^--resume nope: no run nope of heart_disease in "):
+        RunDir.find(cfg, "nope")
+
+
+def test_resume_allows_only_more_rounds(tmp_path):
+    cfg = load_config("jobs/heart_disease.yaml", [f"output_dir={tmp_path}"])
+    run = RunDir.create(cfg)
+    saved = run.saved_config()
+    check_resumable(
+        saved,
+        load_config("jobs/heart_disease.yaml", [f"output_dir={tmp_path}", "rounds=99"]),
+        run.path,
+    )
+    changed = load_config("jobs/heart_disease.yaml", [f"output_dir={tmp_path}", "train.lr=0.5"])
+    with pytest.raises(ConfigError) as info:
+        check_resumable(saved, changed, run.path)
+    assert str(info.value) == (
+        f"train.lr: got 0.5, but run {run.run_id} was started with {cfg.train.lr!r}; on --resume "
+        "only rounds may change"
+    )
+    fewer = load_config("jobs/heart_disease.yaml", [f"output_dir={tmp_path}", "rounds=1"])
+    with pytest.raises(
+        ConfigError, match=r"^rounds: got 1, but run .* on --resume rounds may only be raised$"
+    ):
+        check_resumable(saved, fewer, run.path)
+
+
+@pytest.mark.parametrize(
+    ("before", "message"),
+    [
+        (False, "error: --resume: no run of heart_disease to resume in "),
+        (True, "error: algorithm.name: got 'ditto', but run "),
+    ],
+)
+def test_cli_resume_errors_are_one_line(tmp_path, capsys, before, message):
+    out = f"output_dir={tmp_path}"
+    if before:
+        RunDir.create(load_config("jobs/heart_disease.yaml", [out]))
+    code = main(["run", "jobs/heart_disease.yaml", out, "algorithm.name=ditto", "--resume"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith(message) and err.count("\n") == 1 and "Traceback" not in err
