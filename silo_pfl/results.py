@@ -26,7 +26,8 @@ class RoundSummary:
     participants: list[str] = field(default_factory=list)  # silos whose updates were aggregated
     absent: dict[str, str] = field(default_factory=dict)  # silo -> why it was left out
     attempts: int = 1  # 1, or more when a try had no quorum
-    restarted: dict[str, str] = field(default_factory=dict)  # silo -> digest of restored local keys
+    # silo -> how it rejoined after its process died: {round restored, local_digest, pid}
+    restarted: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

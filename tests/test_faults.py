@@ -90,7 +90,10 @@ def test_a_silo_killed_mid_round_restarts_from_its_checkpoint(tmp_path, mlflow_s
     third = result.history[2]
     assert third.attempts == 2, "the round without va had no quorum and was tried again"
     # va restored, bit for bit, the local keys it had checkpointed in round 2, before the crash.
-    assert third.restarted == {"va": killer.digests[2]}
+    assert list(third.restarted) == ["va"]
+    assert third.restarted["va"]["round"] == 2
+    assert third.restarted["va"]["local_digest"] == killer.digests[2]
+    assert third.restarted["va"]["pid"] != killer.pid
     assert result.silos["va"].restarts == 1
     assert all(
         s.participants == ["cleveland", "hungarian", "switzerland", "va"] for s in result.history

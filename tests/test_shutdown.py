@@ -1,7 +1,9 @@
-"""SIGTERM (what `ray job stop` sends) stops a run cleanly: MLflow says KILLED, nothing is left."""
+"""SIGTERM (what `ray job stop` sends) stops a run cleanly: MLflow says KILLED, nothing is left,
+and `--resume` then completes the run in the same MLflow run."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -30,13 +32,16 @@ def _in_session(sid: int) -> list[int]:
     return found
 
 
-def test_sigterm_during_round_5_ends_the_run_as_killed_within_10_seconds(tmp_path, mlflow_store):
+def test_sigterm_during_round_5_ends_the_run_as_killed_then_resume_completes_it(
+    tmp_path, mlflow_store
+):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    command = [
+        *(sys.executable, "-m", "silo_pfl", "run", "jobs/heart_disease.yaml", "rounds=12"),
+        *("train.local_epochs=10", "ray.num_cpus=2", f"output_dir={tmp_path / 'runs'}"),
+    ]
     proc = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "silo_pfl", "run", "jobs/heart_disease.yaml", "rounds=500"),
-            *("ray.num_cpus=2", f"output_dir={tmp_path / 'runs'}"),
-        ],
+        command,
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -47,7 +52,7 @@ def test_sigterm_during_round_5_ends_the_run_as_killed_within_10_seconds(tmp_pat
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
-            if line.startswith("round   5/"):
+            if line.startswith("round  5/12"):
                 break
         else:
             pytest.fail(f"the run ended before round 5: {proc.communicate()[1]}")
@@ -71,3 +76,25 @@ def test_sigterm_during_round_5_ends_the_run_as_killed_within_10_seconds(tmp_pat
     runs = client.search_runs([client.get_experiment_by_name("heart_disease").experiment_id])
     assert len(runs) == 5  # the federation's run and one per hospital
     assert {run.info.status for run in runs} == {"KILLED"}
+
+    results = tmp_path / "resumed.json"
+    resumed = subprocess.run(
+        [*command, "--resume", "--results", str(results)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    summary = json.loads(results.read_text())
+    assert [h["round"] for h in summary["history"]] == list(range(1, 13))
+    again = client.search_runs([client.get_experiment_by_name("heart_disease").experiment_id])
+    assert {run.info.run_id for run in again} == {run.info.run_id for run in runs}
+    assert {run.info.status for run in again} == {"FINISHED"}
+    parent = next(r for r in again if "mlflow.parentRunId" not in r.data.tags)
+    assert parent.info.run_id == summary["mlflow"]["run_id"]
+    assert parent.data.tags["resumes"] == "1"
+    steps = [m.step for m in client.get_metric_history(parent.info.run_id, "mean_test_accuracy")]
+    assert set(range(1, 13)) <= set(steps)

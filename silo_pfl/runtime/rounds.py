@@ -11,6 +11,7 @@ from its last commit.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -229,5 +230,5 @@ class RoundRunner:
             participants=list(report.accepted),
             absent=dict(sorted(absent.items())),
             attempts=attempt,
-            restarted={n: i.local_digest for n, i in rejoined.items()},
+            restarted={n: dataclasses.asdict(i) for n, i in rejoined.items()},
         )

@@ -211,7 +211,8 @@ class MlflowTracker(Callback):
             if silo in summary.restarted:
                 self.restarts[silo] = self.restarts.get(silo, 0) + 1
                 self.client.set_tag(child, "restarts", str(self.restarts[silo]))
-                self.client.set_tag(child, f"round_{step}_restored", summary.restarted[silo])
+                digest = summary.restarted[silo]["local_digest"]
+                self.client.set_tag(child, f"round_{step}_restored", digest)
         means = [Metric(k, float(getattr(summary, k)), stamp, step) for k in ROUND_MEANS]
         self._log(self.run_id, [*means, Metric("round_seconds", summary.seconds, stamp, step)])
 
