@@ -239,3 +239,40 @@ def test_the_driver_killed_at_a_random_round_then_resumed_is_bit_exact(tmp_path,
     assert [h["round"] for h in resumed["history"]] == list(range(1, ROUNDS + 1))
     assert resumed["mean_test_accuracy"] == straight.mean_test_accuracy
     _assert_bit_equal(_final_states(resumed), _final_states(straight))
+
+
+def test_two_runs_of_one_federation_run_side_by_side(tmp_path):
+    """Two drivers of the same federation at once, one output_dir: two run directories."""
+    command = [
+        *(sys.executable, "-m", "silo_pfl", "run", JOB, "rounds=3", "tracking.enabled=false"),
+        *(f"output_dir={tmp_path / 'runs'}", "--quiet", "--results"),
+    ]
+    env = _joining_env()
+    procs = [
+        subprocess.Popen(
+            [*command, str(tmp_path / f"{i}.json")],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for i in range(2)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+    first, second = (json.loads((tmp_path / f"{i}.json").read_text()) for i in range(2))
+    assert first["run_id"] != second["run_id"]
+    assert Path(first["run_dir"]).parent == Path(second["run_dir"]).parent
+    for key in ("mean_test_accuracy", "worst_test_accuracy"):
+        assert first[key] == second[key], "the same seed gives the same numbers, side by side"
+    runs = sorted(p.name for p in (tmp_path / "runs" / "heart_disease").iterdir())
+    assert runs == sorted([first["run_id"], second["run_id"]])
+    starts, ends = [], []
+    for summary in (first, second):
+        run_dir = Path(summary["run_dir"])
+        starts.append(json.loads((run_dir / "run.json").read_text())["started_ns"])
+        ends.append((run_dir / "result.json").stat().st_mtime_ns)
+    assert max(starts) < min(ends), "the two runs overlapped in time"
