@@ -62,6 +62,26 @@ def test_masks_are_fresh_each_round_and_depend_on_the_peers_keys():
     assert np.mean(first == other) < 0.01
 
 
+def test_a_retried_round_masks_afresh_and_a_restarted_silo_masks_as_the_same_party():
+    maskers, payloads = _paired(["a", "b"]), _payloads(2)
+    first = [maskers[n].mask(p, 5, round_=3) for n, p in zip("ab", payloads, strict=True)]
+    retry = [
+        maskers[n].mask(p, 5, round_=3, attempt=2) for n, p in zip("ab", payloads, strict=True)
+    ]
+    assert all(np.mean(x == y) < 0.01 for x, y in zip(first, retry, strict=True))
+    for vectors in (first, retry):
+        mean = decode_mean(masked_sum(vectors), SHAPES)
+        np.testing.assert_allclose(
+            mean["head.bias"], weighted_mean(payloads, [5, 5])["head.bias"], atol=1e-6
+        )
+    # A silo restarted from its saved private key pairs again as the same party.
+    keys = {n: m.public_key() for n, m in maskers.items()}
+    again = Masker("fed", "a", maskers["a"].private_bytes())
+    assert again.public_key() == keys["a"]
+    again.pair_with(keys)
+    assert np.array_equal(again.mask(payloads[0], 5, round_=3), first[0])
+
+
 def test_a_masker_refuses_a_missing_own_key_a_lone_silo_and_an_unpaired_mask():
     masker, peer = Masker("fed", "a"), Masker("fed", "b")
     with pytest.raises(FederationError, match="silo a: its own public key"):

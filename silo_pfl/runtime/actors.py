@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -77,6 +78,7 @@ def get(refs: Any, what: str, timeout: float | None = None, names: Sequence[str]
     try:
         return ray.get(refs, timeout=timeout)
     except ray.exceptions.RayTaskError as exc:
+        _collect_the_rest(refs)
         cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
         if isinstance(cause, SiloPflError):
             raise cause from None
@@ -92,6 +94,17 @@ def get(refs: Any, what: str, timeout: float | None = None, names: Sequence[str]
         who = _ROLES.get(getattr(exc, "actor_id", None) or "", "an actor")
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise FederationError(f"{what}: {who} died ({type(exc).__name__}: {first})") from exc
+
+
+def _collect_the_rest(refs: Any) -> None:
+    """After one ref's error, fetch the others that are done, so that Ray does not log their
+    errors again as unhandled once the refs are dropped."""
+    if not isinstance(refs, list):
+        return
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
+    for ref in ready:
+        with contextlib.suppress(Exception):
+            ray.get(ref)
 
 
 def stop(actors: Sequence[Any]) -> None:
