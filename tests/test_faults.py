@@ -9,12 +9,12 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
+from drivers import run_driver, start_driver
 
 from silo_pfl import checkpoint
 from silo_pfl.callbacks import Callback
@@ -22,7 +22,6 @@ from silo_pfl.federation import Federation
 from silo_pfl.results import FederationResult
 from silo_pfl.silo import CHECKPOINTS, local_digest
 
-ROOT = Path(__file__).resolve().parents[1]
 JOB = "jobs/heart_disease.yaml"
 ROUNDS = 6
 
@@ -183,17 +182,9 @@ def _joining_env() -> dict[str, str]:
 
 def _sigkilled_then_resumed(tmp_path: Path, overrides: list[str], kill_after: int) -> Path:
     """`silo-pfl run` killed with SIGKILL once round `kill_after` is done, then `--resume`."""
-    command = [sys.executable, "-m", "silo_pfl", "run", JOB, *overrides]
+    command = ["run", JOB, *overrides]
     env = _joining_env()
-    proc = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_driver(command, env, stderr=subprocess.DEVNULL)
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -205,16 +196,8 @@ def _sigkilled_then_resumed(tmp_path: Path, overrides: list[str], kill_after: in
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # anything the driver started
     assert proc.returncode == -signal.SIGKILL
-    resumed = subprocess.run(
-        [*command, "--resume", "--results", str(tmp_path / "resumed.json")],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        start_new_session=True,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    code, err = run_driver([*command, "--resume", "--results", str(tmp_path / "resumed.json")], env)
+    assert code == 0, err[-2000:]
     return tmp_path / "resumed.json"
 
 
@@ -244,20 +227,12 @@ def test_the_driver_killed_at_a_random_round_then_resumed_is_bit_exact(tmp_path,
 def test_two_runs_of_one_federation_run_side_by_side(tmp_path):
     """Two drivers of the same federation at once, one output_dir: two run directories."""
     command = [
-        *(sys.executable, "-m", "silo_pfl", "run", JOB, "rounds=3", "tracking.enabled=false"),
+        *("run", JOB, "rounds=3", "tracking.enabled=false"),
         *(f"output_dir={tmp_path / 'runs'}", "--quiet", "--results"),
     ]
     env = _joining_env()
     procs = [
-        subprocess.Popen(
-            [*command, str(tmp_path / f"{i}.json")],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+        start_driver([*command, str(tmp_path / f"{i}.json")], env, stdout=subprocess.DEVNULL)
         for i in range(2)
     ]
     for proc in procs:

@@ -6,14 +6,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from drivers import run_driver, start_driver
 
 pytestmark = pytest.mark.slow
 
@@ -37,18 +34,10 @@ def test_sigterm_during_round_5_ends_the_run_as_killed_then_resume_completes_it(
 ):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     command = [
-        *(sys.executable, "-m", "silo_pfl", "run", "jobs/heart_disease.yaml", "rounds=12"),
-        *("train.local_epochs=10", "ray.num_cpus=2", f"output_dir={tmp_path / 'runs'}"),
+        *("run", "jobs/heart_disease.yaml", "rounds=12", "train.local_epochs=10"),
+        *("ray.num_cpus=2", f"output_dir={tmp_path / 'runs'}"),
     ]
-    proc = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_driver(command, env)
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -78,16 +67,8 @@ def test_sigterm_during_round_5_ends_the_run_as_killed_then_resume_completes_it(
     assert {run.info.status for run in runs} == {"KILLED"}
 
     results = tmp_path / "resumed.json"
-    resumed = subprocess.run(
-        [*command, "--resume", "--results", str(results)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        start_new_session=True,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    code, err = run_driver([*command, "--resume", "--results", str(results)], env)
+    assert code == 0, err[-2000:]
     summary = json.loads(results.read_text())
     assert [h["round"] for h in summary["history"]] == list(range(1, 13))
     again = client.search_runs([client.get_experiment_by_name("heart_disease").experiment_id])

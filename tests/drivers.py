@@ -1,0 +1,30 @@
+"""Drivers as users start them: `python -m silo_pfl ...` in a session of its own (so a test can
+stop exactly what it started, by process group), from the repository's root."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start_driver(args: list[str], env: dict[str, str], **streams: int) -> subprocess.Popen:
+    """`silo-pfl <args>` running; stdout and stderr are piped unless `streams` says otherwise."""
+    options = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **streams}
+    return subprocess.Popen(
+        [sys.executable, "-m", "silo_pfl", *args],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        start_new_session=True,
+        **options,
+    )
+
+
+def run_driver(args: list[str], env: dict[str, str], timeout: float = 300) -> tuple[int, str]:
+    """`silo-pfl <args>` to its end: its exit code and stderr."""
+    proc = start_driver(args, env, stdout=subprocess.DEVNULL)
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err
