@@ -24,7 +24,8 @@ class RoundSummary:
     mean_test_accuracy: float
     silos: dict[str, dict[str, float]] = field(default_factory=dict)  # the silos that evaluated
     participants: list[str] = field(default_factory=list)  # silos whose updates were aggregated
-    absent: dict[str, str] = field(default_factory=dict)  # silo -> why it was left out
+    # silo -> why it was left out of the aggregate, or (if a participant) of the evaluation
+    absent: dict[str, str] = field(default_factory=dict)
     attempts: int = 1  # 1, or more when a try had no quorum
     # silo -> how it rejoined after its process died: {round restored, local_digest, pid}
     restarted: dict[str, dict[str, Any]] = field(default_factory=dict)

@@ -28,7 +28,8 @@ def _comparable(result) -> dict:
     """The result without wall-clock timings."""
     data = result.to_dict()
     data.pop("wall_seconds")
-    data.pop("global_state_path")
+    for key in ("global_state_path", "run_id", "run_dir"):
+        data.pop(key)
     data.pop("mlflow", None)
     for summary in data["history"]:
         summary.pop("seconds")
@@ -175,8 +176,8 @@ def test_a_dead_silo_actor_is_reported_by_name(job):
     from silo_pfl.runtime.actors import get, start_silo, stop
 
     cfg = job("jobs/heart_disease.yaml", "tracking.enabled=false")
-    actor = start_silo(cfg, to_dict(cfg), "hungarian")
-    ray.kill(actor, no_restart=True)
+    actor = start_silo(cfg, to_dict(cfg), "hungarian", "test")
+    ray.kill(actor, no_restart=True)  # dead for good: a restart would bring it back
     with pytest.raises(FederationError) as info:
         get(actor.setup.remote(), "silo set-up")
     stop([actor])
@@ -199,4 +200,7 @@ def test_diverged_training_is_one_clear_error_naming_the_silo(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code != 0
     assert err.count("\n") == 0 and "Traceback" not in err
-    assert "training diverged in round 1" in err and "lower train.lr" in err
+    assert err.startswith("error: round 1: no quorum after 3 attempts (round.retries=2)")
+    assert "updates needed (round.min_silos); none from " in err
+    assert ", va: training diverged (body." in err, "silos with one reason are named together"
+    assert "lower train.lr" in err

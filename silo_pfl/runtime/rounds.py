@@ -74,6 +74,15 @@ def gather(refs: dict[str, Any], timeout: float) -> tuple[dict[str, Any], dict[s
     return answers, absent, died
 
 
+def _reasons(absent: dict[str, str]) -> str:
+    """' (a, b: why; c: why)': the silos left out, grouped by reason."""
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in sorted(absent.items()):
+        by_reason.setdefault(reason, []).append(name)
+    parts = [f"{', '.join(names)}: {reason}" for reason, names in by_reason.items()]
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 def _mean(values: list[float]) -> float:
     """Mean of the finite values; NaN when there are none."""
     finite = [v for v in values if np.isfinite(v)]
@@ -174,20 +183,21 @@ class RoundRunner:
         absent.update(report.rejected)
         self._mark_dead(died)
         if not report.aggregated:
-            detail = "; ".join(f"{n}: {r}" for n, r in sorted(absent.items()))
-            return report.reason + (f" ({detail})" if detail else "")
+            return report.reason + _reasons(absent)
         new_global = self.server.global_state.remote()
         eval_refs = {
             n: self.parties[n].actor.evaluate.remote(new_global, round_) for n in report.accepted
         }
         evals, late, died = gather(eval_refs, self.timeout)
-        absent.update(late)
+        absent.update(
+            {n: f"its update was aggregated, but its evaluation: {r}" for n, r in late.items()}
+        )
         self._mark_dead(died)
         ordered = [evals[n] for n in sorted(evals)]
         chosen = set(self.selector.choose(ordered))
         commit_refs = {n: self.parties[n].actor.commit.remote(round_, n in chosen) for n in evals}
         done, failed, died = gather(commit_refs, self.timeout)
-        absent.update({n: f"could not commit: {r}" for n, r in failed.items()})
+        absent.update({n: f"evaluated, but could not commit: {r}" for n, r in failed.items()})
         self._mark_dead(died)
         for name in done:
             self.parties[name].committed = round_
