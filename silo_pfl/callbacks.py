@@ -83,7 +83,12 @@ class ProgressPrinter(Callback):
             f"round {summary.round:>{width}}/{self.rounds}  {summary.seconds:6.2f}s  "
             f"loss {summary.mean_train_loss:.4f}  val {summary.mean_val_accuracy:.3f}  "
             f"mean test acc {summary.mean_test_accuracy:.3f}"
+            + (f"  (attempt {summary.attempts})" if summary.attempts > 1 else "")
         )
+        for silo, how in summary.restarted.items():
+            self._print(f"  {silo}: restarted, restored round {how['round']}")
+        for silo, reason in summary.absent.items():
+            self._print(f"  {silo}: left out: {reason}")
 
     def on_end(self, result: FederationResult) -> None:
         header = f"{'silo':<14}{'train':>7}{'val':>6}{'test':>6}{'round':>7}{'val acc':>9}"

@@ -4,6 +4,7 @@ to NaN, and the driver killed and resumed. The run goes on, and resumes bit for 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import random
@@ -17,7 +18,7 @@ import pytest
 from drivers import run_driver, start_driver
 
 from silo_pfl import checkpoint
-from silo_pfl.callbacks import Callback
+from silo_pfl.callbacks import Callback, ProgressPrinter
 from silo_pfl.federation import Federation
 from silo_pfl.results import FederationResult
 from silo_pfl.silo import CHECKPOINTS, local_digest
@@ -121,7 +122,11 @@ def test_a_hung_silo_is_left_out_by_the_deadline_and_rejoins(tmp_path, mlflow_st
 
     hanger = AtRound("va", 3, 0.0, hang)
     quorum = ("round.min_silos=3", f"round.timeout_s={timeout}")
-    result = _run(tmp_path, "runs", *quorum, callbacks=[hanger])
+    printed = io.StringIO()
+    result = _run(tmp_path, "runs", *quorum, callbacks=[hanger, ProgressPrinter(printed)])
+    assert (
+        f"\n  va: left out: no answer within round.timeout_s={timeout:g} s\n" in printed.getvalue()
+    )
     third = result.history[2]
     assert third.participants == ["cleveland", "hungarian", "switzerland"]
     assert third.absent == {"va": f"no answer within round.timeout_s={timeout:g} s"}
