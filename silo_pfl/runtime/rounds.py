@@ -55,6 +55,8 @@ class Rejoin:
 def gather(refs: dict[str, Any], timeout: float) -> tuple[dict[str, Any], dict[str, str], set[str]]:
     """Wait for every ref until `timeout` s from now. Returns the answers, a reason for each silo
     that failed or was late, and the silos whose process died."""
+    if not refs:
+        return {}, {}, set()
     ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
     answers: dict[str, Any] = {}
     absent: dict[str, str] = {}
