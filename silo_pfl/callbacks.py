@@ -53,6 +53,10 @@ class Callback:
     def restore(self, state: dict[str, Any]) -> None:
         """On resume, before on_start: what `state` returned at the checkpoint resumed from."""
 
+    def on_resumed(self, history: Sequence[RoundSummary]) -> None:
+        """On resume, after on_start: the rounds already done. A round may have been
+        checkpointed before the interrupted run's callbacks saw its end."""
+
 
 class ProgressPrinter(Callback):
     """Prints the split, a line per round, and a per-silo table at the end."""

@@ -119,7 +119,9 @@ class Orchestrator:
                 if resuming:
                     self._restore(server, parties, selector, history)
                 self._emit("on_start", self.cfg, infos, split)
-                if not resuming:
+                if resuming:
+                    self._emit("on_resumed", list(history))
+                else:
                     self._checkpoint(server, 0, parties, selector, history)
                 exporting = self._attach_exporters(infos, actors)
                 rejoin = Rejoin(input_shape, num_classes, public_keys, exporting)

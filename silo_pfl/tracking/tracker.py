@@ -216,6 +216,14 @@ class MlflowTracker(Callback):
         means = [Metric(k, float(getattr(summary, k)), stamp, step) for k in ROUND_MEANS]
         self._log(self.run_id, [*means, Metric("round_seconds", summary.seconds, stamp, step)])
 
+    def on_resumed(self, history: Sequence[RoundSummary]) -> None:
+        """Log the rounds the interrupted run checkpointed but never logged (it was killed
+        between the two), so the resumed run's metrics have no gap."""
+        logged = {m.step for m in self.client.get_metric_history(self.run_id, "mean_test_accuracy")}
+        for summary in history:
+            if summary.round not in logged:
+                self.on_round_end(summary)
+
     def on_exported(self, receipts: Mapping[str, dict[str, str]]) -> None:
         """Register each central silo's model, now that its files are in place."""
         for silo, receipt in receipts.items():
