@@ -212,27 +212,35 @@ def _sigkilled_then_resumed(tmp_path: Path, overrides: list[str], kill_after: in
     ids=["fedper", "ditto", "fedper-secure"],
 )
 def test_the_driver_killed_at_a_random_round_then_resumed_is_bit_exact(
-    tmp_path, variant, undisturbed
+    tmp_path, variant, undisturbed, mlflow_store
 ):
     kill_after = random.Random(" ".join(variant)).randint(1, ROUNDS - 2)
-    overrides = [
-        *variant,
-        f"rounds={ROUNDS}",
-        "train.local_epochs=20",
-        "tracking.enabled=false",
-    ]
+    fedper = variant == ["algorithm.name=fedper"]
+    overrides = [*variant, f"rounds={ROUNDS}", "train.local_epochs=20"]
     straight = (
         undisturbed  # the same run: fedper is the job's algorithm
-        if variant == ["algorithm.name=fedper"]
-        else Federation(JOB, [*overrides, f"output_dir={tmp_path / 'straight'}"]).run()
+        if fedper
+        else Federation(
+            JOB, [*overrides, "tracking.enabled=false", f"output_dir={tmp_path / 'straight'}"]
+        ).run()
     )
+    # fedper's killed run is tracked: its last rounds' metrics die unsent with the driver.
+    tracked = [f"tracking.enabled={fedper}"]
     path = _sigkilled_then_resumed(
-        tmp_path, [*overrides, f"output_dir={tmp_path / 'killed'}"], kill_after
+        tmp_path, [*overrides, *tracked, f"output_dir={tmp_path / 'killed'}"], kill_after
     )
     resumed = json.loads(path.read_text())
     assert [h["round"] for h in resumed["history"]] == list(range(1, ROUNDS + 1))
     assert resumed["mean_test_accuracy"] == straight.mean_test_accuracy
     _assert_bit_equal(_final_states(resumed), _final_states(straight))
+    if fedper:
+        from mlflow import MlflowClient
+
+        parent = resumed["mlflow"]["run_id"]
+        steps = [
+            m.step for m in MlflowClient(mlflow_store).get_metric_history(parent, "round_seconds")
+        ]
+        assert sorted(steps) == list(range(1, ROUNDS + 1)), "one run, every round logged once"
 
 
 def test_two_runs_of_one_federation_run_side_by_side(tmp_path):

@@ -219,7 +219,7 @@ class MlflowTracker(Callback):
     def on_resumed(self, history: Sequence[RoundSummary]) -> None:
         """Log the rounds the interrupted run checkpointed but never logged (it was killed
         between the two), so the resumed run's metrics have no gap."""
-        logged = {m.step for m in self.client.get_metric_history(self.run_id, "mean_test_accuracy")}
+        logged = {m.step for m in self.client.get_metric_history(self.run_id, "round_seconds")}
         for summary in history:
             if summary.round not in logged:
                 self.on_round_end(summary)
