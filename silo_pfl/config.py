@@ -380,6 +380,11 @@ def _check_silos(cfg: FederationConfig) -> None:
             f"round.min_silos: got {quorum}, expected 1 to {len(names)} (the number of silos), "
             "or null for every silo"
         )
+    if cfg.aggregation.secure and quorum is not None and quorum < len(names):
+        raise ConfigError(
+            f"round.min_silos: got {quorum}, but under aggregation.secure every silo's masked "
+            "update is needed (no dropout recovery yet); set it to null or turn secure off"
+        )
     if cfg.aggregation.secure and len(names) < 2:
         raise ConfigError(
             "aggregation.secure: needs at least 2 silos, so that no single update can be unmasked"

@@ -196,6 +196,22 @@ def test_min_silos_beyond_the_number_of_silos(tmp_path, capsys, quorum):
     assert out == "" and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize(
+    ("option", "key", "reason"),
+    [
+        ("round.min_silos=3", "round.min_silos", "got 3, but under aggregation.secure every silo"),
+        ("aggregation.max_update_norm=1.0", "aggregation.max_update_norm", "cannot be checked"),
+    ],
+)
+def test_what_secure_aggregation_cannot_do_is_refused_at_load(
+    tmp_path, capsys, option, key, reason
+):
+    code, out, err = run(capsys, tmp_path, HEART_JOB, "aggregation.secure=true", option)
+    message = assert_one_line(code, err, 2)
+    assert message.startswith(f"{key}: {reason}")
+    assert out == "" and not (tmp_path / "runs").exists()
+
+
 # 3., 4., 6. (data) A silo's file: missing, unreadable, not numeric, empty, labels out of range.
 # Each fails in that silo's set-up, inside a Ray actor.
 
