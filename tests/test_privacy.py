@@ -43,7 +43,8 @@ def test_nothing_a_silo_hands_out_holds_a_local_key(job, algorithm, model, sourc
     path = (
         "jobs/heart_disease.yaml" if source == "heart_disease" else "jobs/digits_feature_shift.yaml"
     )
-    fewer = ("round.min_silos=2",) if source == "heart_disease" else ("data.num_silos=2",)
+    fewer = ("data.num_silos=2",) if source == "digits" else ()
+    fewer += ("round.min_silos=2",) if source == "heart_disease" and not secure else ()
     hospitals = ("cleveland", "hungarian", "switzerland", "va") if secure else ("cleveland", "va")
     options = (f"algorithm.name={algorithm}", f"model.name={model}", f"aggregation.secure={secure}")
     cfg = job(path, *options, *fewer)
