@@ -49,8 +49,8 @@ class Server:
         self.masked_shape = (vector_length(self.shapes),)  # of every update under secure
         self.secure = self.cfg.aggregation.secure
         self.enrolled = frozenset(silo_names(self.cfg.data))
-        self.quorum = len(self.enrolled) if self.secure else self.cfg.round.min_silos
-        self.quorum = self.quorum or len(self.enrolled)
+        # Config refuses a smaller quorum under secure aggregation, where every silo is needed.
+        self.quorum = self.cfg.round.min_silos or len(self.enrolled)
         self.max_norm = self.cfg.aggregation.max_update_norm
         self.dir = server_dir(self.cfg, run_id)
         self.round = 0  # the last round aggregated

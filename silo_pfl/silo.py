@@ -202,7 +202,8 @@ class Silo:
         return RejoinInfo(self.name, round_, digest, info.pid)
 
     def _checkpoint(self, round_: int) -> None:
-        local = {k: v.clone() for k, v in self.model.state_dict().items() if k in self.local_set}
+        state = self.model.state_dict()
+        local = {k: state[k].clone() for k in self.split.local_keys}
         state = {
             "round": round_,
             "local": local,
@@ -228,10 +229,6 @@ class Silo:
             torch.save(self._selected_state, self.dir / PERSONALIZED_FILE)
         self.committed, self._dirty = round_, False
         return local_digest(self.model.state_dict(), self.split.local_keys)
-
-    @property
-    def local_set(self) -> set[str]:
-        return set(self.split.local_keys)
 
     def _load_global(self, global_state: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Overwrite the global keys of the model; the local keys are untouched."""

@@ -70,6 +70,11 @@ def _named(actor: Any, role: str) -> Any:
     return actor
 
 
+def task_error_cause(exc: ray.exceptions.RayTaskError) -> BaseException:
+    """The exception an actor's method raised, unwrapped from Ray's wrapper."""
+    return exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
+
+
 def get(refs: Any, what: str, timeout: float | None = None, names: Sequence[str] = ()) -> Any:
     """ray.get that surfaces a user error from an actor as itself, and anything else in one line.
 
@@ -79,7 +84,7 @@ def get(refs: Any, what: str, timeout: float | None = None, names: Sequence[str]
         return ray.get(refs, timeout=timeout)
     except ray.exceptions.RayTaskError as exc:
         _collect_the_rest(refs)
-        cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
+        cause = task_error_cause(exc)
         if isinstance(cause, SiloPflError):
             raise cause from None
         first = str(cause).strip().splitlines()[-1] if str(cause).strip() else ""

@@ -24,7 +24,7 @@ from silo_pfl.config import FederationConfig
 from silo_pfl.errors import FederationError, one_line
 from silo_pfl.messages import EvalMetrics, FitMetrics, RejoinInfo, RoundReport
 from silo_pfl.results import RoundSummary
-from silo_pfl.runtime.actors import get
+from silo_pfl.runtime.actors import get, task_error_cause
 from silo_pfl.selection import Selector
 
 log = logging.getLogger("silo_pfl.rounds")
@@ -71,7 +71,7 @@ def gather(refs: dict[str, Any], timeout: float) -> tuple[dict[str, Any], dict[s
             died.add(name)
             absent[name] = f"its process died ({type(exc).__name__})"
         except ray.exceptions.RayTaskError as exc:
-            cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
+            cause = task_error_cause(exc)
             absent[name] = f"failed: {type(cause).__name__}: {one_line(cause)}"
     return answers, absent, died
 
