@@ -46,6 +46,8 @@ class SiloResult:
     node_id: str = ""
     restarts: int = 0  # times its process died and it rejoined
     rounds_taken_part: int = 0  # rounds whose aggregate held its update
+    # The algorithm's figures of the selected model (e.g. APFL's alpha); flat keys in JSON.
+    extras: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,8 @@ class FederationResult:
             "global_parameters": self.global_parameters,
             "local_parameters": self.local_parameters,
         }
+        for silo in data["silos"].values():
+            silo.update(silo.pop("extras"))
         rest = {k: v for k, v in data.items() if k not in headline and k != "extras"}
         extras = {k: v for k, v in self.extras.items() if k not in headline and k not in data}
         return {**headline, **rest, **extras}

@@ -46,7 +46,7 @@ from silo_pfl.run_dir import silo_dir
 from silo_pfl.secure_aggregation import Masker, vector_length
 from silo_pfl.seeding import derive_seed, rng_state, seed_everything, set_rng_state
 from silo_pfl.split import Split, compute_split
-from silo_pfl.training import ExtraLoss, evaluate, make_optimizer, to_tensors, train_epochs
+from silo_pfl.training import ExtraLoss, evaluate, to_tensors, train_epochs
 
 PERSONALIZED_FILE = "personalized_model.pt"
 CHECKPOINTS = "checkpoints"
@@ -56,18 +56,20 @@ SECURE_KEY_FILE = "secure_aggregation.key"  # this silo's X25519 private key, mo
 def init_model(
     cfg: FederationConfig, input_shape: tuple[int, ...], num_classes: int
 ) -> BodyHeadModel:
-    """The federation's initial model: identical on every silo and on the server."""
+    """The federation's initial model, as its algorithm needs it: identical on every silo and on
+    the server."""
     torch.manual_seed(derive_seed(cfg.seed, "init"))
-    return build_model(
+    model = build_model(
         cfg.model.name, input_shape, num_classes, cfg.model.hidden, cfg.model.adapter_dim
     )
+    return build_algorithm(cfg.algorithm, cfg.train).prepare_model(model)
 
 
 def split_rules(cfg: FederationConfig) -> list[str]:
     """The split rules in force: the job's, or the algorithm's default."""
     if cfg.split.local is not None:
         return list(cfg.split.local)
-    return list(build_algorithm(cfg.algorithm, cfg.train).default_local_rules)
+    return list(build_algorithm(cfg.algorithm, cfg.train).local_rules())
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,7 @@ class Silo:
         self._last: EvalMetrics | None = None
         self._selected: EvalMetrics | None = None
         self._selected_state: dict[str, torch.Tensor] | None = None
+        self._selected_report: dict[str, float] = {}  # the algorithm's figures of that model
         self._exporters: dict[str, SiloExporter] = {}
         self._masker: Masker | None = None
         self._evaluated: nn.Module | None = None  # the model the last evaluate() judged
@@ -210,6 +213,7 @@ class Silo:
             "algorithm": self.algorithm.local_state(),
             "selected": dataclasses.asdict(self._selected) if self._selected else None,
             "selected_state": self._selected_state,
+            "selected_report": self._selected_report,
             "last": dataclasses.asdict(self._last) if self._last else None,
             "rng": rng_state(),
         }
@@ -223,6 +227,7 @@ class Silo:
         self.algorithm.load_local_state(self, state["algorithm"])
         self._selected = EvalMetrics(**state["selected"]) if state["selected"] else None
         self._selected_state = state["selected_state"]
+        self._selected_report = state["selected_report"]
         self._last = EvalMetrics(**state["last"]) if state["last"] else None
         set_rng_state(state["rng"])
         if self._selected_state is not None:
@@ -271,9 +276,10 @@ class Silo:
                 *self.train_xy,
                 epochs=phase.epochs,
                 batch_size=self.cfg.train.batch_size,
-                optimizer=make_optimizer(params, self.cfg.train),
+                optimizer=self.algorithm.optimizer(params, phase, purpose),
                 generator=generator,
                 extra_loss=extra_loss,
+                max_steps=phase.steps,
             )
         finally:
             for param in model.parameters():
@@ -345,6 +351,7 @@ class Silo:
         if keep:
             assert self._evaluated is not None
             self._selected = self._last
+            self._selected_report = dict(self.algorithm.report())
             self._selected_state = {
                 k: v.detach().clone() for k, v in self._evaluated.state_dict().items()
             }
@@ -361,6 +368,7 @@ class Silo:
             val_accuracy=self._selected.val_accuracy,
             test_accuracy=self._selected.test_accuracy,
             final_test_accuracy=self._last.test_accuracy,
+            extras=dict(self._selected_report),
         )
 
     def attach(self, exporters: dict[str, SiloExporter]) -> None:

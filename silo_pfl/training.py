@@ -45,8 +45,10 @@ def train_epochs(
     optimizer: Optimizer,
     generator: torch.Generator,
     extra_loss: ExtraLoss | None = None,
+    max_steps: int | None = None,
 ) -> float:
-    """Train `epochs` passes over (x, y) in shuffled mini-batches; return the mean batch loss."""
+    """Train `epochs` passes over (x, y) in shuffled mini-batches, stopping early after
+    `max_steps` optimizer steps if set; return the mean batch loss."""
     model.train()
     loss_fn = nn.CrossEntropyLoss()
     total, steps = 0.0, 0
@@ -56,6 +58,8 @@ def train_epochs(
     for _ in range(epochs):
         order = torch.randperm(n, generator=generator)
         for start in range(0, n, batch_size):
+            if max_steps is not None and steps >= max_steps:
+                break
             idx = order[start : start + batch_size]
             if len(idx) < min_batch:
                 continue

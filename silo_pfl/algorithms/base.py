@@ -17,17 +17,22 @@ from torch import nn
 
 from silo_pfl.config import TrainConfig
 from silo_pfl.errors import ConfigError
+from silo_pfl.models import BodyHeadModel
+from silo_pfl.optim import Optimizer
 from silo_pfl.split import Split, check_split
+from silo_pfl.training import make_optimizer
 
 Trainable = Literal["all", "global", "local"]
 
 
 @dataclass(frozen=True)
 class Phase:
-    """Train the parameters in `trainable` for `epochs` epochs; the others stay frozen."""
+    """Train the parameters in `trainable` for `epochs` epochs, or until `steps` optimizer steps
+    if set; the others stay frozen."""
 
     trainable: Trainable
     epochs: int
+    steps: int | None = None
 
 
 def require_at_least(section: str, params: object, minimum: float, *keys: str) -> None:
@@ -90,9 +95,22 @@ class Algorithm:
         self.params = params
         self.train = train
 
+    def local_rules(self) -> tuple[str, ...]:
+        """The split rules used when the job does not set split.local."""
+        return self.default_local_rules
+
+    def prepare_model(self, model: BodyHeadModel) -> BodyHeadModel:
+        """The federation's model as this algorithm needs it (MoE heads replace the head);
+        applied identically on every silo and on the server."""
+        return model
+
     def phases(self) -> list[Phase]:
         """The local procedure of one round, as phases of the shared loop."""
         return [Phase("all", self.train.local_epochs)]
+
+    def optimizer(self, params: list[nn.Parameter], phase: Phase, purpose: str) -> Optimizer:
+        """The optimizer of one phase of the shared loop; `purpose` is the silo.train's."""
+        return make_optimizer(params, self.train)
 
     def trains_local_keys(self) -> bool:
         """Whether this instance's procedure needs local keys: the class says so, or a phase
@@ -117,6 +135,11 @@ class Algorithm:
     def personalized_model(self, silo: SiloTrainer, round_: int) -> nn.Module:
         """The model this silo is judged, selected and served by, made after aggregation."""
         return silo.model
+
+    def report(self) -> dict[str, float]:
+        """Per-silo figures of the current personalized model (APFL's alpha), reported with the
+        selected model in the results and MLflow."""
+        return {}
 
     def local_state(self) -> dict[str, torch.Tensor]:
         """State this algorithm keeps in the silo, checkpointed with the silo's local keys."""

@@ -161,6 +161,7 @@ class Orchestrator:
                         node_id=info.node_id,
                         restarts=parties[info.silo].restarts,
                         rounds_taken_part=sum(info.silo in s.participants for s in history),
+                        extras=out.extras,
                     )
                     for info, out in zip(infos, outcomes, strict=True)
                 },

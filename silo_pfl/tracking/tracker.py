@@ -268,6 +268,7 @@ class MlflowTracker(Callback):
                 "selected_round": float(outcome.selected_round),
                 "selected_val_accuracy": outcome.val_accuracy,
                 "selected_test_accuracy": outcome.test_accuracy,
+                **outcome.extras,
             }
             metrics = [Metric(k, v, stamp, 0) for k, v in selected.items()]
             self.buffered.setdefault(self.children[silo], []).extend(metrics)
