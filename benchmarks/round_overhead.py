@@ -17,11 +17,12 @@ import time
 
 from common import job_parser, start_local_ray
 
-from silo_pfl.config import load_config, to_dict
+from silo_pfl.config import to_dict
 from silo_pfl.data import silo_names
 from silo_pfl.federation import Federation
 from silo_pfl.selection import Selector
 from silo_pfl.server import Server
+from silo_pfl.settings import load_config
 from silo_pfl.silo import Silo
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import ray
 from common import job_parser, start_local_ray
 
-from silo_pfl.config import load_config
 from silo_pfl.federation import Federation
+from silo_pfl.settings import load_config
 
 
 def timed_run(job: str, overrides: list[str], tracking: bool, tmp: Path) -> tuple[float, float]:

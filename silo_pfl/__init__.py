@@ -12,7 +12,7 @@ _LOCATIONS = {
     "Federation": "silo_pfl.federation",
     "FederationConfig": "silo_pfl.config",
     "FederationResult": "silo_pfl.results",
-    "load_config": "silo_pfl.config",
+    "load_config": "silo_pfl.settings",
 }
 
 

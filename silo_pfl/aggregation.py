@@ -36,3 +36,27 @@ def apply_delta(state: Mapping[str, np.ndarray], delta: Mapping[str, np.ndarray]
             updated = np.rint(updated)
         out[key] = updated.astype(value.dtype)
     return out
+
+
+def flatten(
+    delta: Mapping[str, np.ndarray], extras: Mapping[str, Mapping[str, np.ndarray]]
+) -> State:
+    """One mapping of an update's delta and its named extras ('<extra>/<key>'), so that both are
+    aggregated (and masked) as one."""
+    flat = dict(delta)
+    for name, values in extras.items():
+        flat.update({f"{name}/{key}": value for key, value in values.items()})
+    return flat
+
+
+def unflatten(
+    flat: Mapping[str, np.ndarray], extras: Sequence[str]
+) -> tuple[State, dict[str, State]]:
+    """Split what `flatten` made back into the delta and the named extras."""
+    delta: State = {k: v for k, v in flat.items() if "/" not in k}
+    named: dict[str, State] = {name: {} for name in extras}
+    for key, value in flat.items():
+        name, sep, rest = key.partition("/")
+        if sep:
+            named[name][rest] = value
+    return delta, named

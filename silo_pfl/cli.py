@@ -102,9 +102,9 @@ def _check_results_path(path: str | None) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from silo_pfl.callbacks import Callback, ProgressPrinter
-    from silo_pfl.config import load_config
     from silo_pfl.federation import Federation
     from silo_pfl.runtime.jobs import print_results_line
+    from silo_pfl.settings import load_config
 
     config = load_config(args.config, args.overrides)
     _check_results_path(args.results)
@@ -128,9 +128,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from silo_pfl.config import load_config
     from silo_pfl.results import write_json_atomic
     from silo_pfl.runtime.jobs import JobsClient, check_tracking_store
+    from silo_pfl.settings import load_config
 
     config = load_config(args.config, args.overrides)
     check_tracking_store(Path(args.config), args.overrides, config.tracking.enabled)

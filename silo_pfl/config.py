@@ -1,13 +1,14 @@
-"""Structured config: dataclasses merged with YAML and `key=value` overrides, checked at load.
+"""The config's structure: dataclasses merged with YAML and `key=value` overrides, with the
+checks that need nothing but the values (ranges, choices listed here).
 
-Every error is a ConfigError whose one-line message names the key and says what is allowed, so a
-bad config fails before anything is started.
+Sections whose shape depends on a registry (data.*, algorithm.<name>.*) are plain mappings here;
+`silo_pfl.settings` types and checks them against the registries. This module imports neither.
+Every error is a ConfigError whose one-line message names the key and says what is allowed.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import re
 import typing
 from dataclasses import dataclass, field
@@ -22,20 +23,10 @@ from silo_pfl.errors import ConfigError, one_line
 
 @dataclass
 class DataConfig:
-    """Where each silo's data comes from and how it is split."""
+    """What every data source reads; each source's own dataclass adds its options (data.*)."""
 
-    source: str = MISSING  # heart_disease | digits | csv
+    source: str = MISSING  # a registered data source: heart_disease | digits | csv
     val_fraction: float = 0.2  # share of each silo's training rows held out for model selection
-    test_fraction: float = 0.25  # digits: share of each silo's rows held out for test
-    num_silos: int = 10  # digits: how many silos share the images
-    partition: str = "iid"  # digits: iid | dirichlet | pathological | concept_shift | feature_shift
-    alpha: float = 0.5  # digits, dirichlet: concentration; smaller is more skewed
-    classes_per_silo: int = 2  # digits, pathological: classes each silo holds
-    paths: dict[str, str] = field(default_factory=dict)  # csv: silo name -> that silo's file
-    label_column: str = "label"  # csv: the column holding the class label
-    # csv (required): the classes 0..num_classes-1 every silo's labels must lie in; a silo may
-    # hold only some of them.
-    num_classes: int | None = None
 
 
 @dataclass
@@ -143,6 +134,13 @@ class ServerConfig:
 
     # Ray node labels the server needs; None: the head node under ray.placement=per_node.
     node_label: dict[str, str] | None = None
+    # The server's optimizer over each round's mean update (Reddi et al., 2021):
+    # sgd | adam | yogi | adagrad. None: the algorithm's own (fedadam: adam), else sgd.
+    optimizer: str | None = None
+    lr: float | None = None  # the server's step size; None: 1.0 for sgd (FedAvg), else 0.01
+    beta1: float = 0.9  # adam, yogi, adagrad: momentum of the mean update
+    beta2: float = 0.99  # adam, yogi: decay of the second moment
+    tau: float = 1e-3  # adam, yogi, adagrad: adaptivity, added to the second moment's root
 
 
 @dataclass
@@ -153,8 +151,11 @@ class FederationConfig:
     rounds: int = MISSING  # federated rounds
     seed: int = 0  # the one seed every random generator derives from
     output_dir: str = "runs"  # each run's state lives in <output_dir>/<name>/<run_id>/
-    data: DataConfig = field(default_factory=DataConfig)
+    # The data.* mapping; once loaded, the source's own dataclass (a DataConfig).
+    data: Any = field(default_factory=dict)
     model: ModelConfig = field(default_factory=ModelConfig)
+    # algorithm.name and a section of options per algorithm; once loaded, each section is that
+    # algorithm's own Params dataclass.
     algorithm: dict[str, Any] = field(default_factory=lambda: {"name": "fedavg"})
     split: SplitConfig = field(default_factory=SplitConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -186,7 +187,7 @@ def _known_keys(schema: Any, key: str) -> str:
     return "; allowed: " + ", ".join(f.name for f in dataclasses.fields(kind))
 
 
-def _omegaconf_error(exc: OmegaConfBaseException, schema: Any = None) -> ConfigError:
+def omegaconf_error(exc: OmegaConfBaseException, schema: Any = None) -> ConfigError:
     """Turn OmegaConf's multi-line error into one line that names the key."""
     key = getattr(exc, "full_key", None) or ""
     reason = one_line(exc)
@@ -208,7 +209,7 @@ def _merge(schema: Any, *parts: Any) -> DictConfig:
     try:
         return OmegaConf.merge(OmegaConf.structured(schema), *parts)
     except OmegaConfBaseException as exc:
-        raise _omegaconf_error(exc, schema) from None
+        raise omegaconf_error(exc, schema) from None
 
 
 def _parse_overrides(overrides: list[str]) -> DictConfig:
@@ -218,10 +219,10 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
     try:
         return OmegaConf.from_dotlist(list(overrides))
     except OmegaConfBaseException as exc:
-        raise _omegaconf_error(exc) from None
+        raise omegaconf_error(exc) from None
 
 
-def _read_yaml(path: Path) -> DictConfig:
+def read_yaml(path: Path) -> DictConfig:
     """The YAML mapping in `path`; every way it can fail is one line naming the file."""
     import yaml  # OmegaConf's own YAML library
 
@@ -285,7 +286,7 @@ def _require(condition: bool, key: str, allowed: str, value: Any) -> None:
         raise ConfigError(f"{key}: got {value!r}, expected {allowed}")
 
 
-def _check_ranges(cfg: FederationConfig) -> None:
+def check_ranges(cfg: FederationConfig) -> None:
     t = cfg.train
     _require(cfg.rounds >= 1, "rounds", "an integer >= 1", cfg.rounds)
     _require(t.local_epochs >= 0, "train.local_epochs", "an integer >= 0", t.local_epochs)
@@ -326,79 +327,15 @@ def _check_ranges(cfg: FederationConfig) -> None:
                 "aggregation.max_update_norm: cannot be checked under aggregation.secure, where "
                 "the server sees only masked updates; set it to null or turn secure off"
             )
+    server = cfg.server
+    if server.lr is not None:
+        _require(server.lr > 0, "server.lr", "a number > 0, or null", server.lr)
+    _require(0 <= server.beta1 < 1, "server.beta1", "0 <= value < 1", server.beta1)
+    _require(0 <= server.beta2 < 1, "server.beta2", "0 <= value < 1", server.beta2)
+    _require(server.tau > 0, "server.tau", "a number > 0", server.tau)
     _require(cfg.ray.silo_cpus >= 0, "ray.silo_cpus", "a number >= 0", cfg.ray.silo_cpus)
     if cfg.ray.num_cpus is not None:
         _require(cfg.ray.num_cpus >= 1, "ray.num_cpus", "an integer >= 1", cfg.ray.num_cpus)
-
-
-def _check_choices(cfg: FederationConfig) -> None:
-    """Checks that consult the registries: algorithm, model, data source, split rules."""
-    from silo_pfl.algorithms import algorithm_config
-    from silo_pfl.data import validate_data_config
-    from silo_pfl.models import MODEL_NAMES, check_adapters
-    from silo_pfl.split import parse_rules
-
-    _import_plugins(cfg.plugins)
-    cfg.algorithm = algorithm_config(cfg.algorithm)
-    _require(
-        cfg.model.name in MODEL_NAMES,
-        "model.name",
-        f"one of {', '.join(sorted(MODEL_NAMES))}",
-        cfg.model.name,
-    )
-    check_adapters(cfg.model.name, cfg.model.adapter_dim)
-    if cfg.model.hidden and min(cfg.model.hidden) < 1:
-        raise ConfigError(f"model.hidden: got {list(cfg.model.hidden)}, expected widths >= 1")
-    validate_data_config(cfg.data)
-    if cfg.split.local is not None:
-        parse_rules(cfg.split.local)
-    _check_silos(cfg)
-
-
-def _import_plugins(modules: list[str]) -> None:
-    """Import each plugin module once; a failure names the entry and the module."""
-    for index, module in enumerate(modules):
-        try:
-            importlib.import_module(module)
-        except Exception as exc:
-            raise ConfigError(
-                f"plugins[{index}]: cannot import {module!r} ({type(exc).__name__}: "
-                f"{one_line(exc)}); expected an importable module name, e.g. my_team.algorithms"
-            ) from None
-
-
-def _check_silos(cfg: FederationConfig) -> None:
-    """silos.<name> must name a silo of this federation; store URIs must be usable; secure
-    aggregation needs at least two silos."""
-    from silo_pfl.data import silo_names
-    from silo_pfl.tracking.uri import check_uri, resolve_uri
-
-    names = silo_names(cfg.data)
-    quorum = cfg.round.min_silos
-    if quorum is not None and not 1 <= quorum <= len(names):
-        raise ConfigError(
-            f"round.min_silos: got {quorum}, expected 1 to {len(names)} (the number of silos), "
-            "or null for every silo"
-        )
-    if cfg.aggregation.secure and quorum is not None and quorum < len(names):
-        raise ConfigError(
-            f"round.min_silos: got {quorum}, but under aggregation.secure every silo's masked "
-            "update is needed (no dropout recovery yet); set it to null or turn secure off"
-        )
-    if cfg.aggregation.secure and len(names) < 2:
-        raise ConfigError(
-            "aggregation.secure: needs at least 2 silos, so that no single update can be unmasked"
-        )
-    for silo, settings in cfg.silos.items():
-        if silo not in names:
-            raise ConfigError(
-                f"silos.{silo}: not a silo of this federation; its silos are {', '.join(names)}"
-            )
-        if settings.tracking_uri is not None:
-            settings.tracking_uri = check_uri(settings.tracking_uri, f"silos.{silo}.tracking_uri")
-        check_node_label(settings.node_label, f"silos.{silo}.node_label")
-    check_node_label(cfg.server.node_label, "server.node_label")
-    cfg.tracking.uri = resolve_uri(cfg.tracking.uri, "tracking.uri")
 
 
 # Ray node labels follow Kubernetes' syntax: an optional DNS-subdomain prefix and a name.
@@ -426,29 +363,19 @@ def check_node_label(labels: dict[str, str] | None, key: str) -> None:
             )
 
 
-def build_config(base: Any = None, overrides: list[str] | None = None) -> FederationConfig:
-    """Merge a mapping (or DictConfig) with `key=value` overrides and validate the result."""
+def merge_config(base: Any = None, overrides: list[str] | None = None) -> FederationConfig:
+    """Merge a mapping (or DictConfig) with `key=value` overrides into the structure, and check
+    the values that need no registry."""
     parts = [base] if base is not None else []
     merged = _merge(FederationConfig, *parts, _parse_overrides(overrides or []))
     try:
         cfg: FederationConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
-        raise _omegaconf_error(exc) from None
-    _check_ranges(cfg)
-    _check_choices(cfg)
+        raise omegaconf_error(exc) from None
+    check_ranges(cfg)
     return cfg
-
-
-def load_config(path: str | Path, overrides: list[str] | None = None) -> FederationConfig:
-    """Load a job YAML, apply `key=value` overrides, and validate everything before any work."""
-    return build_config(_read_yaml(Path(path)), overrides)
 
 
 def to_dict(cfg: FederationConfig) -> dict[str, Any]:
     """A plain, JSON-able dict of the resolved config (what crosses process boundaries)."""
     return dataclasses.asdict(cfg)
-
-
-def from_dict(data: dict[str, Any]) -> FederationConfig:
-    """Rebuild a validated config from `to_dict` output (used inside actors)."""
-    return build_config(data)

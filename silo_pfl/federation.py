@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from silo_pfl.callbacks import Callback
-from silo_pfl.config import FederationConfig, build_config, load_config
+from silo_pfl.config import FederationConfig
 from silo_pfl.results import FederationResult
 from silo_pfl.runtime.orchestrator import Orchestrator
+from silo_pfl.settings import build_config, load_config
 
 
 class Federation:

@@ -44,9 +44,11 @@ class SplitInfo:
 
 @dataclass(frozen=True)
 class SiloUpdate:
-    """One silo's contribution to a round: a delta of the global keys, and its weight.
+    """One silo's contribution to a round: a delta of the global keys, the named extras its
+    algorithm sends (each keyed like the global keys), and its weight.
 
-    Under secure aggregation `delta` is empty and `num_examples` 0: both travel inside `masked`.
+    Under secure aggregation `delta` and `extras` are empty and `num_examples` 0: all travel
+    inside `masked`.
     """
 
     silo: str
@@ -54,6 +56,7 @@ class SiloUpdate:
     num_examples: int
     delta: dict[str, np.ndarray]
     masked: np.ndarray | None = None  # uint64, see silo_pfl.secure_aggregation
+    extras: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -11,20 +11,25 @@ import numpy as np
 import torch
 
 from silo_pfl import checkpoint
-from silo_pfl.aggregation import State, apply_delta, weighted_mean
-from silo_pfl.config import from_dict
+from silo_pfl.aggregation import State, flatten, unflatten, weighted_mean
+from silo_pfl.algorithms import build_algorithm
 from silo_pfl.data import silo_names
 from silo_pfl.messages import RoundReport, SiloUpdate
 from silo_pfl.run_dir import server_dir
 from silo_pfl.secure_aggregation import decode_mean, masked_sum, vector_length
+from silo_pfl.server_optimizers import ServerOptimizer
+from silo_pfl.settings import from_dict
 from silo_pfl.silo import init_model, split_rules
 from silo_pfl.split import compute_split
+from silo_pfl.strategy import Aggregate
 
 log = logging.getLogger("silo_pfl.server")
 
 
 class Server:
-    """Aggregates the silos' deltas of the global keys, weighted by their training examples.
+    """Aggregates the silos' deltas of the global keys (and the named extras of their algorithm),
+    weighted by their training examples; its algorithm's strategy and the server optimizer turn
+    the means into the new global keys.
 
     Before aggregating it checks every update; one from a silo not enrolled, for another round,
     sent twice, not matching the global keys, not finite or over aggregation.max_update_norm is
@@ -45,8 +50,16 @@ class Server:
         self.split = compute_split(model, split_rules(self.cfg))
         state = model.state_dict()
         self.state: State = {k: state[k].numpy().copy() for k in self.split.global_keys}
-        self.shapes = {k: v.shape for k, v in self.state.items()}
-        self.masked_shape = (vector_length(self.shapes),)  # of every update under secure
+        self.strategy = build_algorithm(self.cfg.algorithm, self.cfg.train).server_strategy(
+            self.state
+        )
+        parameters = {name for name, _ in model.named_parameters()} & set(self.state)
+        self.optimizer = ServerOptimizer(self.cfg.server, parameters)
+        # Every update's delta and extras, flattened: what is averaged (and masked, under secure).
+        self.flat_shapes = {
+            k: v.shape for k, v in flatten(self.state, self._extras_of(self.state)).items()
+        }
+        self.masked_shape = (vector_length(self.flat_shapes),)  # of every update under secure
         self.secure = self.cfg.aggregation.secure
         self.enrolled = frozenset(silo_names(self.cfg.data))
         # Config refuses a smaller quorum under secure aggregation, where every silo is needed.
@@ -55,14 +68,21 @@ class Server:
         self.dir = server_dir(self.cfg, run_id)
         self.round = 0  # the last round aggregated
 
+    def _extras_of(self, like: State) -> dict[str, State]:
+        return {name: like for name in self.strategy.extras}
+
     def global_state(self) -> State:
         """The current global keys."""
         return self.state
 
+    def broadcast(self) -> dict[str, State]:
+        """What the strategy sends every silo with the global keys (SCAFFOLD's control variate)."""
+        return self.strategy.broadcast()
+
     def _check_masked(self, update: SiloUpdate) -> None:
         """Under secure aggregation only a masked vector of the right length is accepted."""
         masked = update.masked
-        if masked is None or update.delta or update.num_examples:
+        if masked is None or update.delta or update.extras or update.num_examples:
             raise ValueError(
                 f"update from silo {update.silo}: aggregation.secure is on, but the update is "
                 "not masked"
@@ -96,26 +116,14 @@ class Server:
             raise ValueError(
                 f"update from silo {update.silo}: masked, but aggregation.secure is off"
             )
-        keys = set(update.delta)
-        expected = set(self.state)
-        if keys != expected:
-            extra = sorted(keys - expected)
-            missing = sorted(expected - keys)
+        if set(update.extras) != set(self.strategy.extras):
             raise ValueError(
-                f"update from silo {update.silo}: unexpected keys {extra}, missing keys {missing}"
+                f"update from silo {update.silo}: extras {sorted(update.extras)}, expected "
+                f"{sorted(self.strategy.extras)}"
             )
-        for key, value in update.delta.items():
-            if np.shape(value) != self.state[key].shape:
-                raise ValueError(
-                    f"update from silo {update.silo}: {key} has shape {np.shape(value)}"
-                )
-            if np.asarray(value).dtype != self.state[key].dtype:
-                raise ValueError(
-                    f"update from silo {update.silo}: {key} is {np.asarray(value).dtype}, "
-                    f"expected {self.state[key].dtype}"
-                )
-            if not np.all(np.isfinite(value)):
-                raise ValueError(f"update from silo {update.silo}: {key} is not finite")
+        self._check_values(update.silo, "", update.delta)
+        for name, values in sorted(update.extras.items()):
+            self._check_values(update.silo, f"{name}/", values)
         if update.num_examples < 1:
             raise ValueError(f"update from silo {update.silo}: num_examples must be >= 1")
         if self.max_norm is not None:
@@ -127,6 +135,30 @@ class Server:
                     f"update from silo {update.silo}: norm {norm:.4g} exceeds "
                     f"aggregation.max_update_norm={self.max_norm:g}"
                 )
+
+    def _check_values(self, silo: str, prefix: str, values: dict[str, np.ndarray]) -> None:
+        """Exactly the global keys, each of the global key's shape and dtype, and finite."""
+        keys = set(values)
+        expected = set(self.state)
+        if keys != expected:
+            extra = sorted(keys - expected)
+            missing = sorted(expected - keys)
+            raise ValueError(
+                f"update from silo {silo}: unexpected keys {extra}, missing keys {missing}"
+                + (f" in {prefix[:-1]}" if prefix else "")
+            )
+        for key, value in values.items():
+            if np.shape(value) != self.state[key].shape:
+                raise ValueError(
+                    f"update from silo {silo}: {prefix}{key} has shape {np.shape(value)}"
+                )
+            if np.asarray(value).dtype != self.state[key].dtype:
+                raise ValueError(
+                    f"update from silo {silo}: {prefix}{key} is {np.asarray(value).dtype}, "
+                    f"expected {self.state[key].dtype}"
+                )
+            if not np.all(np.isfinite(value)):
+                raise ValueError(f"update from silo {silo}: {prefix}{key} is not finite")
 
     def aggregate(self, *updates: SiloUpdate) -> RoundReport:
         """Check every update, then, with a quorum, apply the example-weighted mean of the
@@ -155,12 +187,15 @@ class Server:
         self.round = round_
         if self.state:
             if self.secure:
-                mean = decode_mean(masked_sum([u.masked for u in accepted]), self.shapes)
+                mean = decode_mean(masked_sum([u.masked for u in accepted]), self.flat_shapes)
             else:
                 mean = weighted_mean(
-                    [u.delta for u in accepted], [u.num_examples for u in accepted]
+                    [flatten(u.delta, u.extras) for u in accepted],
+                    [u.num_examples for u in accepted],
                 )
-            self.state = apply_delta(self.state, mean)
+            delta, extras = unflatten(mean, self.strategy.extras)
+            aggregate = Aggregate(delta, extras, len(accepted) / len(self.enrolled))
+            self.state = self.strategy.apply(self.state, aggregate, self.optimizer)
         return RoundReport(round_, names, rejected, True)
 
     def checkpoint(self, round_: int, driver: dict[str, Any]) -> None:
@@ -168,8 +203,14 @@ class Server:
         run's state (its selector, history, the MLflow run): all that resume needs."""
         if round_ != self.round:
             raise RuntimeError(f"server: checkpoint({round_}) after round {self.round}")
-        state = {k: torch.from_numpy(v.copy()) for k, v in self.state.items()}
-        checkpoint.save(self.dir, round_, {"round": round_, "global": state, "driver": driver})
+        saved = {
+            "round": round_,
+            "global": _tensors(self.state),
+            "strategy": {k: _tensors(v) for k, v in self.strategy.state_dict().items()},
+            "optimizer": {k: _tensors(v) for k, v in self.optimizer.state_dict().items()},
+            "driver": driver,
+        }
+        checkpoint.save(self.dir, round_, saved)
 
     def resume(self) -> dict[str, Any]:
         """Load the newest good checkpoint; return the driver's part of it."""
@@ -186,6 +227,8 @@ class Server:
                 "match this federation's model"
             )
         self.state, self.round = loaded, round_
+        self.strategy.load_state_dict({k: _arrays(v) for k, v in saved["strategy"].items()})
+        self.optimizer.load_state_dict({k: _arrays(v) for k, v in saved["optimizer"].items()})
         return saved["driver"]
 
     def state_bytes(self) -> bytes:
@@ -193,3 +236,11 @@ class Server:
         buffer = io.BytesIO()
         np.savez(buffer, **self.state)
         return buffer.getvalue()
+
+
+def _tensors(state: State) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(np.array(v)) for k, v in state.items()}
+
+
+def _arrays(state: dict[str, torch.Tensor]) -> State:
+    return {k: v.numpy() for k, v in state.items()}

@@ -27,9 +27,10 @@ import torch
 from torch import nn
 
 from silo_pfl import checkpoint
+from silo_pfl.aggregation import flatten
 from silo_pfl.algorithms import build_algorithm
 from silo_pfl.algorithms.base import Phase
-from silo_pfl.config import FederationConfig, from_dict
+from silo_pfl.config import FederationConfig
 from silo_pfl.data import Preprocessing, SiloData, load_silo_data
 from silo_pfl.errors import FederationError
 from silo_pfl.messages import (
@@ -45,6 +46,7 @@ from silo_pfl.models import BodyHeadModel, build_model
 from silo_pfl.run_dir import silo_dir
 from silo_pfl.secure_aggregation import Masker, vector_length
 from silo_pfl.seeding import derive_seed, rng_state, seed_everything, set_rng_state
+from silo_pfl.settings import from_dict
 from silo_pfl.split import Split, compute_split
 from silo_pfl.training import ExtraLoss, evaluate, to_tensors, train_epochs
 
@@ -175,11 +177,13 @@ class Silo:
         self.num_classes = num_classes
         self.split: Split = compute_split(self.model, split_rules(self.cfg))
         self.algorithm.check_split(self.split)
-        sent = self.split.global_bytes
+        state = self.model.state_dict()
+        shapes = {k: tuple(state[k].shape) for k in self.split.global_keys}
+        sent = self.split.global_bytes * (1 + len(self.algorithm.Strategy.extras))
         if self._masker is not None:
             self._masker.pair_with(public_keys or {})
-            state = self.model.state_dict()
-            sent = 8 * vector_length({k: tuple(state[k].shape) for k in self.split.global_keys})
+            like = {name: shapes for name in self.algorithm.Strategy.extras}
+            sent = 8 * vector_length(flatten(shapes, like))
         if 0 not in checkpoint.rounds(self.dir / CHECKPOINTS):
             self._checkpoint(0)
         return SplitInfo(
@@ -286,15 +290,21 @@ class Silo:
                 param.requires_grad_(True)
 
     def fit(
-        self, global_state: dict[str, np.ndarray], round_: int, attempt: int = 1
+        self,
+        global_state: dict[str, np.ndarray],
+        round_: int,
+        attempt: int = 1,
+        broadcast: dict[str, Any] | None = None,
     ) -> tuple[SiloUpdate | None, FitMetrics]:
-        """One round of local training from the last committed state; returns the delta of the
-        global keys only. A silo whose training diverges sends no update, and says why."""
+        """One round of local training from the last committed state, given the global keys and
+        what the server's strategy broadcast; returns the delta of the global keys (and the
+        algorithm's extras) only. A silo whose training diverges sends no update, and says why."""
         start = time.perf_counter()
         if self._dirty:
             self.restore(self.committed)
         self._dirty = True
         reference = self._load_global(global_state)
+        self.algorithm.begin_round(self, reference, broadcast or {})
         loss_term = self.algorithm.extra_loss
         losses = [
             self.train(self.model, phase, round_, lambda model: loss_term(model, reference))
@@ -318,14 +328,15 @@ class Silo:
             seconds = time.perf_counter() - start
             return None, dataclasses.replace(metrics, train_seconds=seconds, withheld=reason)
         delta = {k: (state[k] - reference[k]).numpy() for k in self.split.global_keys}
-        payload = self.split.outgoing(delta)
+        extras = self.algorithm.update_extras(self, reference)
+        payload = self.split.outgoing(delta, extras)
         self.algorithm.after_fit(self, reference, round_)
         num_examples = len(self.train_xy[1])
         if self._masker is None:
-            update = SiloUpdate(self.name, round_, num_examples, payload)
-            sent = sum(v.nbytes for v in payload.values())
+            update = SiloUpdate(self.name, round_, num_examples, payload, extras=extras)
+            sent = sum(v.nbytes for v in flatten(payload, extras).values())
         else:
-            masked = self._masker.mask(payload, num_examples, round_, attempt)
+            masked = self._masker.mask(flatten(payload, extras), num_examples, round_, attempt)
             update = SiloUpdate(self.name, round_, 0, {}, masked=masked)
             sent = masked.nbytes
         seconds = time.perf_counter() - start

@@ -111,14 +111,23 @@ class Split:
         """The global entries of a state mapping."""
         return {k: state[k] for k in self.global_keys}
 
-    def outgoing(self, payload: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Check a payload before it leaves the silo: exactly the global keys, no local key."""
-        leaked = sorted(set(payload) & set(self.local_keys))
-        if leaked:
-            raise PrivacyError(f"refusing to send local keys: {', '.join(leaked)}")
-        if set(payload) != set(self.global_keys):
-            unknown = sorted(set(payload) ^ set(self.global_keys))
-            raise PrivacyError(f"payload keys differ from the global keys: {', '.join(unknown)}")
+    def outgoing(
+        self,
+        payload: dict[str, np.ndarray],
+        extras: Mapping[str, Mapping[str, np.ndarray]] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Check a payload, and every named extra sent with it, before it leaves the silo: each
+        holds exactly the global keys, no local key."""
+        for name, values in [("", payload), *sorted((extras or {}).items())]:
+            where = f" in {name}" if name else ""
+            leaked = sorted(set(values) & set(self.local_keys))
+            if leaked:
+                raise PrivacyError(f"refusing to send local keys{where}: {', '.join(leaked)}")
+            if set(values) != set(self.global_keys):
+                unknown = sorted(set(values) ^ set(self.global_keys))
+                raise PrivacyError(
+                    f"payload keys{where} differ from the global keys: {', '.join(unknown)}"
+                )
         return payload
 
     def summary(self) -> str:

@@ -46,7 +46,7 @@ def mlflow_store(tmp_path, monkeypatch):
 @pytest.fixture
 def job(tmp_path):
     """Build a validated config from a job YAML with overrides; outputs go under tmp_path."""
-    from silo_pfl.config import load_config
+    from silo_pfl.settings import load_config
 
     def make(path: str, *overrides: str):
         return load_config(path, [f"output_dir={tmp_path / 'runs'}", *overrides])

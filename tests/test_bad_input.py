@@ -178,7 +178,7 @@ def test_num_classes_is_refused_by_other_sources(tmp_path, capsys):
     code, _, err = run(capsys, tmp_path, HEART_JOB, "data.num_classes=2")
     message = assert_one_line(code, err, 2)
     assert message.startswith(
-        "data.num_classes: not used by data.source=heart_disease; its options"
+        "data.num_classes: not an option of data.source=heart_disease; its options"
     )
 
 

@@ -9,9 +9,9 @@ import torch
 
 from silo_pfl import checkpoint
 from silo_pfl.cli import main
-from silo_pfl.config import load_config
 from silo_pfl.errors import ConfigError
 from silo_pfl.run_dir import RunDir, check_resumable
+from silo_pfl.settings import load_config
 
 
 def _write(tmp_path, rounds):

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from silo_pfl.config import load_config
 from silo_pfl.errors import ConfigError
+from silo_pfl.settings import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = str(ROOT / "jobs" / "heart_disease.yaml")
@@ -18,13 +18,13 @@ JOB = str(ROOT / "jobs" / "heart_disease.yaml")
 def test_overrides_reach_the_config():
     cfg = load_config(JOB, ["algorithm.name=fedrep", "rounds=7", "seed=11"])
     assert (cfg.algorithm["name"], cfg.rounds, cfg.seed) == ("fedrep", 7, 11)
-    assert cfg.algorithm["fedrep"]["head_epochs"] == 5  # the algorithm's defaults are filled in
+    assert cfg.algorithm["fedrep"].head_epochs == 5  # the algorithm's defaults are filled in
 
 
 def test_algorithm_name_override_works_on_a_job_with_another_algorithms_options():
     cfg = load_config(str(ROOT / "jobs" / "digits_label_skew.yaml"), ["algorithm.name=fedavg"])
     assert cfg.algorithm["name"] == "fedavg"
-    assert cfg.algorithm["fedper"]["head_warmup_epochs"] == 1
+    assert cfg.algorithm["fedper"].head_warmup_epochs == 1
 
 
 def test_every_job_loads():
@@ -57,7 +57,7 @@ def test_every_job_loads():
         (["split.local=[head,tail]"], "split.local[1]: got 'tail'"),
         (["eval.selection=best_test"], "eval.selection"),
         (["data.val_fraction=1.5"], "data.val_fraction"),
-        (["data.num_silos=3"], "data.num_silos: not used by data.source=heart_disease; its opt"),
+        (["data.num_silos=3"], "data.num_silos: not an option of data.source=heart_disease"),
         (
             [
                 "data.source=csv",
@@ -67,7 +67,7 @@ def test_every_job_loads():
             ],
             "aggregation.secure: needs at least 2 silos",
         ),
-        (["data.paths.a=/x.csv"], "data.paths: not used by data.source=heart_disease"),
+        (["data.paths.a=/x.csv"], "data.paths: not an option of data.source=heart_disease"),
         (["rounds"], "expected key=value"),
         (
             ["silos.cleveland.node_label.silo=bad/value"],

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from serving import predict, served
 
-from silo_pfl.config import load_config
 from silo_pfl.data import csv_source
+from silo_pfl.settings import load_config
 
 pytestmark = pytest.mark.slow
 

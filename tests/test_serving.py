@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from serving import predict, served
 
-from silo_pfl.config import load_config, to_dict
+from silo_pfl.config import to_dict
 from silo_pfl.server import Server
+from silo_pfl.settings import load_config
 from silo_pfl.silo import Silo
 from silo_pfl.tracking.exporter import MlflowExporter
 

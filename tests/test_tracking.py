@@ -11,9 +11,9 @@ import pytest
 from mlflow import MlflowClient
 
 from silo_pfl.cli import main
-from silo_pfl.config import load_config
 from silo_pfl.data import load_silo_data
 from silo_pfl.federation import Federation
+from silo_pfl.settings import load_config
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

@@ -13,8 +13,9 @@ import pytest
 from mlflow import MlflowClient
 
 from silo_pfl.cli import main
-from silo_pfl.config import load_config, to_dict
+from silo_pfl.config import to_dict
 from silo_pfl.server import Server
+from silo_pfl.settings import load_config
 from silo_pfl.silo import Silo
 from silo_pfl.tracking.exporter import MlflowExporter
 from silo_pfl.tracking.registry import CHAMPION, LATEST, promote
@@ -68,7 +69,7 @@ def test_mlflow_is_imported_only_when_tracking_is_enabled():
         "import sys\n"
         "import silo_pfl.cli, silo_pfl.federation, silo_pfl.runtime.orchestrator\n"
         "import silo_pfl.tracking.exporter, silo_pfl.tracking.registry, silo_pfl.tracking.tracker\n"
-        "from silo_pfl.config import load_config\n"
+        "from silo_pfl.settings import load_config\n"
         "from silo_pfl.federation import Federation\n"
         "Federation(load_config('jobs/heart_disease.yaml', ['tracking.enabled=false']))\n"
         "assert 'mlflow' not in sys.modules, 'mlflow was imported'\n"

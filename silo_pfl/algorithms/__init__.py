@@ -53,12 +53,12 @@ def _params(name: str, values: Any) -> object:
 
 
 def algorithm_config(raw: Any) -> dict[str, Any]:
-    """Validate `algorithm`: its `name`, and an options section per algorithm, e.g.
+    """Type and check `algorithm`: its `name`, and an options section per algorithm, e.g.
 
         algorithm: {name: fedper, fedper: {head_warmup_epochs: 1}, fedrep: {head_epochs: 10}}
 
     Every section is checked, so `algorithm.name=<other>` works on any job. The result keeps
-    this shape, with the chosen algorithm's section filled with its defaults.
+    this shape, each section now that algorithm's Params; the chosen one's is always there.
     """
     data = OmegaConf.to_container(raw) if OmegaConf.is_config(raw) else dict(raw or {})
     name = str(data.pop("name", "fedavg"))
@@ -72,24 +72,28 @@ def algorithm_config(raw: Any) -> dict[str, Any]:
             )
         if values is not None and not isinstance(values, dict):
             raise ConfigError(f"algorithm.{section}: expected a mapping of {section}'s options")
-        resolved[section] = dataclasses.asdict(_params(section, values or {}))
-    resolved.setdefault(name, dataclasses.asdict(_params(name, {})))
+        resolved[section] = _params(section, values or {})
+    resolved.setdefault(name, _params(name, {}))
     return resolved
 
 
 def build_algorithm(config: dict[str, Any], train: TrainConfig) -> Algorithm:
     """Instantiate the configured algorithm from a validated `algorithm` mapping."""
     cls = _lookup(config["name"])
-    return cls(cls.Params(**config.get(cls.name, {})), train)
+    params = config.get(cls.name)
+    return cls(params if isinstance(params, cls.Params) else _params(cls.name, params or {}), train)
 
 
 from silo_pfl.algorithms import (  # noqa: E402, F401
     ditto,
     fedavg,
     fedbn,
+    fedopt,
     fedper,
     fedprox,
     fedrep,
     finetune,
+    lg_fedavg,
     local,
+    scaffold,
 )

@@ -10,16 +10,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
-from silo_pfl.config import TrainConfig
+from silo_pfl.aggregation import State
+from silo_pfl.config import FederationConfig, TrainConfig
 from silo_pfl.errors import ConfigError
 from silo_pfl.models import BodyHeadModel
 from silo_pfl.optim import Optimizer
 from silo_pfl.split import Split, check_split
+from silo_pfl.strategy import ServerStrategy
 from silo_pfl.training import make_optimizer
 
 Trainable = Literal["all", "global", "local"]
@@ -90,10 +93,40 @@ class Algorithm:
     needs_global_keys: ClassVar[bool] = True
     # The split must leave some local keys: the procedure trains or keeps personal keys.
     needs_local_keys: ClassVar[bool] = False
+    # The server's part: how the round's aggregate becomes the new global keys, and the names
+    # of the extras each update carries (see silo_pfl.strategy).
+    Strategy: ClassVar[type[ServerStrategy]] = ServerStrategy
+    # The server optimizer this algorithm stands for (fedadam: adam); None: server.optimizer's.
+    server_optimizer: ClassVar[str | None] = None
 
     def __init__(self, params: object, train: TrainConfig) -> None:
         self.params = params
         self.train = train
+
+    def check_config(self, cfg: FederationConfig) -> None:
+        """At load: raise a one-line ConfigError if this algorithm cannot run the job."""
+        refusal = self.Strategy.secure_refusal
+        if cfg.aggregation.secure and refusal:
+            raise ConfigError(
+                f"aggregation.secure: algorithm {self.name} {refusal}; turn secure off or choose "
+                "another algorithm"
+            )
+
+    def server_strategy(self, global_state: State) -> ServerStrategy:
+        """The server's part of this algorithm, over the initial global keys."""
+        return self.Strategy(global_state)
+
+    def begin_round(
+        self, silo: SiloTrainer, reference: dict[str, torch.Tensor], broadcast: dict[str, Any]
+    ) -> None:
+        """Before the round's training: what the server's strategy broadcast (control variates)."""
+
+    def update_extras(
+        self, silo: SiloTrainer, reference: dict[str, torch.Tensor]
+    ) -> dict[str, dict[str, np.ndarray]]:
+        """After the round's training: the named extras sent beside the delta, each keyed by the
+        global keys (exactly `Strategy.extras`)."""
+        return {}
 
     def local_rules(self) -> tuple[str, ...]:
         """The split rules used when the job does not set split.local."""

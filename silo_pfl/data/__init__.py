@@ -5,10 +5,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import numpy as np
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from silo_pfl.config import DataConfig
+from silo_pfl.config import DataConfig, omegaconf_error
 from silo_pfl.data import csv_source, digits, heart_disease
 from silo_pfl.data.base import Preprocessing, SiloData
 from silo_pfl.errors import ConfigError
@@ -22,46 +25,49 @@ SOURCES: dict[str, ModuleType] = {
 __all__ = ["SOURCES", "Preprocessing", "SiloData", "load_silo_data", "raw_encoder", "silo_names"]
 
 
-def _source(cfg: DataConfig) -> ModuleType:
-    if cfg.source not in SOURCES:
+def _source(name: object) -> ModuleType:
+    if name not in SOURCES:
         raise ConfigError(
-            f"data.source: got {cfg.source!r}, expected one of {', '.join(sorted(SOURCES))}"
+            f"data.source: got {name!r}, expected one of {', '.join(sorted(SOURCES))}"
         )
-    return SOURCES[cfg.source]
+    return SOURCES[str(name)]
 
 
-def validate_data_config(cfg: DataConfig) -> None:
-    """Config-level checks, before any silo starts."""
+def data_config(raw: Any) -> DataConfig:
+    """Type the data.* mapping as its source's dataclass (a DataConfig) and check it; an option
+    the source does not have is an error naming it and listing the source's options."""
+    values = OmegaConf.to_container(raw) if OmegaConf.is_config(raw) else dict(raw or {})
+    if "source" not in values:
+        raise ConfigError(f"data.source: required; expected one of {', '.join(sorted(SOURCES))}")
+    source = _source(values["source"])
+    options = ", ".join(f.name for f in dataclasses.fields(source.Params))
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(source.Params), values))
+    except OmegaConfBaseException as exc:
+        error = omegaconf_error(exc)
+        key = f"data.{getattr(exc, 'full_key', '')}"
+        if "unknown key" in str(error):
+            raise ConfigError(
+                f"{key}: not an option of data.source={values['source']}; its options: {options}"
+            ) from None
+        raise ConfigError(f"data.{error}") from None
     if not 0.0 <= cfg.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction: got {cfg.val_fraction}, expected 0 <= value < 1")
-    if not 0.0 < cfg.test_fraction < 1.0:
-        raise ConfigError(f"data.test_fraction: got {cfg.test_fraction}, expected 0 < value < 1")
-    source = _source(cfg)
-    _reject_unused_options(cfg, source.OPTIONS)
+    test_fraction = getattr(cfg, "test_fraction", 0.5)
+    if not 0.0 < test_fraction < 1.0:
+        raise ConfigError(f"data.test_fraction: got {test_fraction}, expected 0 < value < 1")
     source.validate(cfg)
-
-
-def _reject_unused_options(cfg: DataConfig, used: tuple[str, ...]) -> None:
-    """A data.* key set away from its default that this source never reads is an error."""
-    defaults = DataConfig(source=cfg.source)
-    for option in dataclasses.fields(DataConfig):
-        name = option.name
-        if name == "source" or name in used:
-            continue
-        if getattr(cfg, name) != getattr(defaults, name):
-            raise ConfigError(
-                f"data.{name}: not used by data.source={cfg.source}; its options: {', '.join(used)}"
-            )
+    return cfg  # type: ignore[no-any-return]
 
 
 def silo_names(cfg: DataConfig) -> list[str]:
     """The silos of this federation, in a fixed order."""
-    return list(_source(cfg).silo_names(cfg))
+    return list(_source(cfg.source).silo_names(cfg))
 
 
 def load_silo_data(cfg: DataConfig, silo: str, seed: int) -> SiloData:
     """Load one silo's private data; deterministic for a given seed."""
-    return _source(cfg).load(cfg, silo, seed)
+    return _source(cfg.source).load(cfg, silo, seed)
 
 
 def raw_encoder(source: str) -> Callable[[np.ndarray], np.ndarray]:

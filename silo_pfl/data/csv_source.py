@@ -18,6 +18,7 @@ import csv
 import math
 import os
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +33,19 @@ from silo_pfl.seeding import numpy_rng
 EXAMPLE = "data.paths.hospital_a=/data/a.csv"
 
 
-# The data.* keys this source reads (besides data.source).
-OPTIONS = ("val_fraction", "test_fraction", "paths", "label_column", "num_classes")
+@dataclass
+class Params(DataConfig):
+    """data.* of data.source=csv."""
+
+    test_fraction: float = 0.25  # share of each silo's rows held out for test
+    paths: dict[str, str] = field(default_factory=dict)  # silo name -> that silo's file
+    label_column: str = "label"  # the column holding the class label
+    # Required: the classes 0..num_classes-1 every silo's labels must lie in; a silo may hold
+    # only some of them.
+    num_classes: int | None = None
 
 
-def declared_classes(cfg: DataConfig) -> int:
+def declared_classes(cfg: Params) -> int:
     """data.num_classes, which a CSV federation must declare as an integer >= 2."""
     if cfg.num_classes is None:
         raise ConfigError(
@@ -48,7 +57,7 @@ def declared_classes(cfg: DataConfig) -> int:
     return cfg.num_classes
 
 
-def validate(cfg: DataConfig) -> None:
+def validate(cfg: Params) -> None:
     """Check that every silo has a path, that a label column is named, and the classes."""
     if not cfg.paths:
         raise ConfigError(f"data.paths: give one CSV path per silo, e.g. {EXAMPLE}")
@@ -71,7 +80,7 @@ def encode_raw(rows: np.ndarray) -> np.ndarray:
     return rows
 
 
-def silo_names(cfg: DataConfig) -> list[str]:
+def silo_names(cfg: Params) -> list[str]:
     """The keys of data.paths, in the order given."""
     return list(cfg.paths)
 
@@ -214,7 +223,7 @@ def fit_preprocessing(names: tuple[str, ...], features: np.ndarray) -> Preproces
     )
 
 
-def load(cfg: DataConfig, silo: str, seed: int) -> SiloData:
+def load(cfg: Params, silo: str, seed: int) -> SiloData:
     """Read the silo's CSV, split test and validation rows, normalise with training statistics."""
     if silo not in cfg.paths:
         raise DataError(

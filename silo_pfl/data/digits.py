@@ -59,11 +59,18 @@ class FeatureShift:
     geometry: str  # one of GEOMETRIES
 
 
-# The data.* keys this source reads (besides data.source).
-OPTIONS = ("val_fraction", "test_fraction", "num_silos", "partition", "alpha", "classes_per_silo")
+@dataclass
+class Params(DataConfig):
+    """data.* of data.source=digits."""
+
+    test_fraction: float = 0.25  # share of each silo's rows held out for test
+    num_silos: int = 10  # how many silos share the images
+    partition: str = "iid"  # iid | dirichlet | pathological | concept_shift | feature_shift
+    alpha: float = 0.5  # dirichlet: concentration; smaller is more skewed
+    classes_per_silo: int = 2  # pathological: classes each silo holds
 
 
-def validate(cfg: DataConfig) -> None:
+def validate(cfg: Params) -> None:
     """Check the digits keys of the config."""
     if not 1 <= cfg.num_silos <= MAX_SILOS:
         raise ConfigError(
@@ -101,7 +108,7 @@ def encode_raw(rows: np.ndarray) -> np.ndarray:
     return rows.reshape(-1, *IMAGE_SHAPE)
 
 
-def silo_names(cfg: DataConfig) -> list[str]:
+def silo_names(cfg: Params) -> list[str]:
     """silo_0 .. silo_{N-1}."""
     return [f"silo_{i}" for i in range(cfg.num_silos)]
 
@@ -145,7 +152,7 @@ def read_digits(silo: str = "?") -> tuple[np.ndarray, np.ndarray]:
     return images, labels
 
 
-def partition(cfg: DataConfig, labels: np.ndarray, seed: int) -> list[np.ndarray]:
+def partition(cfg: Params, labels: np.ndarray, seed: int) -> list[np.ndarray]:
     """Row indices of every silo, in silo order; the same in every process for a seed."""
     if cfg.partition == "dirichlet":
         rng = numpy_rng(seed, "partition", "dirichlet")
@@ -156,7 +163,7 @@ def partition(cfg: DataConfig, labels: np.ndarray, seed: int) -> list[np.ndarray
     return partitioners.iid(labels, cfg.num_silos, numpy_rng(seed, "partition", "iid"))
 
 
-def label_permutations(cfg: DataConfig, seed: int) -> np.ndarray:
+def label_permutations(cfg: Params, seed: int) -> np.ndarray:
     """concept_shift: row s is silo_s's map from true digit to the label it uses."""
     rng = numpy_rng(seed, "concept_shift")
     return partitioners.label_permutations(cfg.num_silos, NUM_CLASSES, rng)
@@ -189,7 +196,7 @@ def apply_feature_shift(
     return np.ascontiguousarray(shifted, dtype=np.float32)
 
 
-def _silo_index(cfg: DataConfig, silo: str) -> int:
+def _silo_index(cfg: Params, silo: str) -> int:
     names = silo_names(cfg)
     if silo not in names:
         raise DataError(
@@ -199,7 +206,7 @@ def _silo_index(cfg: DataConfig, silo: str) -> int:
     return names.index(silo)
 
 
-def _silo_rows(cfg: DataConfig, silo: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def _silo_rows(cfg: Params, silo: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """The silo's images, feature shift applied, and their true digits."""
     images, labels = read_digits(silo)
     rows = partition(cfg, labels, seed)[_silo_index(cfg, silo)]
@@ -215,7 +222,7 @@ def _silo_rows(cfg: DataConfig, silo: str, seed: int) -> tuple[np.ndarray, np.nd
     return x, digit
 
 
-def load(cfg: DataConfig, silo: str, seed: int) -> SiloData:
+def load(cfg: Params, silo: str, seed: int) -> SiloData:
     """This silo's share of the digits, split into train, validation and test.
 
     The splits are stratified on the true digit, so concept_shift holds the same rows in the same

@@ -23,6 +23,7 @@ seed); the FLamby split itself does not depend on the seed.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -54,15 +55,16 @@ FEATURE_NAMES = NUMERIC_COLUMNS + tuple(
 NUM_CLASSES = 2
 
 
-# The data.* keys this source reads (besides data.source).
-OPTIONS = ("val_fraction",)
+@dataclass
+class Params(DataConfig):
+    """data.* of data.source=heart_disease: only the validation share; the split is FLamby's."""
 
 
-def validate(cfg: DataConfig) -> None:
+def validate(cfg: Params) -> None:
     """Nothing to check: the hospitals and their split are fixed."""
 
 
-def silo_names(cfg: DataConfig) -> list[str]:
+def silo_names(cfg: Params) -> list[str]:
     """The four hospitals, in FLamby's center order."""
     return list(SILOS)
 
@@ -139,7 +141,7 @@ def fit_preprocessing(features: np.ndarray) -> Preprocessing:
     )
 
 
-def load(cfg: DataConfig, silo: str, seed: int) -> SiloData:
+def load(cfg: Params, silo: str, seed: int) -> SiloData:
     """The hospital's FLamby train/test rows, normalised, with validation rows from train."""
     raw, labels = read_complete_rows(silo)
     train, test = flamby_split(silo)

@@ -165,8 +165,9 @@ class RoundRunner:
         """One attempt at `round_`: its summary, or why it had no quorum."""
         live = {n: p for n, p in self.parties.items() if not p.died}
         global_ref = self.server.global_state.remote()
+        broadcast_ref = self.server.broadcast.remote()
         fit_refs = {
-            n: p.actor.fit.options(num_returns=2).remote(global_ref, round_, attempt)
+            n: p.actor.fit.options(num_returns=2).remote(global_ref, round_, attempt, broadcast_ref)
             for n, p in live.items()
         }
         fits, absent, died = gather({n: m for n, (_, m) in fit_refs.items()}, self.timeout)

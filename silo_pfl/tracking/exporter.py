@@ -20,6 +20,7 @@ contends with round 1 for the silo's GIL and the machine's cores.)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -194,6 +195,7 @@ def write_model(
         raw_columns=model.raw_columns,
         preprocessing=model.preprocessing,
         adapter_dim=cfg.model.adapter_dim,
+        algorithm=dataclasses.asdict(cfg)["algorithm"],
     )
     requirements = _requirements()
     with tempfile.TemporaryDirectory() as tmp, _known_packages(requirements):

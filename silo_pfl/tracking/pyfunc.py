@@ -17,6 +17,8 @@ import torch
 from mlflow.models import ModelSignature
 from mlflow.types.schema import AnyType, ColSpec, ParamSchema, ParamSpec, Schema, TensorSpec
 
+from silo_pfl.algorithms import algorithm_config, build_algorithm
+from silo_pfl.config import TrainConfig
 from silo_pfl.data import Preprocessing, raw_encoder
 from silo_pfl.models import build_model
 
@@ -52,6 +54,7 @@ class SiloPyfunc(mlflow.pyfunc.PythonModel):
         raw_columns: tuple[str, ...],
         preprocessing: Preprocessing,
         adapter_dim: int = 0,
+        algorithm: dict[str, Any] | None = None,
     ) -> None:
         self.source = source
         self.model_name = model_name
@@ -61,13 +64,16 @@ class SiloPyfunc(mlflow.pyfunc.PythonModel):
         self.raw_columns = tuple(raw_columns)
         self.preprocessing = preprocessing
         self.adapter_dim = adapter_dim
+        self.algorithm = dict(algorithm or {"name": "fedavg"})  # its prepare_model shapes the net
 
     def load_context(self, context: Any) -> None:
         """Build the network and load the silo's state_dict (global + its local keys)."""
         state = torch.load(context.artifacts[STATE_ARTIFACT], weights_only=True)
-        self.network = build_model(
+        network = build_model(
             self.model_name, self.input_shape, self.num_classes, self.hidden, self.adapter_dim
         )
+        algorithm = build_algorithm(algorithm_config(self.algorithm), TrainConfig())
+        self.network = algorithm.prepare_model(network)
         self.network.load_state_dict(state)
         self.network.eval()
         self.encode = raw_encoder(self.source)

@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from silo_pfl.config import DataConfig
 from silo_pfl.data import csv_source
 from silo_pfl.errors import ConfigError, DataError
 
@@ -25,9 +24,9 @@ def good_table(rows: int = 40, seed: int = 0) -> str:
     return "\n".join(lines) + "\n"
 
 
-def config(paths: dict[str, Path], **overrides) -> DataConfig:
+def config(paths: dict[str, Path], **overrides) -> csv_source.Params:
     options = {"num_classes": 3, **overrides}
-    return DataConfig(source="csv", paths={k: str(v) for k, v in paths.items()}, **options)
+    return csv_source.Params(source="csv", paths={k: str(v) for k, v in paths.items()}, **options)
 
 
 def load_error(tmp_path: Path, text: str | None, silo: str = "clinic_b") -> str:
@@ -44,12 +43,12 @@ def load_error(tmp_path: Path, text: str | None, silo: str = "clinic_b") -> str:
 
 def test_validate_requires_paths():
     with pytest.raises(ConfigError, match=r"data\.paths: give one CSV path per silo, e\.g\."):
-        csv_source.validate(DataConfig(source="csv"))
+        csv_source.validate(csv_source.Params(source="csv"))
 
 
 def test_validate_requires_num_classes():
     with pytest.raises(ConfigError, match=r"^data\.num_classes: required for data\.source=csv"):
-        csv_source.validate(DataConfig(source="csv", paths={"a": "/a.csv"}))
+        csv_source.validate(csv_source.Params(source="csv", paths={"a": "/a.csv"}))
 
 
 @pytest.mark.parametrize("count", [1, 0, -2])
@@ -60,7 +59,7 @@ def test_validate_needs_at_least_two_classes(count):
 
 def test_validate_rejects_an_empty_path():
     with pytest.raises(ConfigError, match=r"data\.paths\.a"):
-        csv_source.validate(DataConfig(source="csv", paths={"a": " "}))
+        csv_source.validate(csv_source.Params(source="csv", paths={"a": " "}))
 
 
 def test_silo_names_keep_the_given_order(tmp_path):

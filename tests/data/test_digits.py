@@ -10,16 +10,15 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from silo_pfl.config import DataConfig
 from silo_pfl.data import digits, partitioners
 from silo_pfl.errors import ConfigError, DataError
 
 
-def config(**overrides) -> DataConfig:
-    return replace(DataConfig(source="digits"), **overrides)
+def config(**overrides) -> digits.Params:
+    return replace(digits.Params(source="digits"), **overrides)
 
 
-def load_all(cfg: DataConfig, seed: int = 0) -> list:
+def load_all(cfg: digits.Params, seed: int = 0) -> list:
     return [digits.load(cfg, silo, seed) for silo in digits.silo_names(cfg)]
 
 
@@ -203,10 +202,9 @@ def test_missing_scikit_learn_is_a_data_error(monkeypatch):
 def test_silos_load_without_importing_sklearn():
     code = (
         "import sys\n"
-        "from silo_pfl.config import DataConfig\n"
         "from silo_pfl.data import digits, heart_disease\n"
-        "digits.load(DataConfig(source='digits', partition='feature_shift'), 'silo_1', 0)\n"
-        "heart_disease.load(DataConfig(source='heart_disease'), 'va', 0)\n"
+        "digits.load(digits.Params(source='digits', partition='feature_shift'), 'silo_1', 0)\n"
+        "heart_disease.load(heart_disease.Params(source='heart_disease'), 'va', 0)\n"
         "assert 'sklearn' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -7,7 +7,6 @@ import json
 import numpy as np
 import pytest
 
-from silo_pfl.config import DataConfig
 from silo_pfl.data import heart_disease as hd
 from silo_pfl.data.heart_disease_split import build_split
 from silo_pfl.errors import DataError
@@ -15,8 +14,8 @@ from silo_pfl.errors import DataError
 SIZES = {"cleveland": (199, 104), "hungarian": (172, 89), "switzerland": (30, 16), "va": (85, 45)}
 
 
-def config(val_fraction: float = 0.2) -> DataConfig:
-    return DataConfig(source="heart_disease", val_fraction=val_fraction)
+def config(val_fraction: float = 0.2) -> hd.Params:
+    return hd.Params(source="heart_disease", val_fraction=val_fraction)
 
 
 def test_shipped_split_equals_sklearn_train_test_split():

@@ -1,0 +1,123 @@
+"""SCAFFOLD (Karimireddy et al., 2020), option II: control variates correct each silo's drift.
+
+The server keeps a control variate c over the global keys and sends it each round; each silo
+keeps its own c_i. Local SGD follows g - c_i + c instead of g (here: the linear loss term
+<c - c_i, w>, whose gradient is exactly that correction). After K local steps of size lr the silo
+sets c_i+ = c_i - c + (x - y) / (K * lr) and sends Delta c_i = c_i+ - c_i beside its delta; the
+server adds the example-weighted mean of the Delta c_i, times the share of silos that took part,
+to c. With every silo taking part, c stays the (example-weighted) mean of the c_i.
+
+With momentum, K steps of SGD move about lr / (1 - momentum) per unit gradient, so that is the
+step size in the c_i update. Control variates of buffers (BatchNorm statistics) stay zero.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from silo_pfl.aggregation import State
+from silo_pfl.algorithms import register
+from silo_pfl.algorithms.base import Algorithm, SiloTrainer
+from silo_pfl.config import FederationConfig
+from silo_pfl.errors import ConfigError
+from silo_pfl.server_optimizers import ServerOptimizer
+from silo_pfl.strategy import Aggregate, ServerStrategy
+
+EXTRA = "control_variate"
+PREFIX = "scaffold.c."
+
+
+class ScaffoldStrategy(ServerStrategy):
+    """The server's control variate c: broadcast each round, moved by the silos' Delta c_i."""
+
+    extras = (EXTRA,)
+
+    def __init__(self, global_state: State) -> None:
+        super().__init__(global_state)
+        self.dtypes = {k: v.dtype for k, v in global_state.items()}
+        self.c: State = {k: np.zeros(v.shape, np.float64) for k, v in global_state.items()}
+
+    def apply(self, state: State, aggregate: Aggregate, optimizer: ServerOptimizer) -> State:
+        for key, change in aggregate.extras[EXTRA].items():
+            self.c[key] = self.c[key] + aggregate.participation * change
+        return optimizer.step(state, aggregate.delta)
+
+    def broadcast(self) -> dict[str, State]:
+        return {EXTRA: {k: v.astype(self.dtypes[k]) for k, v in self.c.items()}}
+
+    def state_dict(self) -> dict[str, State]:
+        return {"c": dict(self.c)}
+
+    def load_state_dict(self, saved: dict[str, State]) -> None:
+        self.c = dict(saved["c"])
+
+
+@register
+class Scaffold(Algorithm):
+    """FedAvg's local SGD, corrected by control variates; Delta c_i travels with the delta."""
+
+    name = "scaffold"
+    Strategy = ScaffoldStrategy
+
+    def __init__(self, params, train) -> None:
+        super().__init__(params, train)
+        self.c_local: dict[str, torch.Tensor] = {}  # c_i, over the global keys
+        self.correction: dict[str, torch.Tensor] = {}  # c - c_i, this round
+        self.steps = 0
+
+    def check_config(self, cfg: FederationConfig) -> None:
+        super().check_config(cfg)
+        if cfg.train.optimizer != "sgd":
+            raise ConfigError(
+                f"train.optimizer: got {cfg.train.optimizer}, but scaffold's control variates "
+                "assume SGD steps; use train.optimizer=sgd"
+            )
+
+    def begin_round(
+        self, silo: SiloTrainer, reference: dict[str, torch.Tensor], broadcast: dict
+    ) -> None:
+        server_c = broadcast[EXTRA]
+        if not self.c_local:
+            self.c_local = {k: torch.zeros_like(v) for k, v in reference.items()}
+        self.correction = {
+            k: torch.as_tensor(np.asarray(server_c[k])) - self.c_local[k]
+            for k, v in reference.items()
+            if v.is_floating_point()
+        }
+        self.steps = 0
+
+    def extra_loss(
+        self, model: nn.Module, reference: dict[str, torch.Tensor]
+    ) -> torch.Tensor | None:
+        self.steps += 1
+        terms = [
+            (param * self.correction[name]).sum()
+            for name, param in model.named_parameters()
+            if param.requires_grad and name in self.correction
+        ]
+        return torch.stack(terms).sum() if terms else None
+
+    def update_extras(
+        self, silo: SiloTrainer, reference: dict[str, torch.Tensor]
+    ) -> dict[str, dict[str, np.ndarray]]:
+        state = silo.model.state_dict()
+        parameters = {name for name, _ in silo.model.named_parameters()}
+        step = self.train.lr / (1 - self.train.momentum)
+        change: dict[str, np.ndarray] = {}
+        for key, old in self.c_local.items():
+            new = old
+            if key in parameters and key in self.correction and self.steps:
+                # c_i+ = c_i - c + (x - y) / (K * lr), where c_i - c = -correction
+                drift = (reference[key] - state[key]) / (self.steps * step)
+                new = drift - self.correction[key]
+            change[key] = (new - old).numpy()
+            self.c_local[key] = new
+        return {EXTRA: change}
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        return {f"{PREFIX}{k}": v for k, v in self.c_local.items()}
+
+    def load_local_state(self, silo: SiloTrainer, state: dict[str, torch.Tensor]) -> None:
+        self.c_local = {k[len(PREFIX) :]: v.clone() for k, v in state.items()}

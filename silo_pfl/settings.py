@@ -1,0 +1,106 @@
+"""Loading a job: the structure of `silo_pfl.config`, typed and checked against the registries.
+
+`data.*` becomes the data source's own dataclass and every `algorithm.<name>` section that
+algorithm's Params; plugins are imported first, so that algorithms they register are found. Every
+error is a one-line ConfigError naming the key, raised before anything starts.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+from silo_pfl.algorithms import algorithm_config, build_algorithm
+from silo_pfl.config import (
+    FederationConfig,
+    check_node_label,
+    merge_config,
+    read_yaml,
+)
+from silo_pfl.data import data_config, silo_names
+from silo_pfl.errors import ConfigError, one_line
+from silo_pfl.models import MODEL_NAMES, check_adapters
+from silo_pfl.server_optimizers import resolve_server_optimizer
+from silo_pfl.split import parse_rules
+
+
+def build_config(base: Any = None, overrides: list[str] | None = None) -> FederationConfig:
+    """Merge a mapping (or DictConfig) with `key=value` overrides; type and validate it all."""
+    cfg = merge_config(base, overrides)
+    _import_plugins(cfg.plugins)
+    cfg.data = data_config(cfg.data)
+    cfg.algorithm = algorithm_config(cfg.algorithm)
+    _check_model(cfg)
+    if cfg.split.local is not None:
+        parse_rules(cfg.split.local)
+    algorithm = build_algorithm(cfg.algorithm, cfg.train)
+    algorithm.check_config(cfg)
+    resolve_server_optimizer(cfg.server, algorithm.server_optimizer, cfg.algorithm["name"])
+    _check_silos(cfg)
+    return cfg
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> FederationConfig:
+    """Load a job YAML, apply `key=value` overrides, and validate everything before any work."""
+    return build_config(read_yaml(Path(path)), overrides)
+
+
+def from_dict(data: dict[str, Any]) -> FederationConfig:
+    """Rebuild a validated config from `config.to_dict` output (used inside actors)."""
+    return build_config(data)
+
+
+def _import_plugins(modules: list[str]) -> None:
+    """Import each plugin module once; a failure names the entry and the module."""
+    for index, module in enumerate(modules):
+        try:
+            importlib.import_module(module)
+        except Exception as exc:
+            raise ConfigError(
+                f"plugins[{index}]: cannot import {module!r} ({type(exc).__name__}: "
+                f"{one_line(exc)}); expected an importable module name, e.g. my_team.algorithms"
+            ) from None
+
+
+def _check_model(cfg: FederationConfig) -> None:
+    if cfg.model.name not in MODEL_NAMES:
+        raise ConfigError(
+            f"model.name: got {cfg.model.name!r}, expected one of {', '.join(sorted(MODEL_NAMES))}"
+        )
+    check_adapters(cfg.model.name, cfg.model.adapter_dim)
+    if cfg.model.hidden and min(cfg.model.hidden) < 1:
+        raise ConfigError(f"model.hidden: got {list(cfg.model.hidden)}, expected widths >= 1")
+
+
+def _check_silos(cfg: FederationConfig) -> None:
+    """silos.<name> must name a silo of this federation; store URIs must be usable; secure
+    aggregation needs at least two silos, every one of them in each round."""
+    from silo_pfl.tracking.uri import check_uri, resolve_uri
+
+    names = silo_names(cfg.data)
+    quorum = cfg.round.min_silos
+    if quorum is not None and not 1 <= quorum <= len(names):
+        raise ConfigError(
+            f"round.min_silos: got {quorum}, expected 1 to {len(names)} (the number of silos), "
+            "or null for every silo"
+        )
+    if cfg.aggregation.secure and quorum is not None and quorum < len(names):
+        raise ConfigError(
+            f"round.min_silos: got {quorum}, but under aggregation.secure every silo's masked "
+            "update is needed (no dropout recovery yet); set it to null or turn secure off"
+        )
+    if cfg.aggregation.secure and len(names) < 2:
+        raise ConfigError(
+            "aggregation.secure: needs at least 2 silos, so that no single update can be unmasked"
+        )
+    for silo, settings in cfg.silos.items():
+        if silo not in names:
+            raise ConfigError(
+                f"silos.{silo}: not a silo of this federation; its silos are {', '.join(names)}"
+            )
+        if settings.tracking_uri is not None:
+            settings.tracking_uri = check_uri(settings.tracking_uri, f"silos.{silo}.tracking_uri")
+        check_node_label(settings.node_label, f"silos.{silo}.node_label")
+    check_node_label(cfg.server.node_label, "server.node_label")
+    cfg.tracking.uri = resolve_uri(cfg.tracking.uri, "tracking.uri")

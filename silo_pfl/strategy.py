@@ -1,0 +1,53 @@
+"""The server's part of an algorithm: how a round's aggregate becomes the new global state.
+
+The server checks every update, then takes the example-weighted mean of the accepted deltas and
+of each named extra the algorithm's updates carry (SCAFFOLD's control-variate delta): an
+`Aggregate`. Being a mean of sums, it is also what secure aggregation yields. The strategy turns
+it into the new global keys, through the server optimizer (server.optimizer), and may keep state
+of its own (control variates), checkpointed with the server and sent to the silos each round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from silo_pfl.aggregation import State
+from silo_pfl.server_optimizers import ServerOptimizer
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """A round's example-weighted means over the accepted updates."""
+
+    delta: State  # of the global keys' deltas
+    extras: dict[str, State]  # of each named extra, keyed like the global keys
+    participation: float  # accepted silos / enrolled silos
+
+
+class ServerStrategy:
+    """The default: the server optimizer over the mean delta (sgd, lr 1: FedAvg's mean)."""
+
+    # Names of the extras each silo's update carries, beside its delta.
+    extras: ClassVar[tuple[str, ...]] = ()
+    # Why this strategy cannot run under aggregation.secure, where the server sees only sums;
+    # "" when it can (its inputs are the means above).
+    secure_refusal: ClassVar[str] = ""
+
+    def __init__(self, global_state: State) -> None:
+        self.shapes = {k: v.shape for k, v in global_state.items()}
+
+    def apply(self, state: State, aggregate: Aggregate, optimizer: ServerOptimizer) -> State:
+        """The new global keys."""
+        return optimizer.step(state, aggregate.delta)
+
+    def broadcast(self) -> dict[str, State]:
+        """What every silo receives with the global keys at the start of a round."""
+        return {}
+
+    def state_dict(self) -> dict[str, State]:
+        """The strategy's own state, for the server's checkpoint."""
+        return {}
+
+    def load_state_dict(self, saved: dict[str, State]) -> None:
+        """Restore what `state_dict` returned."""

@@ -1,0 +1,180 @@
+"""The server's side of an algorithm: SCAFFOLD's control variates, the server optimizers of
+FedAdam, FedYogi and FedAdagrad, their checkpointed state, and how they meet secure aggregation.
+On the plain Silo and Server classes, with the heart-disease hospitals' real data."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from silo_pfl.aggregation import weighted_mean
+from silo_pfl.config import to_dict
+from silo_pfl.errors import ConfigError
+from silo_pfl.server import Server
+from silo_pfl.silo import Silo
+from silo_pfl.split import PrivacyError
+
+HOSPITALS = ("cleveland", "hungarian", "switzerland", "va")
+
+
+def _federation(job, *overrides: str) -> tuple[list[Silo], Server]:
+    config = to_dict(job("jobs/heart_disease.yaml", *overrides))
+    silos = [Silo(config, name) for name in HOSPITALS]
+    infos = [silo.setup() for silo in silos]
+    public = {i.silo: i.public_key for i in infos if i.public_key}
+    for silo in silos:
+        silo.build(infos[0].input_shape, infos[0].num_classes, public)
+    return silos, Server(config, infos[0].input_shape, infos[0].num_classes)
+
+
+def _round(silos: list[Silo], server: Server, round_: int) -> list:
+    """One committed round; returns the updates the silos sent."""
+    state, broadcast = server.global_state(), server.broadcast()
+    updates = [silo.fit(state, round_, 1, broadcast)[0] for silo in silos]
+    assert server.aggregate(*updates).aggregated
+    for silo in silos:
+        silo.evaluate(server.global_state(), round_)
+        silo.commit(round_, keep=True)
+    return updates
+
+
+def _weights(silos: list[Silo]) -> np.ndarray:
+    sizes = np.array([len(silo.train_xy[1]) for silo in silos], dtype=np.float64)
+    return sizes / sizes.sum()
+
+
+def test_scaffolds_server_control_variate_is_the_mean_of_the_silos_after_each_round(job):
+    silos, server = _federation(job, "algorithm.name=scaffold")
+    weights = _weights(silos)
+    for round_ in (1, 2, 3):
+        updates = _round(silos, server, round_)
+        assert all(set(u.extras) == {"control_variate"} for u in updates)
+        server_c = server.broadcast()["control_variate"]
+        for key in server.global_state():
+            mean = sum(
+                w * s.algorithm.c_local[key].double().numpy()
+                for w, s in zip(weights, silos, strict=True)
+            )
+            np.testing.assert_allclose(server_c[key], mean, rtol=0, atol=1e-6)
+        assert max(float(np.abs(v).max()) for v in server_c.values()) > 1e-3  # it moved
+
+
+def test_scaffold_corrects_local_steps_by_the_control_variates(job):
+    """Round 2 (control variates non-zero) differs from FedAvg's; round 1 (all zero) does not."""
+    scaffold, s_server = _federation(job, "algorithm.name=scaffold")
+    fedavg, f_server = _federation(job, "algorithm.name=fedavg")
+    same = []
+    for round_ in (1, 2):
+        a, b = _round(scaffold, s_server, round_), _round(fedavg, f_server, round_)
+        same.append(
+            all(
+                np.array_equal(x.delta[k], y.delta[k])
+                for x, y in zip(a, b, strict=True)
+                for k in x.delta
+            )
+        )
+    assert same == [True, False]
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "yogi", "adagrad"])
+def test_one_round_of_a_server_optimizer_equals_the_optimizer_written_by_hand(job, optimizer):
+    silos, server = _federation(job, f"algorithm.name=fed{optimizer}", "server.lr=0.05")
+    start = {k: v.copy() for k, v in server.global_state().items()}
+    updates = _round(silos, server, 1)
+    mean = weighted_mean([u.delta for u in updates], [u.num_examples for u in updates])
+    lr, beta1, beta2, tau = 0.05, 0.9, 0.99, 1e-3
+    for key, delta in mean.items():
+        m = (1 - beta1) * delta
+        v0 = np.full_like(delta, tau**2)
+        v = {
+            "adagrad": v0 + delta**2,
+            "adam": beta2 * v0 + (1 - beta2) * delta**2,
+            "yogi": v0 - (1 - beta2) * delta**2 * np.sign(v0 - delta**2),
+        }[optimizer]
+        expected = (start[key] + lr * m / (np.sqrt(v) + tau)).astype(np.float32)
+        np.testing.assert_array_equal(server.global_state()[key], expected)
+
+
+def test_server_sgd_scales_the_mean_and_combines_with_a_personalized_algorithm(job):
+    silos, server = _federation(job, "algorithm.name=fedper", "server.lr=0.5")
+    start = {k: v.copy() for k, v in server.global_state().items()}
+    updates = _round(silos, server, 1)
+    mean = weighted_mean([u.delta for u in updates], [u.num_examples for u in updates])
+    assert not any(k.startswith("head.") for k in mean)
+    for key, delta in mean.items():
+        expected = (start[key].astype(np.float64) + 0.5 * delta).astype(np.float32)
+        np.testing.assert_array_equal(server.global_state()[key], expected)
+
+
+@pytest.mark.parametrize("overrides", [("algorithm.name=scaffold",), ("server.optimizer=yogi",)])
+def test_the_servers_state_is_checkpointed_and_resumes_bit_exactly(job, overrides):
+    silos, server = _federation(job, *overrides)
+    _round(silos, server, 1)
+    _round(silos, server, 2)
+    server.checkpoint(2, {})
+    _round(silos, server, 3)
+    after = server.global_state(), server.broadcast()
+    resumed = Server(to_dict(server.cfg), (13,), 2)
+    resumed.resume()
+    for silo in silos:
+        silo.restore(2)
+    _round(silos, resumed, 3)
+    for key, value in after[0].items():
+        np.testing.assert_array_equal(resumed.global_state()[key], value)
+    for name, values in after[1].items():
+        for key, value in values.items():
+            np.testing.assert_array_equal(resumed.broadcast()[name][key], value)
+
+
+def test_scaffold_under_secure_aggregation_matches_the_plain_run(job):
+    plain, plain_server = _federation(job, "algorithm.name=scaffold")
+    secure, secure_server = _federation(job, "algorithm.name=scaffold", "aggregation.secure=true")
+    for round_ in (1, 2):
+        _round(plain, plain_server, round_)
+        updates = _round(secure, secure_server, round_)
+        assert all(u.masked is not None and not u.extras and not u.delta for u in updates)
+    for name, values in plain_server.broadcast().items():
+        for key, value in values.items():
+            np.testing.assert_allclose(
+                secure_server.broadcast()[name][key], value, rtol=0, atol=1e-5
+            )
+
+
+def test_an_extra_holding_a_local_key_never_leaves_the_silo(job):
+    silos, _ = _federation(job, "algorithm.name=fedper")
+    split = silos[0].split
+    delta = {k: np.zeros(1) for k in split.global_keys}
+    leaky = {"control_variate": {**delta, split.local_keys[0]: np.zeros(1)}}
+    with pytest.raises(PrivacyError, match="refusing to send local keys in control_variate"):
+        split.outgoing(delta, leaky)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ("algorithm.name=fedadam", "server.optimizer=yogi"),
+            "server.optimizer: got yogi, but algorithm fedadam is fedavg with "
+            "server.optimizer=adam; use algorithm.name=fedavg server.optimizer=yogi",
+        ),
+        (("server.optimizer=rmsprop",), "server.optimizer: got 'rmsprop', expected one of sgd,"),
+        (("server.lr=0",), "server.lr: got 0.0, expected a number > 0, or null"),
+        (
+            ("algorithm.name=scaffold", "train.optimizer=adam"),
+            "train.optimizer: got adam, but scaffold's control variates assume SGD steps",
+        ),
+        (
+            (
+                "plugins=[tests.strategy_plugins]",
+                "algorithm.name=median_fedavg",
+                "aggregation.secure=true",
+            ),
+            "aggregation.secure: algorithm median_fedavg needs each silo's update in the clear",
+        ),
+    ],
+)
+def test_strategies_that_cannot_run_refuse_at_load_in_one_line(job, overrides, message):
+    with pytest.raises(ConfigError) as info:
+        job("jobs/heart_disease.yaml", *overrides)
+    assert str(info.value).startswith(message)
+    assert "\n" not in str(info.value)
