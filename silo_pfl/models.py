@@ -186,5 +186,8 @@ def block_of(model: BodyHeadModel) -> dict[str, str]:
 
 
 def blocks(model: BodyHeadModel) -> list[str]:
-    """The model's layers in forward order, e.g. body.conv1, body.conv2, body.fc, head."""
-    return list(dict.fromkeys(block_of(model).values()))
+    """The model's layers that hold state, in forward order, e.g. body.conv1, body.conv2, body.fc,
+    head (a leading module without state, such as mlp's flatten, is no block)."""
+    owner = block_of(model)
+    holding = {owner.get(".".join(key.split(".")[:2]), "head") for key in model.state_dict()}
+    return [block for block in dict.fromkeys(owner.values()) if block in holding]

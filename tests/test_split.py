@@ -165,3 +165,10 @@ def test_each_algorithm_declares_the_keys_its_procedure_needs(algorithm, rules, 
         return
     with pytest.raises(ConfigError, match=rf"leaves no {missing} keys, .*algorithm {built.name} "):
         built.check_split(split)
+
+
+def test_a_leading_module_without_state_is_no_block():
+    """mlp's body starts with a Flatten: first:1 is its first hidden layer, not the Flatten."""
+    model = build_model("mlp", (13,), 2, (32, 16))
+    assert blocks(model) == ["body.fc1", "body.fc2", "head"]
+    assert compute_split(model, ["first:1"]).local_keys == ("body.fc1.weight", "body.fc1.bias")
