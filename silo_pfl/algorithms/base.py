@@ -15,7 +15,7 @@ from typing import ClassVar, Literal, Protocol
 import torch
 from torch import nn
 
-from silo_pfl.config import TrainConfig
+from silo_pfl.config import ModelConfig, TrainConfig
 from silo_pfl.errors import ConfigError
 from silo_pfl.models import BodyHeadModel
 from silo_pfl.optim import Optimizer
@@ -98,6 +98,10 @@ class Algorithm:
     def local_rules(self) -> tuple[str, ...]:
         """The split rules used when the job does not set split.local."""
         return self.default_local_rules
+
+    def check_model(self, model: ModelConfig) -> None:
+        """At config load: raise a one-line ConfigError if this algorithm cannot apply to the
+        configured model (prepare_model would fail on it)."""
 
     def prepare_model(self, model: BodyHeadModel) -> BodyHeadModel:
         """The federation's model as this algorithm needs it (MoE heads replace the head);
