@@ -6,6 +6,8 @@ or an adapter belongs to the block before it.
 
 With `model.adapter_dim` > 0, mlp and the cnn_small models get a residual bottleneck `Adapter`
 after each hidden layer of the body (body.adapter1, ...), found by the split rule `adapters`.
+
+`MoEHead` replaces a model's Linear head by a mixture of expert heads (algorithm moe_heads).
 """
 
 from __future__ import annotations
@@ -38,6 +40,49 @@ class Adapter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.up(torch.relu(self.down(x)))
+
+
+class MoEHead(nn.Module):
+    """A mixture of `experts` Linear heads, weighted per example by a gate on the body's features.
+
+    Output: sum_e softmax(gate(x))_e * experts[e](x), a convex combination of the experts'
+    logits (so one expert computes exactly what that Linear head does). Keys:
+    head.experts.<e>.weight, head.experts.<e>.bias, head.gate.weight, head.gate.bias.
+    """
+
+    def __init__(self, in_features: int, num_classes: int, experts: int) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(in_features, num_classes) for _ in range(experts))
+        self.gate = nn.Linear(in_features, experts)
+
+    @classmethod
+    def from_head(cls, head: nn.Module, experts: int, class_bias: float = 0.0) -> MoEHead:
+        """A mixture whose expert 0 is `head` itself and whose other experts and gate are new
+        (from torch's global generator, seeded by the caller). With more than one expert,
+        `class_bias` is added to each expert's bias on its own classes: class c belongs to
+        expert e when c % experts == e % num_classes, i.e. expert e favours class e when there
+        are at least as many experts as classes, so the gate can choose classes through them."""
+        if not isinstance(head, nn.Linear):
+            raise ConfigError(
+                f"model.name: the model's head is a {type(head).__name__}, not the single Linear "
+                "layer a mixture of expert heads replaces"
+            )
+        moe = cls(head.in_features, head.out_features, experts)
+        moe.experts[0] = head
+        if experts > 1 and class_bias:
+            classes = torch.arange(head.out_features)
+            with torch.no_grad():
+                for e, expert in enumerate(moe.experts):
+                    expert.bias[classes % experts == e % head.out_features] += class_bias
+        return moe
+
+    def gates(self, x: torch.Tensor) -> torch.Tensor:
+        """The mixture weights of each example of `x` (body features): rows summing to 1."""
+        return torch.softmax(self.gate(x), dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = torch.stack([expert(x) for expert in self.experts], dim=1)
+        return (self.gates(x).unsqueeze(2) * logits).sum(dim=1)
 
 
 class BodyHeadModel(nn.Module):
@@ -153,6 +198,8 @@ MODELS: dict[str, ModelFactory] = {
     "resnet18": resnet18,
 }
 MODEL_NAMES = frozenset(MODELS)
+# The models whose head is one nn.Linear (tests build each to check), which MoEHead can replace.
+LINEAR_HEAD_MODELS = frozenset({"mlp", "cnn_small", "cnn_small_bn", "resnet18"})
 
 
 def build_model(

@@ -95,5 +95,6 @@ from silo_pfl.algorithms import (  # noqa: E402, F401
     finetune,
     lg_fedavg,
     local,
+    moe_heads,
     scaffold,
 )

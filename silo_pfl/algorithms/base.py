@@ -104,7 +104,8 @@ class Algorithm:
         self.train = train
 
     def check_config(self, cfg: FederationConfig) -> None:
-        """At load: raise a one-line ConfigError if this algorithm cannot run the job."""
+        """At load: raise a one-line ConfigError if this algorithm cannot run the job (its model,
+        its optimizer, secure aggregation)."""
         refusal = self.Strategy.secure_refusal
         if cfg.aggregation.secure and refusal:
             raise ConfigError(
