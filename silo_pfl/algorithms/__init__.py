@@ -92,4 +92,5 @@ from silo_pfl.algorithms import (  # noqa: E402, F401
     fedrep,
     finetune,
     local,
+    perfedavg,
 )
