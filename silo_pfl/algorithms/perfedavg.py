@@ -38,7 +38,7 @@ ADAPT = "adapt"  # the purpose of the personalized model's adaptation
 class PerFedAvgParams:
     """Per-FedAvg's options."""
 
-    inner_steps: int = 1  # SGD steps adapting the personalized model (the fast weights)
+    inner_steps: int = 5  # SGD steps adapting the personalized model (the fast weights)
     inner_lr: float = 0.01  # alpha: the inner step's size, in training and in adaptation
     layerwise: bool = False  # only the local layers adapt; the shared ones follow Reptile
 
