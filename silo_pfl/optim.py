@@ -37,6 +37,11 @@ class Optimizer(ABC):
     def step(self) -> None:
         """Update the parameters from their gradients."""
 
+    def finish(self) -> None:
+        """Called once after the loop's last step: an optimizer that leaves the parameters at a
+        provisional point between two steps (a meta-learning inner step) puts them back."""
+        return None
+
 
 class SGD(Optimizer):
     """torch.optim.SGD without dampening or Nesterov: buf = m * buf + g; p -= lr * buf."""

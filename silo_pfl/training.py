@@ -48,7 +48,7 @@ def train_epochs(
     max_steps: int | None = None,
 ) -> float:
     """Train `epochs` passes over (x, y) in shuffled mini-batches, stopping early after
-    `max_steps` optimizer steps if set; return the mean batch loss."""
+    `max_steps` optimizer steps if set, then `optimizer.finish()`; return the mean batch loss."""
     model.train()
     loss_fn = nn.CrossEntropyLoss()
     total, steps = 0.0, 0
@@ -73,6 +73,7 @@ def train_epochs(
             optimizer.step()
             total += float(loss.detach())
             steps += 1
+    optimizer.finish()
     return total / steps if steps else float("nan")
 
 

@@ -96,5 +96,6 @@ from silo_pfl.algorithms import (  # noqa: E402, F401
     lg_fedavg,
     local,
     moe_heads,
+    perfedavg,
     scaffold,
 )
