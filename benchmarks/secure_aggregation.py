@@ -24,8 +24,8 @@ from silo_pfl.aggregation import weighted_mean
 from silo_pfl.data import load_silo_data, silo_names
 from silo_pfl.federation import Federation
 from silo_pfl.secure_aggregation import Masker, decode_mean, masked_sum
-from silo_pfl.settings import load_config
-from silo_pfl.silo import init_model, split_rules
+from silo_pfl.settings import load_config, split_rules
+from silo_pfl.silo import init_model
 from silo_pfl.split import compute_split
 
 

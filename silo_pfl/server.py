@@ -18,8 +18,8 @@ from silo_pfl.messages import RoundReport, SiloUpdate
 from silo_pfl.run_dir import server_dir
 from silo_pfl.secure_aggregation import decode_mean, masked_sum, vector_length
 from silo_pfl.server_optimizers import ServerOptimizer
-from silo_pfl.settings import from_dict
-from silo_pfl.silo import init_model, split_rules
+from silo_pfl.settings import from_dict, split_rules
+from silo_pfl.silo import init_model
 from silo_pfl.split import compute_split
 from silo_pfl.strategy import Aggregate
 

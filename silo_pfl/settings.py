@@ -11,7 +11,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from silo_pfl.algorithms import algorithm_config, build_algorithm
+from silo_pfl.algorithms import Algorithm, algorithm_config, build_algorithm
 from silo_pfl.config import (
     FederationConfig,
     check_node_label,
@@ -20,13 +20,19 @@ from silo_pfl.config import (
 )
 from silo_pfl.data import data_config, silo_names
 from silo_pfl.errors import ConfigError, one_line
-from silo_pfl.models import MODEL_NAMES, check_adapters
+from silo_pfl.models import MODEL_NAMES, build_model, check_adapters
 from silo_pfl.server_optimizers import resolve_server_optimizer
-from silo_pfl.split import parse_rules
+from silo_pfl.split import compute_split, parse_rules
+
+# Input shapes that build each model only to read its state_dict keys (they do not depend on it).
+_PROBE_SHAPES = {"cnn_small": (1, 8, 8), "cnn_small_bn": (1, 8, 8), "resnet18": (3, 32, 32)}
 
 
-def build_config(base: Any = None, overrides: list[str] | None = None) -> FederationConfig:
-    """Merge a mapping (or DictConfig) with `key=value` overrides; type and validate it all."""
+def build_config(
+    base: Any = None, overrides: list[str] | None = None, probe: bool = True
+) -> FederationConfig:
+    """Merge a mapping (or DictConfig) with `key=value` overrides; type and validate it all.
+    `probe` also builds the model once to check the split rules against its keys."""
     cfg = merge_config(base, overrides)
     _import_plugins(cfg.plugins)
     cfg.data = data_config(cfg.data)
@@ -37,6 +43,8 @@ def build_config(base: Any = None, overrides: list[str] | None = None) -> Federa
     algorithm = build_algorithm(cfg.algorithm, cfg.train)
     algorithm.check_config(cfg)
     resolve_server_optimizer(cfg.server, algorithm.server_optimizer, cfg.algorithm["name"])
+    if probe:
+        _check_split(cfg, algorithm)
     _check_silos(cfg)
     return cfg
 
@@ -47,8 +55,31 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Federat
 
 
 def from_dict(data: dict[str, Any]) -> FederationConfig:
-    """Rebuild a validated config from `config.to_dict` output (used inside actors)."""
-    return build_config(data)
+    """Rebuild a config the driver validated from `config.to_dict` output (inside actors)."""
+    return build_config(data, probe=False)
+
+
+def split_rules(cfg: FederationConfig) -> list[str]:
+    """The split rules in force: the job's, or the algorithm's default."""
+    if cfg.split.local is not None:
+        return list(cfg.split.local)
+    return list(build_algorithm(cfg.algorithm, cfg.train).local_rules())
+
+
+def _check_split(cfg: FederationConfig, algorithm: Algorithm) -> None:
+    """The split rules against the model's keys, and the algorithm's needs of the split."""
+    shape = _PROBE_SHAPES.get(cfg.model.name, (1,))
+    model = build_model(cfg.model.name, shape, 2, cfg.model.hidden, cfg.model.adapter_dim)
+    try:
+        algorithm.check_split(compute_split(algorithm.prepare_model(model), split_rules(cfg)))
+    except ConfigError as exc:
+        if cfg.split.local is not None:
+            raise
+        raise ConfigError(
+            f"algorithm.name: {algorithm.name} keeps split.local={split_rules(cfg)} by default, "
+            f"but on model {cfg.model.name}: {str(exc).split(': ', 1)[-1]}; choose another "
+            "model.name or set split.local"
+        ) from None
 
 
 def _import_plugins(modules: list[str]) -> None:

@@ -46,7 +46,7 @@ from silo_pfl.models import BodyHeadModel, build_model
 from silo_pfl.run_dir import silo_dir
 from silo_pfl.secure_aggregation import Masker, vector_length
 from silo_pfl.seeding import derive_seed, rng_state, seed_everything, set_rng_state
-from silo_pfl.settings import from_dict
+from silo_pfl.settings import from_dict, split_rules
 from silo_pfl.split import Split, compute_split
 from silo_pfl.training import ExtraLoss, evaluate, to_tensors, train_epochs
 
@@ -65,13 +65,6 @@ def init_model(
         cfg.model.name, input_shape, num_classes, cfg.model.hidden, cfg.model.adapter_dim
     )
     return build_algorithm(cfg.algorithm, cfg.train).prepare_model(model)
-
-
-def split_rules(cfg: FederationConfig) -> list[str]:
-    """The split rules in force: the job's, or the algorithm's default."""
-    if cfg.split.local is not None:
-        return list(cfg.split.local)
-    return list(build_algorithm(cfg.algorithm, cfg.train).local_rules())
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,12 @@ def test_every_job_loads():
         (["data.val_fraction=1.5"], "data.val_fraction"),
         (["data.num_silos=3"], "data.num_silos: not an option of data.source=heart_disease"),
         (
+            ["algorithm.name=fedbn"],
+            "algorithm.name: fedbn keeps split.local=['batchnorm'] by default, but on model mlp: "
+            "rule 'batchnorm' matches no state_dict key",
+        ),
+        (["split.local=[last:9]"], "split.local[0]: last:9 asks for more blocks than the model"),
+        (
             [
                 "data.source=csv",
                 "data.num_classes=2",

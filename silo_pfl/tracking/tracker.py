@@ -23,7 +23,7 @@ from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig, to_dict
 from silo_pfl.messages import SiloInfo, SplitInfo
 from silo_pfl.results import FederationResult, RoundSummary
-from silo_pfl.silo import split_rules
+from silo_pfl.settings import split_rules
 from silo_pfl.tracking import registry
 from silo_pfl.tracking.exporter import MODEL_NAME, MlflowExporter
 from silo_pfl.tracking.store import check_artifact_dir, check_store, ensure_experiment, open_client
