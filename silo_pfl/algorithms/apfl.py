@@ -26,6 +26,7 @@ from torch.func import functional_call
 
 from silo_pfl.algorithms import register
 from silo_pfl.algorithms.base import Algorithm, Phase, SiloTrainer, require_at_least
+from silo_pfl.config import TrainConfig
 from silo_pfl.errors import ConfigError
 from silo_pfl.optim import Optimizer
 from silo_pfl.training import evaluate
@@ -45,7 +46,7 @@ class APFLParams:
     alpha: str = "grid"  # learned | grid | a fixed number in [0, 1]
     grid: list[float] = field(default_factory=lambda: [i / 10 for i in range(11)])
     alpha_init: float = 0.5  # learned: alpha before its first step; grid: before a choice
-    alpha_lr: float = 0.1  # learned: SGD step of alpha
+    alpha_lr: float = 0.3  # learned: SGD step of alpha
     personal_epochs: int = 1  # epochs of v (and a learned alpha) each round
 
     def fixed_alpha(self) -> float | None:
@@ -126,7 +127,7 @@ class APFL(Algorithm):
     name = "apfl"
     Params = APFLParams
 
-    def __init__(self, params: APFLParams, train) -> None:
+    def __init__(self, params: APFLParams, train: TrainConfig) -> None:
         super().__init__(params, train)
         self.personal: nn.Module | None = None
         self.alpha = self._initial_alpha()
