@@ -85,6 +85,7 @@ def build_algorithm(config: dict[str, Any], train: TrainConfig) -> Algorithm:
 
 
 from silo_pfl.algorithms import (  # noqa: E402, F401
+    apfl,
     ditto,
     fedavg,
     fedbn,

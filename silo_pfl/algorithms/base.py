@@ -50,6 +50,7 @@ class SiloTrainer(Protocol):
     """What a silo offers its algorithm's hooks: its model and the shared loop on its data."""
 
     model: nn.Module  # the silo's model: the global keys it holds now, and its local keys
+    val_xy: tuple[torch.Tensor, torch.Tensor]  # its validation rows (inputs, labels)
 
     def train(
         self,
