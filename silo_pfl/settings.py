@@ -71,7 +71,7 @@ def _check_split(cfg: FederationConfig, algorithm: Algorithm) -> None:
     shape = _PROBE_SHAPES.get(cfg.model.name, (1,))
     model = build_model(cfg.model.name, shape, 2, cfg.model.hidden, cfg.model.adapter_dim)
     try:
-        algorithm.check_split(compute_split(algorithm.prepare_model(model), split_rules(cfg)))
+        split = compute_split(algorithm.prepare_model(model), split_rules(cfg))
     except ConfigError as exc:
         if cfg.split.local is not None:
             raise
@@ -80,6 +80,7 @@ def _check_split(cfg: FederationConfig, algorithm: Algorithm) -> None:
             f"but on model {cfg.model.name}: {str(exc).split(': ', 1)[-1]}; choose another "
             "model.name or set split.local"
         ) from None
+    algorithm.check_split(split)
 
 
 def _import_plugins(modules: list[str]) -> None:
