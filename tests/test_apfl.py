@@ -8,67 +8,33 @@ import copy
 import numpy as np
 import pytest
 import torch
+from plain_federation import federation, play_round, same_updates
 
 from silo_pfl.algorithms.base import Phase
 from silo_pfl.config import to_dict
 from silo_pfl.errors import ConfigError
-from silo_pfl.server import Server
 from silo_pfl.silo import Silo
 from silo_pfl.training import evaluate
 
-SILOS = ("cleveland", "hungarian")
-
-
-def _federation(job, algorithm: str, *overrides: str) -> tuple[list[Silo], Server]:
-    quorum = f"round.min_silos={len(SILOS)}"
-    cfg = job("jobs/heart_disease.yaml", f"algorithm.name={algorithm}", quorum, *overrides)
-    config = to_dict(cfg)
-    silos = [Silo(config, name) for name in SILOS]
-    infos = [silo.setup() for silo in silos]
-    for silo in silos:
-        silo.build(infos[0].input_shape, infos[0].num_classes)
-    return silos, Server(config, infos[0].input_shape, infos[0].num_classes)
-
-
-def _round(silos: list[Silo], server: Server, round_: int):
-    """One round, committed (so the next fit starts from it); returns the updates, the new global
-    state and the evaluations."""
-    start = server.global_state()
-    updates = [silo.fit(start, round_)[0] for silo in silos]
-    assert server.aggregate(*updates).aggregated
-    state = server.global_state()
-    evals = [silo.evaluate(state, round_) for silo in silos]
-    for silo in silos:
-        silo.commit(round_, keep=True)
-    return updates, state, evals
-
-
-def _same_updates(a, b) -> bool:
-    return all(
-        set(x.delta) == set(y.delta)
-        and all(np.array_equal(x.delta[k], y.delta[k]) for k in x.delta)
-        for x, y in zip(a, b, strict=True)
-    )
-
 
 def test_alpha_zero_is_fedavgs_global_model(job):
-    apfl, apfl_server = _federation(job, "apfl", "algorithm.apfl.alpha=0")
-    fedavg, fedavg_server = _federation(job, "fedavg")
+    apfl, apfl_server = federation(job, "apfl", "algorithm.apfl.alpha=0")
+    fedavg, fedavg_server = federation(job, "fedavg")
     for round_ in (1, 2):
-        a_updates, _, a_evals = _round(apfl, apfl_server, round_)
-        f_updates, _, f_evals = _round(fedavg, fedavg_server, round_)
-        assert _same_updates(a_updates, f_updates)
+        a_updates, _, a_evals = play_round(apfl, apfl_server, round_, commit=True)
+        f_updates, _, f_evals = play_round(fedavg, fedavg_server, round_, commit=True)
+        assert same_updates(a_updates, f_updates)
         assert a_evals == f_evals
     assert all(silo.algorithm.personal is not None for silo in apfl)
 
 
 def test_alpha_one_is_the_personal_model_trained_alone(job):
-    silos, server = _federation(job, "apfl", "algorithm.apfl.alpha=1")
+    silos, server = federation(job, "apfl", "algorithm.apfl.alpha=1")
     silo = silos[0]
     alone = copy.deepcopy(silo.model)  # the initial model, before any round
     phase = Phase("all", silo.algorithm.params.personal_epochs)
     for round_ in (1, 2, 3):
-        _, _, evals = _round(silos, server, round_)
+        _, _, evals = play_round(silos, server, round_, commit=True)
         silo.train(alone, phase, round_, None, purpose="apfl")
         val, test = evaluate(alone, *silo.val_xy), evaluate(alone, *silo.test_xy)
         assert (evals[0].val_accuracy, evals[0].val_loss) == (val.accuracy, val.loss)
@@ -79,12 +45,12 @@ def test_alpha_one_is_the_personal_model_trained_alone(job):
 
 def test_learned_alpha_moves_and_stays_in_the_unit_interval(job):
     def alphas(alpha_lr: str) -> list[float]:
-        silos, server = _federation(
+        silos, server = federation(
             job, "apfl", "algorithm.apfl.alpha=learned", f"algorithm.apfl.alpha_lr={alpha_lr}"
         )
         seen = []
         for round_ in (1, 2, 3):
-            _round(silos, server, round_)
+            play_round(silos, server, round_, commit=True)
             seen += [silo.algorithm.alpha for silo in silos]
             assert [silo.algorithm.report() for silo in silos] == [
                 {"alpha": silo.algorithm.alpha} for silo in silos
@@ -98,9 +64,9 @@ def test_learned_alpha_moves_and_stays_in_the_unit_interval(job):
 
 
 def test_grid_picks_the_alpha_with_the_best_validation_accuracy(job):
-    silos, server = _federation(job, "apfl", "algorithm.apfl.alpha=grid")
+    silos, server = federation(job, "apfl", "algorithm.apfl.alpha=grid")
     for round_ in (1, 2):
-        _, _, evals = _round(silos, server, round_)
+        _, _, evals = play_round(silos, server, round_, commit=True)
     for silo, result in zip(silos, evals, strict=True):
         personal, w = silo.algorithm.personal.state_dict(), silo.model.state_dict()
         scores = {}
@@ -119,9 +85,9 @@ def test_grid_picks_the_alpha_with_the_best_validation_accuracy(job):
 
 @pytest.mark.parametrize("alpha", ["grid", "learned"])
 def test_local_state_round_trip_restores_identical_evaluations(job, alpha):
-    silos, server = _federation(job, "apfl", f"algorithm.apfl.alpha={alpha}")
+    silos, server = federation(job, "apfl", f"algorithm.apfl.alpha={alpha}")
     for round_ in (1, 2):
-        _, state, _ = _round(silos, server, round_)
+        _, state, _ = play_round(silos, server, round_, commit=True)
     original = silos[0]
     restored = Silo(to_dict(original.cfg), original.name)
     info = restored.setup(resume=True)
@@ -131,18 +97,18 @@ def test_local_state_round_trip_restores_identical_evaluations(job, alpha):
     assert restored.evaluate(state, 2) == original.evaluate(state, 2)
     a_update, _ = restored.fit(state, 3)
     b_update, _ = original.fit(state, 3)
-    assert _same_updates([a_update], [b_update])
+    assert same_updates([a_update], [b_update])
     assert restored.algorithm.alpha == original.algorithm.alpha
     assert restored.evaluate(state, 3) == original.evaluate(state, 3)
 
 
 def test_nothing_sent_holds_the_personal_model_or_alpha(job):
-    apfl, apfl_server = _federation(job, "apfl", "algorithm.apfl.alpha=learned")
-    fedavg, fedavg_server = _federation(job, "fedavg")
+    apfl, apfl_server = federation(job, "apfl", "algorithm.apfl.alpha=learned")
+    fedavg, fedavg_server = federation(job, "fedavg")
     for round_ in (1, 2):
-        a_updates, _, _ = _round(apfl, apfl_server, round_)
-        f_updates, _, _ = _round(fedavg, fedavg_server, round_)
-        assert _same_updates(a_updates, f_updates)  # only w's update, as FedAvg's
+        a_updates, _, _ = play_round(apfl, apfl_server, round_, commit=True)
+        f_updates, _, _ = play_round(fedavg, fedavg_server, round_, commit=True)
+        assert same_updates(a_updates, f_updates)  # only w's update, as FedAvg's
     sent = [v for u in a_updates for v in u.delta.values()]
     assert set(a_updates[0].delta) == set(apfl[0].split.global_keys)
     for silo in apfl:

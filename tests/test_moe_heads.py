@@ -6,47 +6,26 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from plain_federation import federation, play_round
 from torch import nn
 
 from silo_pfl.algorithms import build_algorithm
 from silo_pfl.config import ModelConfig, to_dict
 from silo_pfl.errors import ConfigError
 from silo_pfl.models import LINEAR_HEAD_MODELS, MODELS, MoEHead, build_model
-from silo_pfl.server import Server
 from silo_pfl.silo import Silo, init_model
 from silo_pfl.split import compute_split
 
-SILOS = ("cleveland", "hungarian")
 GATE_KEYS = ("head.gate.weight", "head.gate.bias")
 
 
-def _federation(job, algorithm: str, *overrides: str) -> tuple[list[Silo], Server]:
-    quorum = f"round.min_silos={len(SILOS)}"
-    cfg = job("jobs/heart_disease.yaml", f"algorithm.name={algorithm}", quorum, *overrides)
-    config = to_dict(cfg)
-    silos = [Silo(config, name) for name in SILOS]
-    infos = [silo.setup() for silo in silos]
-    for silo in silos:
-        silo.build(infos[0].input_shape, infos[0].num_classes)
-    return silos, Server(config, infos[0].input_shape, infos[0].num_classes)
-
-
-def _round(silos: list[Silo], server: Server, round_: int):
-    """One round; returns the updates, the new global state and the evaluations."""
-    start = server.global_state()
-    updates = [silo.fit(start, round_)[0] for silo in silos]
-    assert server.aggregate(*updates).aggregated
-    state = server.global_state()
-    return updates, state, [silo.evaluate(state, round_) for silo in silos]
-
-
 def test_the_gate_is_local_and_never_leaves_the_silo(job):
-    silos, server = _federation(job, "moe_heads")
+    silos, server = federation(job, "moe_heads")
     assert set(GATE_KEYS) == set(silos[0].split.local_keys)
     assert all(key.startswith("head.experts.") for key in server.global_state() if "head" in key)
     initial = {k: v.clone() for k, v in silos[0].model.state_dict().items() if k in GATE_KEYS}
     for round_ in (1, 2):
-        updates, _, _ = _round(silos, server, round_)
+        updates, _, _ = play_round(silos, server, round_)
         for update in updates:
             assert not set(update.delta) & set(GATE_KEYS)
         sent = [v for u in updates for v in u.delta.values()]
@@ -59,8 +38,8 @@ def test_the_gate_is_local_and_never_leaves_the_silo(job):
 
 
 def test_one_expert_is_the_plain_model_and_fedavg(job):
-    moe, moe_server = _federation(job, "moe_heads", "algorithm.moe_heads.experts=1")
-    fedavg, fedavg_server = _federation(job, "fedavg")
+    moe, moe_server = federation(job, "moe_heads", "algorithm.moe_heads.experts=1")
+    fedavg, fedavg_server = federation(job, "fedavg")
 
     def shared(key: str) -> str:
         """The FedAvg key of a non-gate key of the one-expert model."""
@@ -74,8 +53,8 @@ def test_one_expert_is_the_plain_model_and_fedavg(job):
     x = moe[0].val_xy[0]
     assert torch.equal(moe[0].model(x), fedavg[0].model(x))
     for round_ in (1, 2):
-        m_updates, m_state, m_evals = _round(moe, moe_server, round_)
-        f_updates, f_state, f_evals = _round(fedavg, fedavg_server, round_)
+        m_updates, m_state, m_evals = play_round(moe, moe_server, round_)
+        f_updates, f_state, f_evals = play_round(fedavg, fedavg_server, round_)
         for m, f in zip(m_updates, f_updates, strict=True):
             assert {shared(k) for k in m.delta} == set(f.delta)
             assert all(np.array_equal(v, f.delta[shared(k)]) for k, v in m.delta.items())
@@ -84,7 +63,7 @@ def test_one_expert_is_the_plain_model_and_fedavg(job):
 
 
 def test_the_output_is_a_convex_combination_of_the_experts_logits(job):
-    silos, _ = _federation(job, "moe_heads", "algorithm.moe_heads.experts=3")
+    silos, _ = federation(job, "moe_heads", "algorithm.moe_heads.experts=3")
     model = silos[0].model
     features = model.body(silos[0].val_xy[0]).detach()
     gates = model.head.gates(features)
@@ -144,18 +123,18 @@ def test_every_zoo_model_takes_an_moe_head_with_or_without_adapters(job):
 
 def test_split_rules_that_share_the_gate_are_refused_and_head_makes_all_experts_local(job):
     with pytest.raises(ConfigError, match="head.gate.weight is global"):
-        _federation(job, "moe_heads", "split.local=[adapters]", "model.adapter_dim=4")
-    silos, server = _federation(job, "moe_heads", "split.local=[head]")
+        federation(job, "moe_heads", "split.local=[adapters]", "model.adapter_dim=4")
+    silos, server = federation(job, "moe_heads", "split.local=[head]")
     assert not any(key.startswith("head.") for key in server.global_state())
     assert set(GATE_KEYS) < set(silos[0].split.local_keys)
 
 
 def test_a_restored_checkpoint_gives_the_gate_back_bit_for_bit(job):
-    silos, server = _federation(job, "moe_heads")
-    _, state, evals = _round(silos, server, 1)
+    silos, server = federation(job, "moe_heads")
+    _, state, evals = play_round(silos, server, 1)
     for silo in silos:
         silo.commit(1, keep=True)
-    _round(silos, server, 2)  # trains the gates further
+    play_round(silos, server, 2)  # trains the gates further
     for silo, before in zip(silos, evals, strict=True):
         assert silo.evaluate(state, 1) != before
         silo.restore(1)

@@ -8,45 +8,14 @@ import copy
 import numpy as np
 import pytest
 import torch
+from plain_federation import JOB, federation, play_round, same_updates
 from torch import nn
 
 from silo_pfl.algorithms import build_algorithm
 from silo_pfl.algorithms.base import Phase
-from silo_pfl.config import to_dict
 from silo_pfl.errors import ConfigError
-from silo_pfl.server import Server
-from silo_pfl.silo import PERSONALIZED_FILE, Silo
+from silo_pfl.silo import PERSONALIZED_FILE
 from silo_pfl.training import evaluate, train_epochs
-
-SILOS = ("cleveland", "hungarian")
-JOB = "jobs/heart_disease.yaml"
-
-
-def _federation(job, algorithm: str, *overrides: str) -> tuple[list[Silo], Server]:
-    quorum = f"round.min_silos={len(SILOS)}"
-    config = to_dict(job(JOB, f"algorithm.name={algorithm}", quorum, *overrides))
-    silos = [Silo(config, name) for name in SILOS]
-    infos = [silo.setup() for silo in silos]
-    for silo in silos:
-        silo.build(infos[0].input_shape, infos[0].num_classes)
-    return silos, Server(config, infos[0].input_shape, infos[0].num_classes)
-
-
-def _round(silos: list[Silo], server: Server, round_: int):
-    """One round; returns the updates, the new global state and the evaluations."""
-    start = server.global_state()
-    updates = [silo.fit(start, round_)[0] for silo in silos]
-    assert server.aggregate(*updates).aggregated
-    state = server.global_state()
-    return updates, state, [silo.evaluate(state, round_) for silo in silos]
-
-
-def _same_updates(a, b) -> bool:
-    return all(
-        set(x.delta) == set(y.delta)
-        and all(np.array_equal(x.delta[k], y.delta[k]) for k in x.delta)
-        for x, y in zip(a, b, strict=True)
-    )
 
 
 def _algorithm(job, *overrides: str):
@@ -121,33 +90,33 @@ def test_the_shared_loop_ends_a_meta_step_it_started(job):
 def test_zero_inner_lr_is_fedavg_exactly(job, inner_steps):
     """inner_lr=0 (with any inner_steps) sends FedAvg's updates and is judged like FedAvg."""
     options = ("algorithm.perfedavg.inner_lr=0", f"algorithm.perfedavg.inner_steps={inner_steps}")
-    per, per_server = _federation(job, "perfedavg", *options)
-    fed, fed_server = _federation(job, "fedavg")
-    meta, meta_server = _federation(job, "perfedavg", "algorithm.perfedavg.inner_lr=0.05")
+    per, per_server = federation(job, "perfedavg", *options)
+    fed, fed_server = federation(job, "fedavg")
+    meta, meta_server = federation(job, "perfedavg", "algorithm.perfedavg.inner_lr=0.05")
     for round_ in (1, 2):
-        p_updates, p_state, p_evals = _round(per, per_server, round_)
-        f_updates, f_state, f_evals = _round(fed, fed_server, round_)
-        m_updates, _, m_evals = _round(meta, meta_server, round_)
-        assert _same_updates(p_updates, f_updates)
+        p_updates, p_state, p_evals = play_round(per, per_server, round_)
+        f_updates, f_state, f_evals = play_round(fed, fed_server, round_)
+        m_updates, _, m_evals = play_round(meta, meta_server, round_)
+        assert same_updates(p_updates, f_updates)
         assert all(np.array_equal(p_state[k], f_state[k]) for k in f_state)
         assert [e.val_loss for e in p_evals] == [e.val_loss for e in f_evals]
         assert [e.test_loss for e in p_evals] == [e.test_loss for e in f_evals]
         # A real inner step changes both what is sent and what is judged.
-        assert not _same_updates(m_updates, f_updates)
+        assert not same_updates(m_updates, f_updates)
         assert [e.val_loss for e in m_evals] != [e.val_loss for e in f_evals]
 
 
 def test_the_personalized_model_is_one_sgd_step_on_a_copy(job):
     """With one batch holding every training row, the adaptation is w - inner_lr * grad f(w)."""
     alpha = 0.05
-    silos, server = _federation(
+    silos, server = federation(
         job,
         "perfedavg",
         "algorithm.perfedavg.inner_steps=1",
         f"algorithm.perfedavg.inner_lr={alpha}",
         "train.batch_size=10000",
     )
-    _, state, evals = _round(silos, server, 1)
+    _, state, evals = play_round(silos, server, 1)
     for silo, metrics in zip(silos, evals, strict=True):
         # The silo's own model still holds the round's global state.
         own = silo.model.state_dict()
@@ -168,9 +137,9 @@ def test_the_personalized_model_is_one_sgd_step_on_a_copy(job):
 
 
 def test_layerwise_adapts_only_the_local_head_and_sends_the_body(job):
-    plain, _ = _federation(job, "perfedavg")
+    plain, _ = federation(job, "perfedavg")
     assert plain[0].split.local_keys == ()
-    silos, server = _federation(
+    silos, server = federation(
         job,
         "perfedavg",
         "algorithm.perfedavg.layerwise=true",
@@ -180,7 +149,7 @@ def test_layerwise_adapts_only_the_local_head_and_sends_the_body(job):
     local = silos[0].split.local_keys
     assert local and all(k.startswith("head.") for k in local)
     start = {k: v.clone() for k, v in silos[0].model.state_dict().items()}
-    updates, _, _ = _round(silos, server, 1)
+    updates, _, _ = play_round(silos, server, 1)
     assert all(set(u.delta) == set(silos[0].split.global_keys) for u in updates)
     # Round 1 trained the silo's own head (fast weights) and its body (sent).
     trained = silos[0].model.state_dict()

@@ -5,50 +5,18 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from plain_federation import federation, play_round, same_updates
 
-from silo_pfl.config import to_dict
-from silo_pfl.server import Server
-from silo_pfl.silo import PERSONALIZED_FILE, Silo
-
-SILOS = ("cleveland", "hungarian")
-
-
-def _federation(job, algorithm: str, *overrides: str) -> tuple[list[Silo], Server]:
-    quorum = f"round.min_silos={len(SILOS)}"
-    cfg = job("jobs/heart_disease.yaml", f"algorithm.name={algorithm}", quorum, *overrides)
-    config = to_dict(cfg)
-    silos = [Silo(config, name) for name in SILOS]
-    infos = [silo.setup() for silo in silos]
-    for silo in silos:
-        silo.build(infos[0].input_shape, infos[0].num_classes)
-    return silos, Server(config, infos[0].input_shape, infos[0].num_classes)
-
-
-def _round(silos: list[Silo], server: Server, round_: int):
-    """One round; returns the updates, the new global state and the evaluations."""
-    start = server.global_state()
-    updates = [silo.fit(start, round_)[0] for silo in silos]
-    assert server.aggregate(*updates).aggregated
-    state = server.global_state()
-    evals = [silo.evaluate(state, round_) for silo in silos]
-    return updates, state, evals
-
-
-def _same_updates(a, b) -> bool:
-    return all(
-        set(x.delta) == set(y.delta)
-        and all(np.array_equal(x.delta[k], y.delta[k]) for k in x.delta)
-        for x, y in zip(a, b, strict=True)
-    )
+from silo_pfl.silo import PERSONALIZED_FILE
 
 
 def test_ditto_sends_fedavgs_update_and_is_judged_by_its_personal_model(job):
-    ditto, ditto_server = _federation(job, "ditto", "algorithm.ditto.lam=0.1")
-    fedavg, fedavg_server = _federation(job, "fedavg")
+    ditto, ditto_server = federation(job, "ditto", "algorithm.ditto.lam=0.1")
+    fedavg, fedavg_server = federation(job, "fedavg")
     for round_ in (1, 2):
-        d_updates, d_state, d_evals = _round(ditto, ditto_server, round_)
-        f_updates, f_state, f_evals = _round(fedavg, fedavg_server, round_)
-        assert _same_updates(d_updates, f_updates)
+        d_updates, d_state, d_evals = play_round(ditto, ditto_server, round_)
+        f_updates, f_state, f_evals = play_round(fedavg, fedavg_server, round_)
+        assert same_updates(d_updates, f_updates)
         assert all(np.array_equal(d_state[k], f_state[k]) for k in f_state)
     # Judged by the personal model, not the global one FedAvg is judged by.
     assert [e.val_loss for e in d_evals] != [e.val_loss for e in f_evals]
@@ -66,9 +34,9 @@ def test_ditto_sends_fedavgs_update_and_is_judged_by_its_personal_model(job):
 def test_dittos_pull_keeps_the_personal_model_near_the_global_one(job):
     def distance(lam: str) -> float:
         """How far silo 0's personal model moved in round 1 from that round's global model."""
-        silos, server = _federation(job, "ditto", f"algorithm.ditto.lam={lam}")
+        silos, server = federation(job, "ditto", f"algorithm.ditto.lam={lam}")
         start = {k: torch.tensor(v) for k, v in server.global_state().items()}
-        _round(silos, server, 1)
+        play_round(silos, server, 1)
         personal = silos[0].algorithm.personal.state_dict()
         return sum(float((personal[k] - start[k]).norm()) for k in start)
 
@@ -76,13 +44,13 @@ def test_dittos_pull_keeps_the_personal_model_near_the_global_one(job):
 
 
 def test_finetuning_sends_fedavgs_update_and_fine_tunes_only_a_copy(job):
-    tuned, tuned_server = _federation(job, "finetune", "algorithm.finetune.epochs=2")
-    plain, plain_server = _federation(job, "finetune", "algorithm.finetune.epochs=0")
-    fedavg, fedavg_server = _federation(job, "fedavg")
-    t_updates, t_state, t_evals = _round(tuned, tuned_server, 1)
-    p_updates, _, p_evals = _round(plain, plain_server, 1)
-    f_updates, _, f_evals = _round(fedavg, fedavg_server, 1)
-    assert _same_updates(t_updates, f_updates) and _same_updates(p_updates, f_updates)
+    tuned, tuned_server = federation(job, "finetune", "algorithm.finetune.epochs=2")
+    plain, plain_server = federation(job, "finetune", "algorithm.finetune.epochs=0")
+    fedavg, fedavg_server = federation(job, "fedavg")
+    t_updates, t_state, t_evals = play_round(tuned, tuned_server, 1)
+    p_updates, _, p_evals = play_round(plain, plain_server, 1)
+    f_updates, _, f_evals = play_round(fedavg, fedavg_server, 1)
+    assert same_updates(t_updates, f_updates) and same_updates(p_updates, f_updates)
     assert p_evals == f_evals  # fine-tuning for 0 epochs judges FedAvg's global model
     assert [e.val_loss for e in t_evals] != [e.val_loss for e in f_evals]
     # The silo's own model still holds the global state: only the copy was fine-tuned.
