@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from plain_federation import federation, play_round
 
 from silo_pfl.aggregation import weighted_mean
 from silo_pfl.config import to_dict
@@ -17,37 +18,16 @@ from silo_pfl.split import PrivacyError
 HOSPITALS = ("cleveland", "hungarian", "switzerland", "va")
 
 
-def _federation(job, *overrides: str) -> tuple[list[Silo], Server]:
-    config = to_dict(job("jobs/heart_disease.yaml", *overrides))
-    silos = [Silo(config, name) for name in HOSPITALS]
-    infos = [silo.setup() for silo in silos]
-    public = {i.silo: i.public_key for i in infos if i.public_key}
-    for silo in silos:
-        silo.build(infos[0].input_shape, infos[0].num_classes, public)
-    return silos, Server(config, infos[0].input_shape, infos[0].num_classes)
-
-
-def _round(silos: list[Silo], server: Server, round_: int) -> list:
-    """One committed round; returns the updates the silos sent."""
-    state, broadcast = server.global_state(), server.broadcast()
-    updates = [silo.fit(state, round_, 1, broadcast)[0] for silo in silos]
-    assert server.aggregate(*updates).aggregated
-    for silo in silos:
-        silo.evaluate(server.global_state(), round_)
-        silo.commit(round_, keep=True)
-    return updates
-
-
 def _weights(silos: list[Silo]) -> np.ndarray:
     sizes = np.array([len(silo.train_xy[1]) for silo in silos], dtype=np.float64)
     return sizes / sizes.sum()
 
 
 def test_scaffolds_server_control_variate_is_the_mean_of_the_silos_after_each_round(job):
-    silos, server = _federation(job, "algorithm.name=scaffold")
+    silos, server = federation(job, "scaffold", silos=HOSPITALS)
     weights = _weights(silos)
     for round_ in (1, 2, 3):
-        updates = _round(silos, server, round_)
+        updates = play_round(silos, server, round_, commit=True)[0]
         assert all(set(u.extras) == {"control_variate"} for u in updates)
         server_c = server.broadcast()["control_variate"]
         for key in server.global_state():
@@ -61,11 +41,12 @@ def test_scaffolds_server_control_variate_is_the_mean_of_the_silos_after_each_ro
 
 def test_scaffold_corrects_local_steps_by_the_control_variates(job):
     """Round 2 (control variates non-zero) differs from FedAvg's; round 1 (all zero) does not."""
-    scaffold, s_server = _federation(job, "algorithm.name=scaffold")
-    fedavg, f_server = _federation(job, "algorithm.name=fedavg")
+    scaffold, s_server = federation(job, "scaffold", silos=HOSPITALS)
+    fedavg, f_server = federation(job, "fedavg", silos=HOSPITALS)
     same = []
     for round_ in (1, 2):
-        a, b = _round(scaffold, s_server, round_), _round(fedavg, f_server, round_)
+        a = play_round(scaffold, s_server, round_, commit=True)[0]
+        b = play_round(fedavg, f_server, round_, commit=True)[0]
         same.append(
             all(
                 np.array_equal(x.delta[k], y.delta[k])
@@ -78,9 +59,9 @@ def test_scaffold_corrects_local_steps_by_the_control_variates(job):
 
 @pytest.mark.parametrize("optimizer", ["adam", "yogi", "adagrad"])
 def test_one_round_of_a_server_optimizer_equals_the_optimizer_written_by_hand(job, optimizer):
-    silos, server = _federation(job, f"algorithm.name=fed{optimizer}", "server.lr=0.05")
+    silos, server = federation(job, f"fed{optimizer}", "server.lr=0.05", silos=HOSPITALS)
     start = {k: v.copy() for k, v in server.global_state().items()}
-    updates = _round(silos, server, 1)
+    updates = play_round(silos, server, 1, commit=True)[0]
     mean = weighted_mean([u.delta for u in updates], [u.num_examples for u in updates])
     lr, beta1, beta2, tau = 0.05, 0.9, 0.99, 1e-3
     for key, delta in mean.items():
@@ -96,9 +77,9 @@ def test_one_round_of_a_server_optimizer_equals_the_optimizer_written_by_hand(jo
 
 
 def test_server_sgd_scales_the_mean_and_combines_with_a_personalized_algorithm(job):
-    silos, server = _federation(job, "algorithm.name=fedper", "server.lr=0.5")
+    silos, server = federation(job, "fedper", "server.lr=0.5", silos=HOSPITALS)
     start = {k: v.copy() for k, v in server.global_state().items()}
-    updates = _round(silos, server, 1)
+    updates = play_round(silos, server, 1, commit=True)[0]
     mean = weighted_mean([u.delta for u in updates], [u.num_examples for u in updates])
     assert not any(k.startswith("head.") for k in mean)
     for key, delta in mean.items():
@@ -106,19 +87,21 @@ def test_server_sgd_scales_the_mean_and_combines_with_a_personalized_algorithm(j
         np.testing.assert_array_equal(server.global_state()[key], expected)
 
 
-@pytest.mark.parametrize("overrides", [("algorithm.name=scaffold",), ("server.optimizer=yogi",)])
-def test_the_servers_state_is_checkpointed_and_resumes_bit_exactly(job, overrides):
-    silos, server = _federation(job, *overrides)
-    _round(silos, server, 1)
-    _round(silos, server, 2)
+@pytest.mark.parametrize(
+    ("algorithm", "overrides"), [("scaffold", ()), ("fedper", ("server.optimizer=yogi",))]
+)
+def test_the_servers_state_is_checkpointed_and_resumes_bit_exactly(job, algorithm, overrides):
+    silos, server = federation(job, algorithm, *overrides, silos=HOSPITALS)
+    play_round(silos, server, 1, commit=True)
+    play_round(silos, server, 2, commit=True)
     server.checkpoint(2, {})
-    _round(silos, server, 3)
+    play_round(silos, server, 3, commit=True)
     after = server.global_state(), server.broadcast()
     resumed = Server(to_dict(server.cfg), (13,), 2)
     resumed.resume()
     for silo in silos:
         silo.restore(2)
-    _round(silos, resumed, 3)
+    play_round(silos, resumed, 3, commit=True)
     for key, value in after[0].items():
         np.testing.assert_array_equal(resumed.global_state()[key], value)
     for name, values in after[1].items():
@@ -127,11 +110,11 @@ def test_the_servers_state_is_checkpointed_and_resumes_bit_exactly(job, override
 
 
 def test_scaffold_under_secure_aggregation_matches_the_plain_run(job):
-    plain, plain_server = _federation(job, "algorithm.name=scaffold")
-    secure, secure_server = _federation(job, "algorithm.name=scaffold", "aggregation.secure=true")
+    plain, plain_server = federation(job, "scaffold", silos=HOSPITALS)
+    secure, secure_server = federation(job, "scaffold", "aggregation.secure=true", silos=HOSPITALS)
     for round_ in (1, 2):
-        _round(plain, plain_server, round_)
-        updates = _round(secure, secure_server, round_)
+        play_round(plain, plain_server, round_, commit=True)
+        updates = play_round(secure, secure_server, round_, commit=True)[0]
         assert all(u.masked is not None and not u.extras and not u.delta for u in updates)
     for name, values in plain_server.broadcast().items():
         for key, value in values.items():
@@ -141,7 +124,7 @@ def test_scaffold_under_secure_aggregation_matches_the_plain_run(job):
 
 
 def test_an_extra_holding_a_local_key_never_leaves_the_silo(job):
-    silos, _ = _federation(job, "algorithm.name=fedper")
+    silos, _ = federation(job, "fedper", silos=HOSPITALS)
     split = silos[0].split
     delta = {k: np.zeros(1) for k in split.global_keys}
     leaky = {"control_variate": {**delta, split.local_keys[0]: np.zeros(1)}}
