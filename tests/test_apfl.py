@@ -4,6 +4,7 @@ alpha * v + (1 - alpha) * w, and neither v nor alpha leaves the silo."""
 from __future__ import annotations
 
 import copy
+import json
 
 import numpy as np
 import pytest
@@ -129,3 +130,13 @@ def test_a_bad_alpha_is_a_one_line_config_error(job, value):
     with pytest.raises(ConfigError, match=r"^algorithm\.apfl\.alpha: ") as info:
         job("jobs/heart_disease.yaml", "algorithm.name=apfl", f"algorithm.apfl.alpha={value}")
     assert "\n" not in str(info.value) and "learned, grid" in str(info.value)
+
+
+def test_each_silos_alpha_is_a_key_of_its_entry_in_the_results_json(tmp_path):
+    from silo_pfl.results import FederationResult, SiloResult
+
+    silo = SiloResult(0.8, 0.9, 3, 0.8, 10, 2, 2, 64, extras={"alpha": 0.3})
+    result = FederationResult("f", "apfl", 3, 0, 1.0, 10, 5, {"va": silo}, [])
+    result.write_json(tmp_path / "result.json")
+    entry = json.loads((tmp_path / "result.json").read_text())["silos"]["va"]
+    assert entry["alpha"] == 0.3 and "extras" not in entry
