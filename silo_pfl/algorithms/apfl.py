@@ -161,10 +161,13 @@ class APFL(Algorithm):
         inner = super().optimizer([p for p in params if p is not alpha], phase, purpose)
         return ProjectedAlpha(inner, alpha, self.params.alpha_lr)
 
-    def mixed_model(self, model: nn.Module, alpha: float) -> nn.Module:
-        """A copy of `model` (w) holding alpha * v + (1 - alpha) * w in every float entry."""
+    def mixed_model(
+        self, model: nn.Module, alpha: float, into: nn.Module | None = None
+    ) -> nn.Module:
+        """`into` (by default a new copy of `model`, w) holding alpha * v + (1 - alpha) * w in
+        every float entry."""
         assert self.personal is not None
-        mixed = copy.deepcopy(model)
+        mixed = copy.deepcopy(model) if into is None else into
         weight = torch.tensor(alpha, dtype=torch.float32)
         personal = self.personal.state_dict()
         with torch.no_grad():
@@ -177,10 +180,11 @@ class APFL(Algorithm):
 
     def _best_on_validation(self, silo: SiloTrainer) -> float:
         """The grid's alpha whose mixed model has the best validation accuracy (then loss);
-        the current alpha if the silo has no validation rows."""
+        the current alpha if the silo has no validation rows. One copy of w serves the grid."""
         best, best_score = self.alpha, (-math.inf, -math.inf)
+        candidate = copy.deepcopy(silo.model)
         for alpha in self.params.grid:
-            result = evaluate(self.mixed_model(silo.model, alpha), *silo.val_xy)
+            result = evaluate(self.mixed_model(silo.model, alpha, candidate), *silo.val_xy)
             if not math.isfinite(result.accuracy):
                 return self.alpha
             score = (result.accuracy, -result.loss)
