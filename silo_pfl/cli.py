@@ -1,4 +1,5 @@
-"""The command line: `silo-pfl run|submit CONFIG [key=value ...]`, `jobs`, `stop`, `models`."""
+"""The command line: `silo-pfl run|submit CONFIG [key=value ...]`, `onboard`, `jobs`, `stop`,
+`models`."""
 
 from __future__ import annotations
 
@@ -59,6 +60,24 @@ def _parser() -> argparse.ArgumentParser:
     _debug(run)
     submit.add_argument("--no-wait", action="store_true", help="print the job id and return")
     _cluster_options(submit)
+    onboard = commands.add_parser(
+        "onboard", help="a new silo joins a trained federation (cold start)"
+    )
+    onboard.add_argument("config", help="job YAML giving the new silo's data, e.g. jobs/x.yaml")
+    onboard.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rounds=10")
+    onboard.add_argument("--silo", required=True, help="the joining silo, e.g. silo_9")
+    onboard.add_argument(
+        "--from",
+        dest="from_run",
+        metavar="RUN_ID",
+        help="the trained federation's MLflow run; default its latest finished run",
+    )
+    onboard.add_argument("--results", help="write a JSON summary of the onboarding to this path")
+    onboard.add_argument("--quiet", action="store_true", help="print only the final table")
+    onboard.add_argument(
+        "--no-alone", action="store_true", help="skip the baseline of the silo training alone"
+    )
+    _debug(onboard)
     jobs = commands.add_parser("jobs", help="list the cluster's recent jobs")
     jobs.add_argument("--limit", type=int, default=20, help="how many, newest first")
     _cluster_options(jobs)
@@ -81,7 +100,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     late = [item for item in extra if "=" in item and not item.startswith("-")]
-    if extra != late or (late and args.command not in ("run", "submit")):
+    if extra != late or (late and args.command not in ("run", "submit", "onboard")):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if isinstance(getattr(args, "resume", None), str) and "=" in args.resume:
         late, args.resume = [args.resume, *late], True  # `--resume rounds=9`: an override
@@ -124,6 +143,39 @@ def _run(args: argparse.Namespace) -> int:
             f"{tracked['tracking_uri']}; models: silo-pfl models --federation {config.name}"
         )
     print(f"run {result.run_id}: {result.run_dir}")
+    return 0
+
+
+def _onboard(args: argparse.Namespace) -> int:
+    from silo_pfl.callbacks import Callback, ProgressPrinter
+    from silo_pfl.federation import Federation
+    from silo_pfl.settings import load_config
+
+    config = load_config(args.config, args.overrides)
+    _check_results_path(args.results)
+    callbacks: list[Callback] = [] if args.quiet else [ProgressPrinter()]
+    federation = Federation(config, callbacks=callbacks)
+    result = federation.onboard(args.silo, args.from_run, alone=not args.no_alone)
+    if args.quiet:
+        ProgressPrinter().on_end(result)
+    report = result.extras["onboard"]
+    line = (
+        f"{args.silo} joined run {report['trained_run_id']}: test accuracy "
+        f"{report['test_accuracy']:.4f}, founders' mean {report['founders_mean_test_accuracy']:.4f}"
+        f" ({100 * report['share_of_founders_mean']:.1f}%)"
+    )
+    if "alone_test_accuracy" in report:
+        line += (
+            f", alone {report['alone_test_accuracy']:.4f} "
+            f"(gain {100 * report['gain_over_alone']:+.1f} points)"
+        )
+    print(line)
+    if args.results:
+        result.write_json(args.results)
+        print(f"results written to {args.results}")
+    tracked = result.extras.get("mlflow", {})
+    for silo, uri in tracked.get("models", {}).items():
+        print(f"mlflow: {silo}'s model {uri}, run {tracked['run_id']}")
     return 0
 
 
@@ -173,7 +225,7 @@ def _stop(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": _run, "submit": _submit, "jobs": _jobs, "stop": _stop}
+COMMANDS = {"run": _run, "onboard": _onboard, "submit": _submit, "jobs": _jobs, "stop": _stop}
 
 
 def _models(args: argparse.Namespace) -> int:

@@ -27,6 +27,12 @@ class DataConfig:
 
     source: str = MISSING  # a registered data source: heart_disease | digits | csv
     val_fraction: float = 0.2  # share of each silo's training rows held out for model selection
+    # Silos the partition makes but the federation does not train with: they sit out, to join
+    # later (`silo-pfl onboard`). They count within the source's silos (e.g. data.num_silos).
+    late_silos: list[str] = field(default_factory=list)
+    # Cap each silo's training rows (after the validation hold-out) at a seeded random subset of
+    # this many, for the few-data case; None keeps them all.
+    max_train_rows: int | None = None
 
 
 @dataclass

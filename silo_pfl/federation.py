@@ -8,6 +8,7 @@ from typing import Any
 
 from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig
+from silo_pfl.errors import ConfigError
 from silo_pfl.results import FederationResult
 from silo_pfl.runtime.orchestrator import Orchestrator
 from silo_pfl.settings import build_config, load_config
@@ -46,6 +47,41 @@ class Federation:
         orchestrator = Orchestrator(self.config, [*self.callbacks, tracker], resume)
         try:
             return orchestrator.run()
+        except BaseException as exc:
+            tracker.abort(killed=isinstance(exc, KeyboardInterrupt))
+            raise
+
+    def onboard(
+        self, silo: str, from_run: str | None = None, alone: bool = True
+    ) -> FederationResult:
+        """Cold start: silo `silo` joins this federation after it was trained.
+
+        The trained run (`from_run`, else the federation's latest finished run in the tracking
+        store) decides the model, split and algorithm, and gives the global layers, which stay
+        frozen; this config supplies the silo's data and its local fitting (`rounds` rounds of
+        the algorithm's local procedure). The silo's model is selected on its validation rows,
+        evaluated on its test rows and registered as `<federation>-<silo>`, tagged
+        joined=onboard. With `alone`, the same silo also trains alone, as the baseline; the
+        result's `onboard` entry compares it with that and with the founders.
+        """
+        if not self.config.tracking.enabled:
+            raise ConfigError(
+                "tracking.enabled: onboarding reads the trained federation from the tracking "
+                "store; set tracking.enabled=true"
+            )
+        from silo_pfl.onboarding import alone_config, joining_config
+        from silo_pfl.runtime.onboarding import Onboarding
+        from silo_pfl.tracking.registry import ONBOARD
+        from silo_pfl.tracking.tracker import MlflowTracker
+        from silo_pfl.tracking.trained_run import load_trained_run
+
+        trained = load_trained_run(str(self.config.tracking.uri), self.config.name, from_run)
+        cfg = joining_config(trained, self.config, silo)
+        tracker = MlflowTracker(cfg, ONBOARD, trained.run_id)
+        baseline = alone_config(cfg) if alone else None
+        onboarding = Onboarding(cfg, trained, silo, [*self.callbacks, tracker], baseline)
+        try:
+            return onboarding.run()
         except BaseException as exc:
             tracker.abort(killed=isinstance(exc, KeyboardInterrupt))
             raise

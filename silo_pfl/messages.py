@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from silo_pfl.errors import FederationError
 
 
 @dataclass(frozen=True)
@@ -104,3 +107,15 @@ class SiloOutcome:
     test_accuracy: float
     final_test_accuracy: float
     extras: dict[str, float] = field(default_factory=dict)
+
+
+def model_shape(infos: Sequence[SiloInfo]) -> tuple[tuple[int, ...], int]:
+    """The input shape every silo shares, and the number of classes over all silos."""
+    first = infos[0]
+    for info in infos[1:]:
+        if info.input_shape != first.input_shape:
+            raise FederationError(
+                f"silo {info.silo}: inputs of shape {info.input_shape}, but silo {first.silo} "
+                f"has {first.input_shape}; every silo must share one feature layout"
+            )
+    return first.input_shape, max(info.num_classes for info in infos)

@@ -48,6 +48,7 @@ class SiloResult:
     rounds_taken_part: int = 0  # rounds whose aggregate held its update
     # The algorithm's figures of the selected model (e.g. APFL's alpha); flat keys in JSON.
     extras: dict[str, float] = field(default_factory=dict)
+    joined: str = "founder"  # founder, or onboard: it joined the trained federation later
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from silo_pfl.config import (
     merge_config,
     read_yaml,
 )
-from silo_pfl.data import data_config, silo_names
+from silo_pfl.data import all_silo_names, data_config, silo_names
 from silo_pfl.errors import ConfigError, one_line
 from silo_pfl.models import MODEL_NAMES, build_model, check_adapters
 from silo_pfl.server_optimizers import resolve_server_optimizer
@@ -126,10 +126,11 @@ def _check_silos(cfg: FederationConfig) -> None:
         raise ConfigError(
             "aggregation.secure: needs at least 2 silos, so that no single update can be unmasked"
         )
+    every = all_silo_names(cfg.data)
     for silo, settings in cfg.silos.items():
-        if silo not in names:
+        if silo not in every:
             raise ConfigError(
-                f"silos.{silo}: not a silo of this federation; its silos are {', '.join(names)}"
+                f"silos.{silo}: not a silo of this federation; its silos are {', '.join(every)}"
             )
         if settings.tracking_uri is not None:
             settings.tracking_uri = check_uri(settings.tracking_uri, f"silos.{silo}.tracking_uri")

@@ -109,6 +109,7 @@ class Silo:
         self._evaluated: nn.Module | None = None  # the model the last evaluate() judged
         self.committed = 0  # the last round whose state this silo checkpointed
         self._dirty = False  # trained since that commit
+        self._global_frozen = False  # adapt(): the silo's own model trains its local keys only
 
     def setup(self, resume: bool = False) -> SiloInfo:
         """Load this silo's private data; report sizes only. A fresh run starts a fresh
@@ -256,6 +257,8 @@ class Silo:
             "local": set(self.split.local_keys),
         }
         chosen = keys[phase.trainable]
+        if self._global_frozen and model is self.model:
+            chosen = keys["local"] if chosen is None else chosen & keys["local"]
         params = []
         for name, param in model.named_parameters():
             param.requires_grad_(chosen is None or name in chosen)
@@ -293,24 +296,9 @@ class Silo:
         what the server's strategy broadcast; returns the delta of the global keys (and the
         algorithm's extras) only. A silo whose training diverges sends no update, and says why."""
         start = time.perf_counter()
-        if self._dirty:
-            self.restore(self.committed)
-        self._dirty = True
-        reference = self._load_global(global_state)
+        reference = self._begin(global_state)
         self.algorithm.begin_round(self, reference, broadcast or {})
-        loss_term = self.algorithm.extra_loss
-        losses = [
-            self.train(self.model, phase, round_, lambda model: loss_term(model, reference))
-            for phase in self.algorithm.phases()
-        ]
-        finite = [loss for loss in losses if np.isfinite(loss)]
-        metrics = FitMetrics(
-            silo=self.name,
-            round=round_,
-            train_loss=float(np.mean(finite)) if finite else float("nan"),
-            train_seconds=0.0,
-            bytes_sent=0,
-        )
+        metrics = self._run_phases(reference, round_)
         state = self.model.state_dict()
         diverged = next((k for k, v in state.items() if not bool(torch.isfinite(v).all())), None)
         if diverged is not None:
@@ -334,6 +322,44 @@ class Silo:
             sent = masked.nbytes
         seconds = time.perf_counter() - start
         return update, dataclasses.replace(metrics, train_seconds=seconds, bytes_sent=sent)
+
+    def _begin(self, global_state: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Start a round from the last commit, with the round's global keys loaded."""
+        if self._dirty:
+            self.restore(self.committed)
+        self._dirty = True
+        return self._load_global(global_state)
+
+    def _run_phases(self, reference: dict[str, torch.Tensor], round_: int) -> FitMetrics:
+        """The algorithm's phases of the shared loop on this silo's model; the mean loss."""
+        loss_term = self.algorithm.extra_loss
+        losses = [
+            self.train(self.model, phase, round_, lambda model: loss_term(model, reference))
+            for phase in self.algorithm.phases()
+        ]
+        finite = [loss for loss in losses if np.isfinite(loss)]
+        return FitMetrics(
+            silo=self.name,
+            round=round_,
+            train_loss=float(np.mean(finite)) if finite else float("nan"),
+            train_seconds=0.0,
+            bytes_sent=0,
+        )
+
+    def adapt(self, global_state: dict[str, np.ndarray], round_: int) -> FitMetrics:
+        """Cold start: one round of the algorithm's local procedure for a silo joining a
+        trained federation. The global keys stay frozen at the federation's `global_state`;
+        the local keys, and the algorithm's personal state (a personal model, alpha, a gate),
+        train on this silo's rows. Nothing is sent, and the server broadcasts nothing to it."""
+        start = time.perf_counter()
+        reference = self._begin(global_state)
+        self._global_frozen = True
+        try:
+            metrics = self._run_phases(reference, round_)
+            self.algorithm.after_fit(self, reference, round_)
+        finally:
+            self._global_frozen = False
+        return dataclasses.replace(metrics, train_seconds=time.perf_counter() - start)
 
     def evaluate(self, global_state: dict[str, np.ndarray], round_: int) -> EvalMetrics:
         """Evaluate this round's personalized model: by default the new global keys with this

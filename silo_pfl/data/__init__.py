@@ -15,6 +15,7 @@ from silo_pfl.config import DataConfig, omegaconf_error
 from silo_pfl.data import csv_source, digits, heart_disease
 from silo_pfl.data.base import Preprocessing, SiloData
 from silo_pfl.errors import ConfigError
+from silo_pfl.seeding import numpy_rng
 
 SOURCES: dict[str, ModuleType] = {
     "heart_disease": heart_disease,
@@ -22,7 +23,15 @@ SOURCES: dict[str, ModuleType] = {
     "csv": csv_source,
 }
 
-__all__ = ["SOURCES", "Preprocessing", "SiloData", "load_silo_data", "raw_encoder", "silo_names"]
+__all__ = [
+    "SOURCES",
+    "Preprocessing",
+    "SiloData",
+    "all_silo_names",
+    "load_silo_data",
+    "raw_encoder",
+    "silo_names",
+]
 
 
 def _source(name: object) -> ModuleType:
@@ -56,18 +65,52 @@ def data_config(raw: Any) -> DataConfig:
     test_fraction = getattr(cfg, "test_fraction", 0.5)
     if not 0.0 < test_fraction < 1.0:
         raise ConfigError(f"data.test_fraction: got {test_fraction}, expected 0 < value < 1")
+    if cfg.max_train_rows is not None and cfg.max_train_rows < 1:
+        raise ConfigError(
+            f"data.max_train_rows: got {cfg.max_train_rows}, expected >= 1 or null for every row"
+        )
     source.validate(cfg)
+    _check_late_silos(cfg)
     return cfg  # type: ignore[no-any-return]
 
 
-def silo_names(cfg: DataConfig) -> list[str]:
-    """The silos of this federation, in a fixed order."""
+def _check_late_silos(cfg: DataConfig) -> None:
+    names = all_silo_names(cfg)
+    for silo in cfg.late_silos:
+        if silo not in names:
+            raise ConfigError(
+                f"data.late_silos: {silo!r} is not a silo of data.source={cfg.source}; its silos "
+                f"are {', '.join(names)}"
+            )
+    if len(set(cfg.late_silos)) != len(cfg.late_silos):
+        raise ConfigError(f"data.late_silos: got {list(cfg.late_silos)}, a silo named twice")
+    if not silo_names(cfg):
+        raise ConfigError("data.late_silos: names every silo; leave at least one to train")
+
+
+def all_silo_names(cfg: DataConfig) -> list[str]:
+    """Every silo the data source makes, late ones included, in a fixed order."""
     return list(_source(cfg.source).silo_names(cfg))
 
 
+def silo_names(cfg: DataConfig) -> list[str]:
+    """The silos this federation trains with: the source's, less data.late_silos."""
+    return [name for name in all_silo_names(cfg) if name not in cfg.late_silos]
+
+
 def load_silo_data(cfg: DataConfig, silo: str, seed: int) -> SiloData:
-    """Load one silo's private data; deterministic for a given seed."""
-    return _source(cfg.source).load(cfg, silo, seed)
+    """Load one silo's private data (a late silo's too); deterministic for a given seed."""
+    data = _source(cfg.source).load(cfg, silo, seed)
+    cap = cfg.max_train_rows
+    if cap is None or len(data.y_train) <= cap:
+        return data
+    keep = np.sort(numpy_rng(seed, "max_train_rows", silo).choice(len(data.y_train), cap, False))
+    return dataclasses.replace(
+        data,
+        x_train=data.x_train[keep],
+        y_train=data.y_train[keep],
+        num_train_total=cap + len(data.y_val),
+    )
 
 
 def raw_encoder(source: str) -> Callable[[np.ndarray], np.ndarray]:

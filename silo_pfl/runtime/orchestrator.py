@@ -17,11 +17,12 @@ from typing import Any
 from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig, to_dict
 from silo_pfl.data import silo_names
-from silo_pfl.errors import ConfigError, FederationError
-from silo_pfl.messages import SiloInfo, SiloOutcome, SplitInfo
+from silo_pfl.errors import ConfigError
+from silo_pfl.messages import SiloOutcome, SplitInfo, model_shape
 from silo_pfl.results import FederationResult, RoundSummary, SiloResult
 from silo_pfl.run_dir import RESULT_FILE, RunDir, check_resumable
 from silo_pfl.runtime.actors import get, start_server, start_silo, stop
+from silo_pfl.runtime.exporting import attach_exporters, export
 from silo_pfl.runtime.placement import (
     LABEL_WAIT_SECONDS,
     check_labels,
@@ -33,18 +34,6 @@ from silo_pfl.runtime.session import ray_session
 from silo_pfl.selection import Selector
 
 GLOBAL_STATE_FILE = "global_state.npz"
-
-
-def _model_shape(infos: Sequence[SiloInfo]) -> tuple[tuple[int, ...], int]:
-    """The input shape every silo shares, and the number of classes over all silos."""
-    first = infos[0]
-    for info in infos[1:]:
-        if info.input_shape != first.input_shape:
-            raise FederationError(
-                f"silo {info.silo}: inputs of shape {info.input_shape}, but silo {first.silo} "
-                f"has {first.input_shape}; every silo must share one feature layout"
-            )
-    return first.input_shape, max(info.num_classes for info in infos)
 
 
 class Orchestrator:
@@ -105,7 +94,7 @@ class Orchestrator:
                     actors[name] = start_silo(self.cfg, config, name, run_id)
                 resuming = bool(self.resume)
                 infos = self._each(actors, "setup", "silo set-up", resuming)
-                input_shape, num_classes = _model_shape(infos)
+                input_shape, num_classes = model_shape(infos)
                 public_keys = {i.silo: i.public_key for i in infos if i.public_key}
                 split: SplitInfo = self._each(
                     actors, "build", "silo model", input_shape, num_classes, public_keys
@@ -123,7 +112,7 @@ class Orchestrator:
                     self._emit("on_resumed", list(history))
                 else:
                     self._checkpoint(server, 0, parties, selector, history)
-                exporting = self._attach_exporters(infos, actors)
+                exporting = attach_exporters(self.callbacks, infos, actors, self.timeout)
                 rejoin = Rejoin(input_shape, num_classes, public_keys, exporting)
                 runner = RoundRunner(self.cfg, server, parties, rejoin, selector)
                 for round_ in range(len(history) + 1, self.cfg.rounds + 1):
@@ -137,7 +126,7 @@ class Orchestrator:
                 state = get(server.state_bytes.remote(), "the server's global state", self.timeout)
                 state_path = self._save_global(state)
                 server_node = get(server.node_id.remote(), "the server's node", self.timeout)
-                self._export(exporting, actors)
+                export(self.callbacks, list(exporting), actors, self.timeout)
             finally:
                 stop(list(actors.values()))
             result = FederationResult(
@@ -221,28 +210,3 @@ class Orchestrator:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(npz)
         return str(path.resolve())
-
-    def _attach_exporters(
-        self, infos: Sequence[SiloInfo], actors: dict[str, Any]
-    ) -> dict[str, dict[str, Any]]:
-        """Hand each callback's per-silo exporters to their silos, which check them now."""
-        per_silo: dict[str, dict[str, Any]] = {}
-        for index, callback in enumerate(self.callbacks):
-            for silo, exporter in callback.exporters(infos).items():
-                if silo not in {info.silo for info in infos}:
-                    raise FederationError(
-                        f"{type(callback).__name__}: an exporter for {silo!r}, not a silo here"
-                    )
-                per_silo.setdefault(silo, {})[str(index)] = exporter
-        refs = [actors[s].attach.remote(e) for s, e in per_silo.items()]
-        get(refs, "silo exporter check", self.timeout, [f"silo {s}" for s in per_silo])
-        return per_silo
-
-    def _export(self, silos: Sequence[str], actors: dict[str, Any]) -> None:
-        """Each silo runs its exporters in its own process; receipts go back to their callbacks."""
-        done = self._each({s: actors[s] for s in silos}, "export", "silo export")
-        receipts = dict(zip(list(silos), done, strict=True))
-        for index, callback in enumerate(self.callbacks):
-            mine = {s: r[str(index)] for s, r in receipts.items() if str(index) in r}
-            if mine:
-                callback.on_exported(mine)

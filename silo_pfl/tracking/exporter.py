@@ -52,6 +52,7 @@ class MlflowExporter:
     run_id: str | None = None
     model_id: str | None = None
     artifact_location: str | None = None
+    joined: str = registry.FOUNDER  # how the silo joined the federation (a version tag)
 
     @property
     def own_store(self) -> bool:
@@ -105,6 +106,7 @@ class MlflowExporter:
             outcome.selected_round,
             outcome.val_accuracy,
             outcome.test_accuracy,
+            self.joined,
         )
         name = registry.model_name(self.experiment, model.silo)
         receipt = registry.publish(client, name, logged.model_id, logged.artifact_location, tags)

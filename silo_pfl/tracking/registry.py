@@ -21,6 +21,10 @@ LATEST = "latest"
 FEDERATION, SILO, ALGORITHM = "federation", "silo", "algorithm"
 RUN_ID, ROUND = "run_id", "round"
 VAL_ACCURACY, TEST_ACCURACY = "val_accuracy", "test_accuracy"
+# How the silo joined: with the federation that trained (founder), or later (onboard).
+JOINED, FOUNDER, ONBOARD = "joined", "founder", "onboard"
+# A parent run's kind: a federation's training, or a silo's onboarding onto a trained one.
+RUN_KIND, FEDERATION_RUN, ONBOARD_RUN = "run_kind", "federation", "onboard"
 
 
 def model_name(federation: str, silo: str) -> str:
@@ -53,7 +57,14 @@ def promote(client: MlflowClient, name: str, version: str, val_accuracy: float) 
 
 
 def version_tags(
-    federation: str, silo: str, algorithm: str, run_id: str, round_: int, val: float, test: float
+    federation: str,
+    silo: str,
+    algorithm: str,
+    run_id: str,
+    round_: int,
+    val: float,
+    test: float,
+    joined: str = FOUNDER,
 ) -> dict[str, str]:
     """The tags of a registered version; accuracies as exact float reprs."""
     return {
@@ -64,6 +75,7 @@ def version_tags(
         ROUND: str(round_),
         VAL_ACCURACY: repr(float(val)),
         TEST_ACCURACY: repr(float(test)),
+        JOINED: joined,
     }
 
 

@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig, to_dict
-from silo_pfl.messages import SiloInfo, SplitInfo
+from silo_pfl.messages import SiloInfo, SplitInfo, model_shape
 from silo_pfl.results import FederationResult, RoundSummary
 from silo_pfl.settings import split_rules
 from silo_pfl.tracking import registry
 from silo_pfl.tracking.exporter import MODEL_NAME, MlflowExporter
 from silo_pfl.tracking.store import check_artifact_dir, check_store, ensure_experiment, open_client
+from silo_pfl.tracking.trained_run import FEDERATION_FILE, federation_record
 from silo_pfl.tracking.uri import artifact_dir, redact
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from mlflow.entities import Metric
 
 PARENT_RUN_TAG = "mlflow.parentRunId"
+TRAINED_RUN = "trained_run_id"  # an onboarding run's tag: the federation run it joined
 MAX_PARAMS_PER_BATCH = 100
 MAX_METRICS_PER_BATCH = 1000
 # Round metrics reach the store at most this late, one batch per run. Batches are written
@@ -80,8 +82,12 @@ class MlflowTracker(Callback):
     before round 1.
     """
 
-    def __init__(self, cfg: FederationConfig) -> None:
+    def __init__(
+        self, cfg: FederationConfig, joined: str = registry.FOUNDER, trained_run: str = ""
+    ) -> None:
         self.cfg = cfg
+        # Onboarding (joined=onboard): the run records one silo joining `trained_run`.
+        self.joined, self.trained_run = joined, trained_run
         self.uri = str(cfg.tracking.uri)
         check_store(self.uri, "tracking.uri")
         default_artifacts = artifact_dir(self.uri, cfg.name)
@@ -145,16 +151,22 @@ class MlflowTracker(Callback):
             self._reopen()
             return
         algorithm = config.algorithm["name"]
-        run = self.client.create_run(
-            self.experiment_id,
-            run_name=f"{config.name}-{algorithm}-seed{config.seed}",
-            tags={registry.ALGORITHM: algorithm, registry.FEDERATION: config.name},
-        )
+        tags = {registry.ALGORITHM: algorithm, registry.FEDERATION: config.name}
+        if self.joined == registry.FOUNDER:
+            run_name = f"{config.name}-{algorithm}-seed{config.seed}"
+            tags[registry.RUN_KIND] = registry.FEDERATION_RUN
+        else:
+            run_name = f"{config.name}-{algorithm}-onboard-{'-'.join(i.silo for i in silos)}"
+            tags.update({registry.RUN_KIND: registry.ONBOARD_RUN, TRAINED_RUN: self.trained_run})
+        run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
         self.run_id = run.info.run_id
         params = [Param(k, v) for k, v in flatten(to_dict(config)).items()]
         for start in range(0, len(params), MAX_PARAMS_PER_BATCH):
             batch = params[start : start + MAX_PARAMS_PER_BATCH]
             self.client.log_batch(self.run_id, params=batch)
+        if self.joined == registry.FOUNDER:
+            record = federation_record(to_dict(config), *model_shape(silos))
+            self.client.log_text(self.run_id, record, FEDERATION_FILE)
         for info in silos:
             child = self.client.create_run(
                 self.experiment_id,
@@ -164,6 +176,7 @@ class MlflowTracker(Callback):
                     registry.SILO: info.silo,
                     "node_id": info.node_id,
                     registry.ALGORITHM: algorithm,
+                    registry.JOINED: self.joined,
                     "model_store": "silo" if info.silo in self.own_stores else "central",
                 },
             )
@@ -177,7 +190,8 @@ class MlflowTracker(Callback):
             own = self.own_stores.get(info.silo)
             if own is not None:
                 key = f"silos.{info.silo}.tracking_uri"
-                exporters[info.silo] = MlflowExporter(own, key, name, self.run_id)
+                exporter = MlflowExporter(own, key, name, self.run_id, joined=self.joined)
+                exporters[info.silo] = exporter
                 continue
             child = self.children[info.silo]
             logged = self.client.create_logged_model(
@@ -195,6 +209,7 @@ class MlflowTracker(Callback):
                 child,
                 logged.model_id,
                 logged.artifact_location,
+                self.joined,
             )
         return exporters
 
@@ -237,6 +252,7 @@ class MlflowTracker(Callback):
                     int(receipt[registry.ROUND]),
                     float(receipt[registry.VAL_ACCURACY]),
                     float(receipt[registry.TEST_ACCURACY]),
+                    self.joined,
                 )
                 name = registry.model_name(self.cfg.name, silo)
                 published = registry.publish(

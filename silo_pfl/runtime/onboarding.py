@@ -1,0 +1,221 @@
+"""Cold start on Ray: one silo joins a trained federation, on its own node.
+
+The silo's actor loads its own data there and builds the federation's model and split. Each
+round it runs its algorithm's local procedure with the global keys frozen at the trained
+federation's (`Silo.adapt`), then evaluates and commits, exactly as a founding silo does; its
+model is selected on its validation rows. Beside it, unless told otherwise, a second actor on the
+same node trains the same silo alone (algorithm `local`) for the same rounds: the baseline a silo
+decides to join on. At the end the joining silo runs its exporters (its model is registered like
+a founder's, tagged joined=onboard); the baseline's model is only reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import ray
+
+from silo_pfl.callbacks import Callback
+from silo_pfl.config import FederationConfig, to_dict
+from silo_pfl.errors import FederationError
+from silo_pfl.messages import EvalMetrics, FitMetrics, SiloInfo, SiloOutcome, SplitInfo
+from silo_pfl.results import FederationResult, RoundSummary, SiloResult
+from silo_pfl.run_dir import RESULT_FILE, RunDir
+from silo_pfl.runtime.actors import get, start_silo, stop
+from silo_pfl.runtime.exporting import attach_exporters, export
+from silo_pfl.runtime.placement import LABEL_WAIT_SECONDS, check_labels, silo_selector
+from silo_pfl.runtime.session import ray_session
+from silo_pfl.selection import Selector
+from silo_pfl.tracking.registry import ONBOARD
+from silo_pfl.tracking.trained_run import TrainedRun
+
+ALONE = "alone"  # the baseline's role, and the suffix of its directory's run id
+
+
+class Onboarding:
+    """Runs one silo's cold start and returns a FederationResult with that one silo."""
+
+    def __init__(
+        self,
+        cfg: FederationConfig,
+        trained: TrainedRun,
+        silo: str,
+        callbacks: Sequence[Callback] = (),
+        alone: FederationConfig | None = None,
+    ) -> None:
+        self.cfg, self.trained, self.silo = cfg, trained, silo
+        self.callbacks = list(callbacks)
+        self.alone = alone  # the baseline's config, or None for no baseline
+        self.run_dir = RunDir.create(cfg)
+
+    def _emit(self, hook: str, *args: Any) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(*args)
+
+    def _check_fit(self, info: SiloInfo) -> None:
+        """The silo's data fits the trained model: same input shape, no class beyond it."""
+        trained = self.trained
+        if tuple(info.input_shape) != trained.input_shape:
+            raise FederationError(
+                f"silo {info.silo}: inputs of shape {tuple(info.input_shape)}, but the federation "
+                f"of run {trained.run_id} was trained on {trained.input_shape}"
+            )
+        if info.num_classes > trained.num_classes:
+            raise FederationError(
+                f"silo {info.silo}: {info.num_classes} classes, but the federation of run "
+                f"{trained.run_id} was trained on {trained.num_classes}"
+            )
+
+    def run(self) -> FederationResult:
+        timeout = self.cfg.round.call_timeout_s
+        run_id, name = self.run_dir.run_id, self.silo
+        with ray_session(self.cfg.ray):
+            start = time.perf_counter()
+            check_labels({f"silo {name}": silo_selector(self.cfg, name)}, LABEL_WAIT_SECONDS)
+            actors = {name: start_silo(self.cfg, to_dict(self.cfg), name, run_id)}
+            if self.alone is not None:
+                alone_id = f"{run_id}-{ALONE}"
+                actors[ALONE] = start_silo(self.alone, to_dict(self.alone), name, alone_id)
+            try:
+                roles = list(actors)
+                infos = get([actors[r].setup.remote() for r in roles], "silo set-up", timeout)
+                info = infos[0]
+                self._check_fit(info)
+                shape = (self.trained.input_shape, self.trained.num_classes)
+                splits: list[SplitInfo] = get(
+                    [actors[r].build.remote(*shape) for r in roles], "silo model", timeout
+                )
+                split = dataclasses.replace(splits[0], bytes_sent_per_round=0)  # sends nothing
+                self._emit("on_start", self.cfg, [info], split)
+                exporting = attach_exporters(self.callbacks, [info], {name: actors[name]}, timeout)
+                states = {name: ray.put(self.trained.global_state), ALONE: ray.put({})}
+                selectors = {role: Selector(self.cfg.eval.selection) for role in roles}
+                history = []
+                for round_ in range(1, self.cfg.rounds + 1):
+                    self._emit("on_round_start", round_)
+                    began = time.perf_counter()
+                    evals = self._round(actors, states, selectors, round_)
+                    fit, evaluated = evals[name]
+                    history.append(_summary(round_, began, fit, evaluated))
+                    self._emit("on_round_end", history[-1])
+                outcomes: list[SiloOutcome] = get(
+                    [actors[r].outcome.remote() for r in roles], "silo outcome", timeout
+                )
+                export(self.callbacks, list(exporting), actors, timeout)
+            finally:
+                stop(list(actors.values()))
+            outcome = outcomes[0]
+            result = FederationResult(
+                name=self.cfg.name,
+                algorithm=self.cfg.algorithm["name"],
+                rounds=self.cfg.rounds,
+                seed=self.cfg.seed,
+                wall_seconds=time.perf_counter() - start,
+                global_parameters=split.global_parameters,
+                local_parameters=split.local_parameters,
+                silos={name: _silo_result(info, outcome)},
+                history=history,
+                run_id=run_id,
+                run_dir=str(self.run_dir.path.resolve()),
+                extras={
+                    "onboard": self._report(outcome, outcomes[1] if len(outcomes) > 1 else None),
+                    **{k: v for callback in self.callbacks for k, v in callback.extras().items()},
+                },
+            )
+        self._emit("on_end", result)
+        result.write_json(self.run_dir.path / RESULT_FILE)
+        return result
+
+    def _round(
+        self,
+        actors: dict[str, Any],
+        states: dict[str, Any],
+        selectors: dict[str, Selector],
+        round_: int,
+    ) -> dict[str, tuple[FitMetrics, EvalMetrics]]:
+        """One round for the joining silo and its baseline side by side: adapt, evaluate,
+        select on validation, commit."""
+        timeout = self.cfg.round.timeout_s
+        roles = list(actors)
+        state = [states[self.silo if r == self.silo else ALONE] for r in roles]
+        fits = get(
+            [actors[r].adapt.remote(s, round_) for r, s in zip(roles, state, strict=True)],
+            f"round {round_}: silo training",
+            timeout,
+            [f"silo {r}" for r in roles],
+        )
+        evals = get(
+            [actors[r].evaluate.remote(s, round_) for r, s in zip(roles, state, strict=True)],
+            f"round {round_}: silo evaluation",
+            timeout,
+            [f"silo {r}" for r in roles],
+        )
+        commits = [
+            actors[r].commit.remote(round_, bool(selectors[r].choose([e])))
+            for r, e in zip(roles, evals, strict=True)
+        ]
+        get(commits, f"round {round_}: silo commit", timeout, [f"silo {r}" for r in roles])
+        return {r: (f, e) for r, f, e in zip(roles, fits, evals, strict=True)}
+
+    def _report(self, joined: SiloOutcome, alone: SiloOutcome | None) -> dict[str, Any]:
+        """The joining silo against the founders and against training alone."""
+        founders = self.trained.result.get("silos", {})
+        accuracies = [float(s["test_accuracy"]) for s in founders.values()]
+        founders_mean = float(np.mean(accuracies)) if accuracies else float("nan")
+        report: dict[str, Any] = {
+            "silo": self.silo,
+            "trained_run_id": self.trained.run_id,
+            "founders": list(founders),
+            "founders_mean_test_accuracy": founders_mean,
+            "founders_worst_test_accuracy": min(accuracies) if accuracies else float("nan"),
+            "test_accuracy": joined.test_accuracy,
+            "share_of_founders_mean": joined.test_accuracy / founders_mean,
+        }
+        if alone is not None:
+            report.update(
+                alone_test_accuracy=alone.test_accuracy,
+                alone_val_accuracy=alone.val_accuracy,
+                alone_selected_round=alone.selected_round,
+                gain_over_alone=joined.test_accuracy - alone.test_accuracy,
+            )
+        return report
+
+
+def _summary(round_: int, began: float, fit: FitMetrics, evaluated: EvalMetrics) -> RoundSummary:
+    """The joining silo's round, in the shape of a federation round (it aggregates nothing)."""
+    return RoundSummary(
+        round=round_,
+        seconds=time.perf_counter() - began,
+        mean_train_loss=fit.train_loss,
+        mean_val_accuracy=evaluated.val_accuracy,
+        mean_test_accuracy=evaluated.test_accuracy,
+        silos={
+            fit.silo: {
+                "train_loss": fit.train_loss,
+                "train_seconds": fit.train_seconds,
+                "bytes_sent": 0.0,
+                "val_accuracy": evaluated.val_accuracy,
+                "test_accuracy": evaluated.test_accuracy,
+            }
+        },
+    )
+
+
+def _silo_result(info: SiloInfo, outcome: SiloOutcome) -> SiloResult:
+    return SiloResult(
+        test_accuracy=outcome.test_accuracy,
+        val_accuracy=outcome.val_accuracy,
+        selected_round=outcome.selected_round,
+        final_test_accuracy=outcome.final_test_accuracy,
+        num_train=info.num_train,
+        num_val=info.num_val,
+        num_test=info.num_test,
+        bytes_sent_per_round=0,
+        node_id=info.node_id,
+        extras=outcome.extras,
+        joined=ONBOARD,
+    )
