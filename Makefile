@@ -27,5 +27,5 @@ format: $(STAMP)
 
 # pytest exits 5 when it collects no test: reported, and counted as a failure of the suite.
 test: lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider; rc=$$?; \
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc

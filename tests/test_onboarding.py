@@ -63,6 +63,12 @@ def test_a_silo_the_federation_never_saw_joins_registers_and_serves(tmp_path, ml
     assert parent.data.tags["run_kind"] == "onboard"
     assert parent.data.tags["trained_run_id"] == founders["mlflow"]["run_id"]
 
+    capsys.readouterr()
+    assert main(["models", "--federation", FEDERATION]) == 0
+    listing = capsys.readouterr().out.splitlines()
+    assert len(listing) == 1 + 6
+    assert [line.split()[2] for line in listing[1:]] == ["founder"] * 5 + ["onboard"]
+
     cfg = load_config(SKEW, DATA)
     data = load_silo_data(cfg.data, NEW, cfg.seed)
     with served(f"models:/{name}@champion", mlflow_store, tmp_path / "serve.log") as url:

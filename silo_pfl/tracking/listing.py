@@ -9,6 +9,8 @@ from silo_pfl.tracking.registry import (
     ALGORITHM,
     CHAMPION,
     FEDERATION,
+    FOUNDER,
+    JOINED,
     LATEST,
     SILO,
     TEST_ACCURACY,
@@ -32,6 +34,7 @@ class ModelRow:
     algorithm: str
     val_accuracy: float
     test_accuracy: float
+    joined: str = FOUNDER  # founder, or onboard (joined the trained federation later)
 
     @property
     def serve_uri(self) -> str:
@@ -70,6 +73,7 @@ def model_rows(
                     algorithm=v.tags.get(ALGORITHM, ""),
                     val_accuracy=tag_value(v.tags, VAL_ACCURACY),
                     test_accuracy=tag_value(v.tags, TEST_ACCURACY),
+                    joined=v.tags.get(JOINED, FOUNDER),
                 )
             )
     return rows
@@ -77,13 +81,15 @@ def model_rows(
 
 def format_table(rows: list[ModelRow]) -> str:
     """A fixed-width table of model rows."""
-    header = ("federation", "silo", "version", "aliases", "algorithm", "val acc", "test acc")
+    header = ("federation", "silo", "joined", "version", "aliases", "algorithm", "val acc")
+    header += ("test acc",)
     lines = [(*header, "serve")]
     for r in rows:
         lines.append(
             (
                 r.federation,
                 r.silo,
+                r.joined,
                 str(r.version),
                 ",".join(r.aliases) or "-",
                 r.algorithm,
