@@ -1,4 +1,5 @@
-"""The command line: `silo-pfl run|submit CONFIG [key=value ...]`, `jobs`, `stop`, `models`."""
+"""The command line: `silo-pfl run|submit CONFIG [key=value ...]`, `jobs`, `stop`, `models`,
+`compare`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+from silo_pfl.compare import add_arguments as compare_arguments
 from silo_pfl.errors import ConfigError, SiloPflError
 
 EXIT_USER_ERROR = 2
@@ -73,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     models.add_argument("--all", action="store_true", help="every version, not only aliased ones")
     _debug(models)
+    compare = commands.add_parser("compare", help="every algorithm on several jobs: tables, JSON")
+    compare_arguments(compare)
+    _debug(compare)
     return parser
 
 
@@ -181,6 +186,15 @@ def _models(args: argparse.Namespace) -> int:
 
     print(models_table(args.tracking_uri, args.federation, args.all))
     return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from silo_pfl.compare import main as compare_main
+
+    return compare_main(args)
+
+
+COMMANDS["compare"] = _compare
 
 
 def main(argv: Sequence[str] | None = None) -> int:
