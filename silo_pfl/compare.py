@@ -61,7 +61,7 @@ _PUBLISHED_KEYS = ("source", "note", "figures")
 
 
 def default_workers() -> int:
-    """Two concurrent federations at most: each has an actor per silo (10 silos, about 3 GB)."""
+    """Two concurrent federations at most: each has an actor per silo (10 silos: 4-5 GB)."""
     return max(1, min(2, os.cpu_count() or 1))
 
 
@@ -684,7 +684,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=default_workers(),
         help="federations run at once, each in its own process and local Ray (default "
-        "min(2, cores); a 10-silo federation takes about 3 GB)",
+        "min(2, cores); a 10-silo federation takes 4-5 GB)",
     )
     parser.add_argument(
         "--cache", default=DEFAULT_CACHE, help=f"results of past runs (default {DEFAULT_CACHE})"
