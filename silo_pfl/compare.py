@@ -24,6 +24,7 @@ import json
 import multiprocessing
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -412,9 +413,35 @@ _WORKER_RAY: dict[str, int] = {}
 
 
 def _init_worker(num_cpus: int) -> None:
-    """A pool process: its own fresh local Ray, used by every run it is given."""
+    """A pool process: its own fresh local Ray, used by every run it is given. The rounds'
+    warnings (a silo left out, a retried round) stay in each run's results (`history`), not on
+    the terminal, where the runs of several workers would mix them up.
+
+    Ctrl-C is the parent's to handle (it then sends each worker SIGTERM): a worker ignores
+    SIGINT. SIGTERM during a run stops it as `ray_session` makes it (actors released); at any
+    other time it ends the worker at once; either way its Ray is shut down first."""
+    import logging
+
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    logging.getLogger("silo_pfl").setLevel(logging.ERROR)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _terminated)
     _WORKER_RAY["num_cpus"] = num_cpus
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _exit_worker(128 + signum)
+
+
+def _exit_worker(code: int) -> None:
+    """Shut this worker's Ray down (its processes would outlive it otherwise), then exit."""
+    try:
+        ray = sys.modules.get("ray")
+        if ray is not None:
+            ray.shutdown()  # also after an init cut short: it stops the processes it started
+    finally:
+        os._exit(code)
 
 
 def _ensure_ray() -> None:
@@ -431,6 +458,7 @@ def _ensure_ray() -> None:
             log_to_driver=False,
             logging_level=logging.WARNING,
         )
+        signal.signal(signal.SIGTERM, _terminated)  # ray.init put in its own (sys.exit)
 
 
 def execute(config: str, overrides: Sequence[str]) -> dict[str, Any]:
@@ -449,6 +477,8 @@ def execute(config: str, overrides: Sequence[str]) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="silo_pfl_compare_") as tmp:
             cfg = load_config(config, [*overrides, f"output_dir={tmp}"])
             result = Federation(cfg).run().to_dict()
+    except (KeyboardInterrupt, SystemExit):  # SIGTERM from the parent: during the run (its
+        _exit_worker(130)  # actors are gone by now) or during ray.init (Ray's own handler)
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {one_line(exc)}"}
     for path_key in ("run_dir", "global_state_path"):
@@ -529,6 +559,21 @@ class Outcome:
             if record is not None and record.error and run.key not in seen:
                 seen[run.key] = f"{run.describe()}: {record.error}"
         return list(seen.values())
+
+
+def _stop_workers(pool: cf.ProcessPoolExecutor, grace: float = 120.0) -> None:
+    """Cancel what has not started, SIGTERM every worker (its run stops, its Ray shuts down),
+    SIGKILL one still alive after `grace` seconds."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + grace
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
 
 
 def git_commit() -> str:
@@ -645,8 +690,10 @@ def compare(
                 )
             advance()
     finally:
-        if pool is not None:
-            pool.shutdown(wait=not waiting, cancel_futures=True)
+        if pool is not None and waiting:  # interrupted (or failed): stop the runs under way
+            _stop_workers(pool)
+        elif pool is not None:
+            pool.shutdown()
     if dry_run:
         undecided = sum(1 for u in units if not u.decided)
         rest = sum(len(u.job.seeds) - 1 for u in units if not u.decided)

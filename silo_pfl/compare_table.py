@@ -73,9 +73,11 @@ def _seed_results(unit: Unit, records: dict[str, Record]) -> dict[int, dict[str,
 
 
 def _mean_std(values: list[float]) -> dict[str, float | None]:
+    """The mean over seeds, and the (population) std over seeds when there are several."""
     if not values:
         return {"mean": None, "std_over_seeds": None}
-    return {"mean": float(np.mean(values)), "std_over_seeds": float(np.std(values))}
+    std = float(np.std(values)) if len(values) > 1 else None
+    return {"mean": float(np.mean(values)), "std_over_seeds": std}
 
 
 def _row(unit: Unit, records: dict[str, Record], base: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -299,7 +301,7 @@ def _pm(figure: dict[str, float | None]) -> str:
     mean, std = figure["mean"], figure["std_over_seeds"]
     if mean is None:
         return ""
-    return f"{mean:.4f}" if not std else f"{mean:.4f} ± {std:.4f}"
+    return f"{mean:.4f}" if std is None else f"{mean:.4f} ± {std:.4f}"
 
 
 def _gain_cells(gain: dict[str, Any] | None, is_base: bool) -> list[str]:
