@@ -444,21 +444,35 @@ def _exit_worker(code: int) -> None:
         os._exit(code)
 
 
+RAY_START_ATTEMPTS = 3
+
+
 def _ensure_ray() -> None:
+    """This worker's local Ray, started on its first run. On a loaded machine Ray's raylet may
+    miss its 30-second start-up deadline; then what was started is stopped and Ray tried again."""
     import logging
 
     import ray
 
-    if not ray.is_initialized():
-        ray.init(
-            address="local",
-            num_cpus=_WORKER_RAY.get("num_cpus", 1),
-            object_store_memory=512 * 1024**2,
-            include_dashboard=False,
-            log_to_driver=False,
-            logging_level=logging.WARNING,
-        )
-        signal.signal(signal.SIGTERM, _terminated)  # ray.init put in its own (sys.exit)
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        if ray.is_initialized():
+            return
+        try:
+            ray.init(
+                address="local",
+                num_cpus=_WORKER_RAY.get("num_cpus", 1),
+                object_store_memory=512 * 1024**2,
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level=logging.WARNING,
+            )
+        except Exception:
+            ray.shutdown()
+            if attempt == RAY_START_ATTEMPTS:
+                raise
+            time.sleep(5 * attempt)
+        finally:
+            signal.signal(signal.SIGTERM, _terminated)  # ray.init put in its own (sys.exit)
 
 
 def execute(config: str, overrides: Sequence[str]) -> dict[str, Any]:
