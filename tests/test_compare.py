@@ -75,7 +75,7 @@ def test_a_comparison_runs_caches_and_writes_only_its_region(tmp_path, capsys):
     text = (tmp_path / "RESULTS.md").read_text()
     assert text.startswith("# Results\nkept above\n" + BEGIN + "\n")
     assert text.endswith(END + "\nkept below\n") and "\nold\n" not in text
-    assert f"`silo-pfl compare {spec} --cache" in text
+    assert f"`silo-pfl compare {spec} " in text and f"--cache {tmp_path / 'cache'}" in text
     assert "### heart (" in text and "| local | the job's |" in text
 
     report = json.loads((tmp_path / "compare.json").read_text())
