@@ -1,5 +1,5 @@
 """The command line: `silo-pfl run|submit CONFIG [key=value ...]`, `onboard`, `jobs`, `stop`,
-`models`."""
+`models`, `compare`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+from silo_pfl.compare import add_arguments as compare_arguments
 from silo_pfl.errors import ConfigError, SiloPflError
 
 EXIT_USER_ERROR = 2
@@ -92,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     models.add_argument("--all", action="store_true", help="every version, not only aliased ones")
     _debug(models)
+    compare = commands.add_parser("compare", help="every algorithm on several jobs: tables, JSON")
+    compare_arguments(compare)
+    _debug(compare)
     return parser
 
 
@@ -225,9 +229,6 @@ def _stop(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": _run, "onboard": _onboard, "submit": _submit, "jobs": _jobs, "stop": _stop}
-
-
 def _models(args: argparse.Namespace) -> int:
     from silo_pfl.tracking.listing import models_table
 
@@ -235,11 +236,28 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare(args: argparse.Namespace) -> int:
+    from silo_pfl.compare import main as compare_main
+
+    return compare_main(args)
+
+
+COMMANDS = {
+    "run": _run,
+    "onboard": _onboard,
+    "submit": _submit,
+    "jobs": _jobs,
+    "stop": _stop,
+    "models": _models,
+    "compare": _compare,
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     args = _parse(argv)
     try:
-        return {**COMMANDS, "models": _models}[args.command](args)
+        return COMMANDS[args.command](args)
     except SiloPflError as exc:
         if args.debug:
             traceback.print_exc()
