@@ -287,6 +287,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--algorithms", nargs="+", metavar="ALGORITHM", help="only these algorithms of the spec"
     )
     parser.add_argument(
+        "--max-seeds",
+        type=int,
+        metavar="N",
+        help="only each job's first N seeds (a quicker comparison; the hyper-parameters are "
+        "chosen on the first seed as always)",
+    )
+    parser.add_argument(
         "--workers",
         type=int,
         default=default_workers(),
@@ -316,6 +323,8 @@ def command_line(args: argparse.Namespace) -> str:
         parts += ["--jobs", *args.jobs]
     if args.algorithms:
         parts += ["--algorithms", *args.algorithms]
+    if args.max_seeds is not None:
+        parts += ["--max-seeds", str(args.max_seeds)]
     for option, default in (
         ("workers", default_workers()),
         ("cache", DEFAULT_CACHE),
@@ -331,7 +340,7 @@ def main(args: argparse.Namespace) -> int:
     """`silo-pfl compare`: run (or read from the cache) every run, then write the tables."""
     from silo_pfl import compare_table
 
-    spec = load_spec(args.spec).select(args.jobs, args.algorithms)
+    spec = load_spec(args.spec).select(args.jobs, args.algorithms, args.max_seeds)
     if not args.dry_run:
         compare_table.check_outputs(args.out, args.json)
     outcome = compare(spec, args.workers, args.cache, dry_run=args.dry_run)

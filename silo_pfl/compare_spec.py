@@ -4,6 +4,7 @@ errors naming the key."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,11 +60,22 @@ class Spec:
     rows: dict[str, RowSpec]
     baseline: str | None = "local"
 
-    def select(self, jobs: Sequence[str] | None, rows: Sequence[str] | None) -> Spec:
-        """The same spec restricted to these jobs and rows (None: all); unknown names fail."""
+    def select(
+        self,
+        jobs: Sequence[str] | None,
+        rows: Sequence[str] | None,
+        max_seeds: int | None = None,
+    ) -> Spec:
+        """The same spec restricted to these jobs and rows (None: all) and to each job's first
+        `max_seeds` seeds (None: all); unknown names fail."""
+        if max_seeds is not None and max_seeds < 1:
+            raise ConfigError(f"--max-seeds: got {max_seeds}, expected >= 1")
         return Spec(
             self.path,
-            {j: self.jobs[j] for j in _known(jobs, self.jobs, "--jobs")},
+            {
+                j: dataclasses.replace(self.jobs[j], seeds=self.jobs[j].seeds[:max_seeds])
+                for j in _known(jobs, self.jobs, "--jobs")
+            },
             {r: self.rows[r] for r in _known(rows, self.rows, "--algorithms")},
             self.baseline,
         )

@@ -188,6 +188,15 @@ def test_the_shipped_spec_covers_every_registered_algorithm():
     ]
 
 
+def test_max_seeds_keeps_each_jobs_first_seeds_only():
+    spec = load_spec(ROOT / "jobs" / "compare" / "all.yaml")
+    quick = spec.select(None, None, max_seeds=1)
+    assert {label: job.seeds for label, job in quick.jobs.items()} == {
+        label: job.seeds[:1] for label, job in spec.jobs.items()
+    }
+    assert spec.jobs["heart_disease"].seeds == (0, 1, 2) and quick.rows == spec.rows
+
+
 @pytest.mark.parametrize(
     ("algorithms", "extra", "message"),
     [
@@ -205,6 +214,7 @@ def test_the_shipped_spec_covers_every_registered_algorithm():
         ("  fedavg: {}", ["--jobs", "digits"], "--jobs: got 'digits', expected some of heart"),
         ("  fedavg: {}", ["--algorithms", "ditto"], "--algorithms: got 'ditto', expected some of"),
         ("  fedavg: {}", ["--workers", "0"], "--workers: got 0, expected an integer >= 1"),
+        ("  fedavg: {}", ["--max-seeds", "0"], "--max-seeds: got 0, expected >= 1"),
     ],
 )
 def test_bad_input_is_one_line_naming_it(tmp_path, capsys, algorithms, extra, message):
