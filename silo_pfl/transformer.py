@@ -2,8 +2,9 @@
 
 Inputs become tokens, then pre-norm encoder blocks, a final LayerNorm and the mean over tokens:
 
-- an image (C, H, W) is cut into square patches of `patch_size(H, W)` pixels (2x2 on 8x8
-  digits: 16 tokens), each embedded by a strided Conv2d (`body.embed.proj`);
+- an image (C, H, W) is cut into square patches of `patch_size(H, W)` pixels, 4x4 where 4
+  divides both sides (4 tokens on 8x8 digits, 64 on 32x32 images), each embedded by a strided
+  Conv2d (`body.embed.proj`);
 - a feature vector (F,) gives one token per feature: value * w_f + b_f, each feature with its
   own w_f and b_f (a grouped 1x1 Conv1d, `body.embed.proj`);
 - either way a learned position embedding is added (`body.embed.pos`: one vector per patch, or
@@ -17,7 +18,6 @@ at least 1); dim must be a multiple of heads.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -28,7 +28,7 @@ from silo_pfl.errors import ConfigError
 DEFAULT_DEPTH = 2
 HEAD_WIDTH = 16  # channels per attention head when model.hidden gives no head count
 MLP_RATIO = 2  # the width of each block's MLP, in multiples of dim
-MAX_TOKENS = 16  # images: the smallest square patch giving at most this many tokens
+PATCH = 4  # images: the side of a square patch (the largest divisor of both sides up to it)
 
 
 def transformer_shape(hidden: Sequence[int]) -> tuple[int, int, int]:
@@ -52,13 +52,9 @@ def transformer_shape(hidden: Sequence[int]) -> tuple[int, int, int]:
 
 
 def patch_size(height: int, width: int) -> int:
-    """The smallest square patch that divides the image and gives at most MAX_TOKENS tokens (the
-    largest common divisor when none does)."""
-    side = math.gcd(height, width)
-    for p in range(1, side + 1):
-        if side % p == 0 and (height // p) * (width // p) <= MAX_TOKENS:
-            return p
-    return side
+    """The side of the square patches an image is cut into: the largest number up to PATCH that
+    divides both its height and its width."""
+    return max(p for p in range(1, PATCH + 1) if height % p == 0 and width % p == 0)
 
 
 class PatchEmbedding(nn.Module):

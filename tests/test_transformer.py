@@ -87,9 +87,9 @@ def test_last_k_first_k_and_pattern_rules_select_exactly_the_expected_keys():
 
 
 def test_images_become_patches_and_feature_vectors_one_token_per_feature():
-    assert patch_size(8, 8) == 2 and patch_size(32, 32) == 8 and patch_size(6, 9) == 3
+    assert patch_size(8, 8) == 4 and patch_size(32, 32) == 4 and patch_size(6, 9) == 3
     image = digits_model()
-    assert image.body.embed.pos.shape == (16, 32)  # 4x4 patches of 2x2 pixels
+    assert image.body.embed.pos.shape == (4, 32)  # 2x2 patches of 4x4 pixels
     assert image(torch.randn(5, 1, 8, 8)).shape == (5, 10)
     rgb = build_model("transformer", (3, 32, 32), 10, (64,))
     assert rgb(torch.randn(2, 3, 32, 32)).shape == (2, 10)
