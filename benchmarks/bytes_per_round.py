@@ -10,8 +10,9 @@ global buffers; the server's broadcast back is the same size), so `Split.global_
 it sends; with `aggregation.secure` every value costs 8 bytes instead of 4.
 
 Models: cnn_small on 8x8 digits (1x8x8, 10 classes), resnet18 on 3x32x32 (10 classes) and the
-transformer (model.hidden=[32]: 2 blocks of width 32) on 8x8 digits. A model without adapters
-gets no adapters row (its config is refused in one line, printed).
+transformer (model.hidden=[32]: 2 blocks of width 32) on 8x8 digits. A row a model cannot take
+(adapters on resnet18, the transformer's attention pattern on the others) is refused in one line,
+printed.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ SETUPS = {
     "fedavg": ["algorithm.name=fedavg"],
     "fedper (head)": ["algorithm.name=fedper"],
     "fedper (last:2)": ["algorithm.name=fedper", "split.local=[last:2]"],
+    "fedper (block2 attention)": [
+        "algorithm.name=fedper",
+        "split.local=[pattern:body.block2.attn.*]",
+    ],
     "fedrep (head)": ["algorithm.name=fedrep"],
     "lg_fedavg (first:1)": ["algorithm.name=lg_fedavg"],
     "fedper (adapters, dim 8)": [
