@@ -59,6 +59,12 @@ def test_blocks_are_the_embedding_each_encoder_block_and_the_head():
     assert [n for n, _ in deep.body.named_children() if n.startswith("adapter")] == [
         f"adapter{i}" for i in range(1, 5)
     ]
+    # A new adapter is the identity: with the plain model's weights, the same outputs.
+    adapted, plain = digits_model(adapter_dim=4), digits_model()
+    missing, unexpected = adapted.load_state_dict(plain.state_dict(), strict=False)
+    assert not unexpected and all(".adapter" in k for k in missing)
+    x = torch.randn(3, 1, 8, 8)
+    torch.testing.assert_close(adapted.eval()(x), plain.eval()(x))
 
 
 def test_last_k_first_k_and_pattern_rules_select_exactly_the_expected_keys():
