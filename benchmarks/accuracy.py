@@ -7,7 +7,8 @@ Besides test accuracy it prints each algorithm's mean validation accuracy (the f
 and each silo's test accuracy over the seeds; with --baseline, each silo's gain over that
 algorithm (the "no silo left behind" check: the worst silo's gain, and the mean gain).
 An algorithm may carry its own overrides: `ditto:algorithm.ditto.lam=0.5` (a label with `@`:
-`ditto@lam0.5:algorithm.ditto.lam=0.5`).
+`ditto@lam0.5:algorithm.ditto.lam=0.5`), separated by commas outside brackets:
+`"fedper@attn:split.local=[pattern:body.block2.attn.*,head],train.lr=0.01"`.
 """
 
 from __future__ import annotations
@@ -96,9 +97,18 @@ def main() -> None:
 
 
 def _spec(spec: str) -> tuple[str, list[str]]:
-    """'label:key=value,key=value' -> (label, overrides); a bare name has none."""
+    """'label:key=value,key=value' -> (label, overrides); a bare name has none. A comma inside
+    brackets belongs to its value (split.local=[a,b])."""
     label, _, rest = spec.partition(":")
-    return label, [item for item in rest.split(",") if item]
+    items, depth, current = [], 0, ""
+    for char in rest:
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += char
+    return label, [item for item in [*items, current] if item]
 
 
 def _val(result) -> float:

@@ -39,10 +39,14 @@ class DataConfig:
 class ModelConfig:
     """The network every silo trains; its modules are named body.* and head."""
 
-    name: str = MISSING  # mlp | cnn_small | cnn_small_bn | resnet18
-    hidden: list[int] = field(default_factory=lambda: [32])  # mlp: hidden layer widths
+    name: str = MISSING  # mlp | cnn_small | cnn_small_bn | resnet18 | transformer
+    # mlp: hidden layer widths. transformer: [dim, depth, heads], the token width, the encoder
+    # blocks (default 2) and the attention heads (default dim // 16, at least 1; dim must be a
+    # multiple of it), so [32] is 2 blocks of width 32 with 2 heads. The other models ignore it.
+    hidden: list[int] = field(default_factory=lambda: [32])
     # > 0: a residual bottleneck adapter this wide after each hidden layer of the body
-    # (mlp, cnn_small, cnn_small_bn); the split rule `adapters` keeps them local.
+    # (mlp, cnn_small, cnn_small_bn; the transformer: after each encoder block); the split rule
+    # `adapters` keeps them local.
     adapter_dim: int = 0
 
 

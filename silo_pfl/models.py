@@ -4,8 +4,13 @@
 split rules count: each module with its own parameters starts a block, and a normalisation layer
 or an adapter belongs to the block before it.
 
-With `model.adapter_dim` > 0, mlp and the cnn_small models get a residual bottleneck `Adapter`
-after each hidden layer of the body (body.adapter1, ...), found by the split rule `adapters`.
+With `model.adapter_dim` > 0, mlp, the cnn_small models and the transformer get a residual
+bottleneck `Adapter` after each hidden layer (each encoder block) of the body (body.adapter1, ...),
+found by the split rule `adapters`.
+
+`transformer` (its parts in silo_pfl/transformer.py) is body.embed, body.block1, body.block2, ...
+(pre-norm encoder blocks: norm1, attn, norm2, mlp), body.norm and a mean over tokens, then head;
+each encoder block is one block of `blocks()`, its final LayerNorm belongs to the last one.
 
 `MoEHead` replaces a model's Linear head by a mixture of expert heads (algorithm moe_heads).
 """
@@ -18,10 +23,11 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from silo_pfl import transformer as tf
 from silo_pfl.errors import ConfigError
 
 _NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
-ADAPTER_MODELS = ("mlp", "cnn_small", "cnn_small_bn")
+ADAPTER_MODELS = ("mlp", "cnn_small", "cnn_small_bn", "transformer")
 
 
 class Adapter(nn.Module):
@@ -108,6 +114,13 @@ def check_adapters(name: str, adapter_dim: int) -> None:
         )
 
 
+def check_hidden(name: str, hidden: Sequence[int]) -> None:
+    """model.hidden as the model reads it: the transformer's [dim, depth, heads] (mlp's widths
+    and the other models need nothing beyond widths >= 1)."""
+    if name == "transformer":
+        tf.transformer_shape(hidden)
+
+
 def _adapter(name: str, width: int, dim: int, conv: bool) -> list[tuple[str, nn.Module]]:
     return [(name, Adapter(width, dim, conv))] if dim > 0 else []
 
@@ -190,16 +203,31 @@ def resnet18(
     return BodyHeadModel(body, net.fc)
 
 
+def transformer(
+    input_shape: Sequence[int], num_classes: int, hidden: Sequence[int], adapter_dim: int = 0
+) -> BodyHeadModel:
+    """A small pre-norm transformer encoder over patches (images) or features (vectors), mean
+    over tokens, Linear head; model.hidden = [dim, depth, heads] (see silo_pfl.transformer)."""
+    dim, depth, heads = tf.transformer_shape(hidden)
+    layers: list[tuple[str, nn.Module]] = [("embed", tf.embedding(input_shape, dim))]
+    for i in range(1, depth + 1):
+        layers.append((f"block{i}", tf.EncoderBlock(dim, heads)))
+        layers += _adapter(f"adapter{i}", dim, adapter_dim, conv=False)
+    layers += [("norm", nn.LayerNorm(dim)), ("pool", tf.MeanTokens())]
+    return BodyHeadModel(nn.Sequential(OrderedDict(layers)), nn.Linear(dim, num_classes))
+
+
 ModelFactory = Callable[[Sequence[int], int, Sequence[int], int], BodyHeadModel]
 MODELS: dict[str, ModelFactory] = {
     "mlp": mlp,
     "cnn_small": cnn_small,
     "cnn_small_bn": cnn_small_bn,
     "resnet18": resnet18,
+    "transformer": transformer,
 }
 MODEL_NAMES = frozenset(MODELS)
 # The models whose head is one nn.Linear (tests build each to check), which MoEHead can replace.
-LINEAR_HEAD_MODELS = frozenset({"mlp", "cnn_small", "cnn_small_bn", "resnet18"})
+LINEAR_HEAD_MODELS = frozenset({"mlp", "cnn_small", "cnn_small_bn", "resnet18", "transformer"})
 
 
 def build_model(

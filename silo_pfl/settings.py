@@ -20,12 +20,18 @@ from silo_pfl.config import (
 )
 from silo_pfl.data import all_silo_names, data_config, silo_names
 from silo_pfl.errors import ConfigError, one_line
-from silo_pfl.models import MODEL_NAMES, build_model, check_adapters
+from silo_pfl.models import MODEL_NAMES, build_model, check_adapters, check_hidden
 from silo_pfl.server_optimizers import resolve_server_optimizer
 from silo_pfl.split import compute_split, parse_rules
 
-# Input shapes that build each model only to read its state_dict keys (they do not depend on it).
-_PROBE_SHAPES = {"cnn_small": (1, 8, 8), "cnn_small_bn": (1, 8, 8), "resnet18": (3, 32, 32)}
+# Input shapes that build each model only to read its state_dict keys (they do not depend on it:
+# the transformer's keys are the same for images and feature vectors, only their shapes differ).
+_PROBE_SHAPES = {
+    "cnn_small": (1, 8, 8),
+    "cnn_small_bn": (1, 8, 8),
+    "resnet18": (3, 32, 32),
+    "transformer": (1, 8, 8),
+}
 
 
 def build_config(
@@ -103,6 +109,7 @@ def _check_model(cfg: FederationConfig) -> None:
     check_adapters(cfg.model.name, cfg.model.adapter_dim)
     if cfg.model.hidden and min(cfg.model.hidden) < 1:
         raise ConfigError(f"model.hidden: got {list(cfg.model.hidden)}, expected widths >= 1")
+    check_hidden(cfg.model.name, cfg.model.hidden)
 
 
 def _check_silos(cfg: FederationConfig) -> None:

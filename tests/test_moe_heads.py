@@ -95,7 +95,7 @@ def test_every_zoo_model_takes_an_moe_head_with_or_without_adapters(job):
     )
     algorithm = build_algorithm(cfg.algorithm, cfg.train)
     shapes = {"mlp": (13,), "cnn_small": (1, 8, 8), "cnn_small_bn": (1, 8, 8)}
-    shapes["resnet18"] = (3, 32, 32)
+    shapes |= {"resnet18": (3, 32, 32), "transformer": (1, 8, 8)}
     assert set(shapes) == set(MODELS)
     for name, shape in shapes.items():
         for adapter_dim in (0, 4) if name != "resnet18" else (0,):
@@ -117,7 +117,7 @@ def test_every_zoo_model_takes_an_moe_head_with_or_without_adapters(job):
         MoEHead.from_head(nn.Sequential(nn.Linear(4, 2)), experts=2)
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="model.name"):
-        cfg.model = ModelConfig(name="transformer")
+        cfg.model = ModelConfig(name="a_model_without_a_linear_head")
         algorithm.check_config(cfg)
 
 
