@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from silo_pfl.messages import SiloInfo, SiloOutcome
+
 
 @dataclass(frozen=True)
 class RoundSummary:
@@ -49,6 +51,22 @@ class SiloResult:
     # The algorithm's figures of the selected model (e.g. APFL's alpha); flat keys in JSON.
     extras: dict[str, float] = field(default_factory=dict)
     joined: str = "founder"  # founder, or onboard: it joined the trained federation later
+
+    @classmethod
+    def of(cls, info: SiloInfo, outcome: SiloOutcome, **more: Any) -> SiloResult:
+        """A silo's result from its set-up report and its outcome; `more` sets the rest."""
+        return cls(
+            test_accuracy=outcome.test_accuracy,
+            val_accuracy=outcome.val_accuracy,
+            selected_round=outcome.selected_round,
+            final_test_accuracy=outcome.final_test_accuracy,
+            num_train=info.num_train,
+            num_val=info.num_val,
+            num_test=info.num_test,
+            node_id=info.node_id,
+            extras=outcome.extras,
+            **more,
+        )
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,7 @@ class Onboarding:
                 wall_seconds=time.perf_counter() - start,
                 global_parameters=split.global_parameters,
                 local_parameters=split.local_parameters,
-                silos={name: _silo_result(info, outcome)},
+                silos={name: SiloResult.of(info, outcome, bytes_sent_per_round=0, joined=ONBOARD)},
                 history=history,
                 run_id=run_id,
                 run_dir=str(self.run_dir.path.resolve()),
@@ -202,20 +202,4 @@ def _summary(round_: int, began: float, fit: FitMetrics, evaluated: EvalMetrics)
                 "test_accuracy": evaluated.test_accuracy,
             }
         },
-    )
-
-
-def _silo_result(info: SiloInfo, outcome: SiloOutcome) -> SiloResult:
-    return SiloResult(
-        test_accuracy=outcome.test_accuracy,
-        val_accuracy=outcome.val_accuracy,
-        selected_round=outcome.selected_round,
-        final_test_accuracy=outcome.final_test_accuracy,
-        num_train=info.num_train,
-        num_val=info.num_val,
-        num_test=info.num_test,
-        bytes_sent_per_round=0,
-        node_id=info.node_id,
-        extras=outcome.extras,
-        joined=ONBOARD,
     )

@@ -138,19 +138,12 @@ class Orchestrator:
                 global_parameters=split.global_parameters,
                 local_parameters=split.local_parameters,
                 silos={
-                    info.silo: SiloResult(
-                        test_accuracy=out.test_accuracy,
-                        val_accuracy=out.val_accuracy,
-                        selected_round=out.selected_round,
-                        final_test_accuracy=out.final_test_accuracy,
-                        num_train=info.num_train,
-                        num_val=info.num_val,
-                        num_test=info.num_test,
+                    info.silo: SiloResult.of(
+                        info,
+                        out,
                         bytes_sent_per_round=split.bytes_sent_per_round,
-                        node_id=info.node_id,
                         restarts=parties[info.silo].restarts,
                         rounds_taken_part=sum(info.silo in s.participants for s in history),
-                        extras=out.extras,
                     )
                     for info, out in zip(infos, outcomes, strict=True)
                 },

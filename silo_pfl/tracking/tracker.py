@@ -160,12 +160,13 @@ class MlflowTracker(Callback):
             tags.update({registry.RUN_KIND: registry.ONBOARD_RUN, TRAINED_RUN: self.trained_run})
         run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
         self.run_id = run.info.run_id
-        params = [Param(k, v) for k, v in flatten(to_dict(config)).items()]
+        resolved = to_dict(config)
+        params = [Param(k, v) for k, v in flatten(resolved).items()]
         for start in range(0, len(params), MAX_PARAMS_PER_BATCH):
             batch = params[start : start + MAX_PARAMS_PER_BATCH]
             self.client.log_batch(self.run_id, params=batch)
         if self.joined == registry.FOUNDER:
-            record = federation_record(to_dict(config), *model_shape(silos))
+            record = federation_record(resolved, *model_shape(silos))
             self.client.log_text(self.run_id, record, FEDERATION_FILE)
         for info in silos:
             child = self.client.create_run(
