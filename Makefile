@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint format
+.PHONY: setup run test lint format tools
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,20 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+# Debian's Prometheus and Chromium, for the metrics and report tests (installed when missing, as
+# root or with sudo; without them those tests skip and say so).
+DEBIAN_TOOLS := prometheus chromium
+tools:
+	@missing=""; for t in $(DEBIAN_TOOLS); do command -v $$t >/dev/null || missing="$$missing $$t"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then sudo=""; elif sudo -n true 2>/dev/null; then sudo="sudo -n"; \
+	  else echo "note: not root: the tests that need$$missing skip"; exit 0; fi; \
+	  echo "installing Debian packages:$$missing"; \
+	  $$sudo apt-get update -qq && $$sudo env DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+
 # pytest exits 5 when it collects no test: reported, and counted as a failure of the suite.
-test: lint
+test: lint tools
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any
 
 from silo_pfl.config import FederationConfig
 from silo_pfl.messages import SiloInfo, SplitInfo
@@ -56,57 +55,3 @@ class Callback:
     def on_resumed(self, history: Sequence[RoundSummary]) -> None:
         """On resume, after on_start: the rounds already done. A round may have been
         checkpointed before the interrupted run's callbacks saw its end."""
-
-
-class ProgressPrinter(Callback):
-    """Prints the split, a line per round, and a per-silo table at the end."""
-
-    def __init__(self, stream: TextIO | None = None) -> None:
-        self.stream = stream or sys.stdout
-        self.rounds = 0
-
-    def _print(self, text: str) -> None:
-        print(text, file=self.stream, flush=True)
-
-    def on_start(
-        self, config: FederationConfig, silos: Sequence[SiloInfo], split: SplitInfo
-    ) -> None:
-        self.rounds = config.rounds
-        self._print(
-            f"federation {config.name}: {len(silos)} silos, algorithm {config.algorithm['name']}, "
-            f"model {config.model.name}, {config.rounds} rounds, seed {config.seed}"
-        )
-        self._print(
-            f"split: {split.global_parameters} global / {split.local_parameters} local parameters;"
-            f" {split.bytes_sent_per_round} bytes sent per silo per round"
-        )
-
-    def on_round_end(self, summary: RoundSummary) -> None:
-        width = len(str(self.rounds))
-        self._print(
-            f"round {summary.round:>{width}}/{self.rounds}  {summary.seconds:6.2f}s  "
-            f"loss {summary.mean_train_loss:.4f}  val {summary.mean_val_accuracy:.3f}  "
-            f"mean test acc {summary.mean_test_accuracy:.3f}"
-            + (f"  (attempt {summary.attempts})" if summary.attempts > 1 else "")
-        )
-        for silo, how in summary.restarted.items():
-            self._print(f"  {silo}: restarted, restored round {how['round']}")
-        for silo, reason in summary.absent.items():
-            self._print(f"  {silo}: left out: {reason}")
-
-    def on_end(self, result: FederationResult) -> None:
-        header = f"{'silo':<14}{'train':>7}{'val':>6}{'test':>6}{'round':>7}{'val acc':>9}"
-        header += f"{'test acc':>10}{'bytes/round':>13}"
-        self._print("")
-        self._print(header)
-        for name, silo in result.silos.items():
-            self._print(
-                f"{name:<14}{silo.num_train:>7}{silo.num_val:>6}{silo.num_test:>6}"
-                f"{silo.selected_round:>7}{silo.val_accuracy:>9.3f}{silo.test_accuracy:>10.3f}"
-                f"{silo.bytes_sent_per_round:>13}"
-            )
-        self._print(
-            f"mean test accuracy {result.mean_test_accuracy:.4f}  worst "
-            f"{result.worst_test_accuracy:.4f}  std {result.std_test_accuracy:.4f}  "
-            f"({result.wall_seconds:.1f}s)"
-        )

@@ -1,5 +1,5 @@
-"""The command line: `silo-pfl run|submit CONFIG [key=value ...]`, `onboard`, `jobs`, `stop`,
-`models`, `compare`."""
+"""The command line: `silo-pfl run|submit|config CONFIG [key=value ...]`, `onboard`, `jobs`,
+`stop`, `models`, `compare`."""
 
 from __future__ import annotations
 
@@ -79,6 +79,12 @@ def _parser() -> argparse.ArgumentParser:
         "--no-alone", action="store_true", help="skip the baseline of the silo training alone"
     )
     _debug(onboard)
+    config = commands.add_parser(
+        "config", help="print a job's fully resolved config, every default included (YAML)"
+    )
+    config.add_argument("config", help="job YAML, e.g. jobs/heart_disease.yaml")
+    config.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rounds=5")
+    _debug(config)
     jobs = commands.add_parser("jobs", help="list the cluster's recent jobs")
     jobs.add_argument("--limit", type=int, default=20, help="how many, newest first")
     _cluster_options(jobs)
@@ -104,7 +110,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     late = [item for item in extra if "=" in item and not item.startswith("-")]
-    if extra != late or (late and args.command not in ("run", "submit", "onboard")):
+    if extra != late or (late and args.command not in ("run", "submit", "onboard", "config")):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if isinstance(getattr(args, "resume", None), str) and "=" in args.resume:
         late, args.resume = [args.resume, *late], True  # `--resume rounds=9`: an override
@@ -124,8 +130,9 @@ def _check_results_path(path: str | None) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from silo_pfl.callbacks import Callback, ProgressPrinter
+    from silo_pfl.callbacks import Callback
     from silo_pfl.federation import Federation
+    from silo_pfl.progress import ProgressPrinter
     from silo_pfl.runtime.jobs import print_results_line
     from silo_pfl.settings import load_config
 
@@ -151,8 +158,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _onboard(args: argparse.Namespace) -> int:
-    from silo_pfl.callbacks import Callback, ProgressPrinter
+    from silo_pfl.callbacks import Callback
     from silo_pfl.federation import Federation
+    from silo_pfl.progress import ProgressPrinter
     from silo_pfl.settings import load_config
 
     config = load_config(args.config, args.overrides)
@@ -214,6 +222,16 @@ def _submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config(args: argparse.Namespace) -> int:
+    from omegaconf import OmegaConf
+
+    from silo_pfl.settings import load_config, resolved_config
+
+    config = resolved_config(load_config(args.config, args.overrides))
+    print(OmegaConf.to_yaml(config), end="")
+    return 0
+
+
 def _jobs(args: argparse.Namespace) -> int:
     from silo_pfl.runtime.jobs import JobsClient, jobs_table
 
@@ -246,6 +264,7 @@ COMMANDS = {
     "run": _run,
     "onboard": _onboard,
     "submit": _submit,
+    "config": _config,
     "jobs": _jobs,
     "stop": _stop,
     "models": _models,

@@ -7,6 +7,7 @@ error is a one-line ConfigError naming the key, raised before anything starts.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,11 @@ from typing import Any
 from silo_pfl.algorithms import Algorithm, algorithm_config, build_algorithm
 from silo_pfl.config import (
     FederationConfig,
+    SiloConfig,
     check_node_label,
     merge_config,
     read_yaml,
+    to_dict,
 )
 from silo_pfl.data import all_silo_names, data_config, silo_names
 from silo_pfl.errors import ConfigError, one_line
@@ -70,6 +73,17 @@ def split_rules(cfg: FederationConfig) -> list[str]:
     if cfg.split.local is not None:
         return list(cfg.split.local)
     return list(build_algorithm(cfg.algorithm, cfg.train).local_rules())
+
+
+def resolved_config(cfg: FederationConfig) -> dict[str, Any]:
+    """Every key with the value in force: the defaults, the split rules (the algorithm's when the
+    job names none) and a section per silo. Run as a job, it gives the same run."""
+    resolved = to_dict(cfg)
+    resolved["split"]["local"] = split_rules(cfg)
+    default = dataclasses.asdict(SiloConfig())
+    named = resolved["silos"]
+    resolved["silos"] = {n: named.get(n, default) for n in all_silo_names(cfg.data)}
+    return resolved
 
 
 def _check_split(cfg: FederationConfig, algorithm: Algorithm) -> None:

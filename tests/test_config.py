@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
+from silo_pfl.config import FederationConfig
 from silo_pfl.errors import ConfigError
-from silo_pfl.settings import load_config
+from silo_pfl.settings import load_config, resolved_config
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = str(ROOT / "jobs" / "heart_disease.yaml")
@@ -133,3 +136,59 @@ def test_cli_bad_config_exits_non_zero_with_one_line(tmp_path, debug):
     assert ("Traceback" in proc.stderr) is debug
     assert proc.stdout == ""
     assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def _leaves(schema: type, prefix: str = "") -> set[str]:
+    """Every dotted key of a config dataclass, nested dataclasses included."""
+    keys = set()
+    for f in dataclasses.fields(schema):
+        kind = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(kind):
+            keys |= _leaves(type(kind), f"{prefix}{f.name}.")
+        else:
+            keys.add(f"{prefix}{f.name}")
+    return keys
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _config_command(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "silo_pfl", "config", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+
+
+def test_config_prints_every_key_with_its_default_and_runs_as_a_job(tmp_path):
+    done = _config_command("jobs/heart_disease.yaml", "algorithm.name=fedrep", "rounds=7")
+    assert done.returncode == 0 and not done.stderr, done.stderr
+    printed = yaml.safe_load(done.stdout)
+    flat = _flat(printed)
+    assert _leaves(FederationConfig) - {"data", "algorithm", "silos", "plugins"} <= set(flat)
+    assert printed["rounds"] == 7 and printed["algorithm"]["name"] == "fedrep"
+    assert printed["algorithm"]["fedrep"]["head_epochs"] == 5  # the algorithm's own defaults
+    assert printed["data"]["val_fraction"] == 0.2  # the data source's defaults
+    assert printed["split"]["local"] == ["head"]  # the rules in force, not null
+    assert set(printed["silos"]) == {"cleveland", "hungarian", "switzerland", "va"}
+    assert printed["silos"]["va"] == {"tracking_uri": None, "node_label": None}
+    again = tmp_path / "resolved.yaml"
+    again.write_text(done.stdout)
+    assert resolved_config(load_config(again)) == printed
+
+
+def test_config_refuses_bad_input_in_one_line():
+    done = _config_command("jobs/heart_disease.yaml", "train.lrate=0.1")
+    assert done.returncode == 2
+    assert done.stderr.strip().startswith("error: train.lrate: unknown key; allowed:")
+    assert len(done.stderr.strip().splitlines()) == 1 and not done.stdout

@@ -18,8 +18,9 @@ import pytest
 from drivers import run_driver, start_driver
 
 from silo_pfl import checkpoint
-from silo_pfl.callbacks import Callback, ProgressPrinter
+from silo_pfl.callbacks import Callback
 from silo_pfl.federation import Federation
+from silo_pfl.progress import ProgressPrinter
 from silo_pfl.results import FederationResult
 from silo_pfl.silo import CHECKPOINTS, local_digest
 

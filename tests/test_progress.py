@@ -1,0 +1,54 @@
+"""The CLI's progress over rounds: a tqdm bar under a pseudo-terminal, plain lines in a pipe."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+RUN = ["run", "jobs/heart_disease.yaml", "rounds=3", "tracking.enabled=false"]
+LINE = re.compile(
+    r"^round (\d)/3 +\d+\.\d+s  elapsed \d+:\d\d  eta \d+:\d\d  loss \d\.\d{4}  "
+    r"val (\d\.\d{3})  slowest (cleveland|hungarian|switzerland|va) \d+\.\d\ds$"
+)
+
+
+def _argv(tmp_path) -> list[str]:
+    return [sys.executable, "-m", "silo_pfl", *RUN, f"output_dir={tmp_path / 'runs'}"]
+
+
+def test_a_pipe_gets_one_plain_line_per_round(tmp_path):
+    done = subprocess.run(_argv(tmp_path), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "\r" not in done.stdout and "\x1b[" not in done.stdout
+    rounds = [m for m in map(LINE.match, done.stdout.splitlines()) if m]
+    assert [int(m.group(1)) for m in rounds] == [1, 2, 3], done.stdout
+    assert all(0.0 <= float(m.group(2)) <= 1.0 for m in rounds)
+    assert "mean test accuracy" in done.stdout
+
+
+@pytest.mark.skipif(shutil.which("script") is None, reason="needs script(1) from util-linux")
+def test_a_terminal_gets_a_bar_with_eta_val_and_the_slowest_silo(tmp_path):
+    command = shlex.join(_argv(tmp_path))
+    done = subprocess.run(
+        ["script", "-qec", command, "/dev/null"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"COLUMNS": "120", "TERM": "xterm", "PATH": "/usr/bin:/bin"},
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    screen = done.stdout
+    assert not [line for line in screen.splitlines() if LINE.match(line.strip())]
+    redraws = screen.split("\r")
+    final = [r for r in redraws if r.startswith("round 3/3 |")]
+    assert final, screen
+    bar = final[-1]
+    assert re.search(r"\| \d\d:\d\d<00:00 val \d\.\d{3}  slowest \w+ \d+\.\d\ds", bar), bar
+    assert "█" in bar
+    assert "mean test accuracy" in screen
