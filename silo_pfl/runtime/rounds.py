@@ -232,13 +232,14 @@ class RoundRunner:
         late = late_reason(self.timeout)
         why = {n: "withheld" for n, m in fits.items() if m.withheld}
         for name, reason in absent.items():
-            if name not in why:
-                if name in died:
-                    why[name] = "died"
-                elif reason == late:
-                    why[name] = "late"
-                else:
-                    why[name] = "down" if name not in fits and self.parties[name].died else "failed"
+            if name in why:
+                continue
+            if name in died:
+                why[name] = "died"
+            elif reason == late:
+                why[name] = "late"
+            else:  # not running since an earlier death, or its fit raised
+                why[name] = "down" if self.parties[name].died else "failed"
         why.update({n: "rejected" for n in report.rejected})
         self.metrics.left_out(why)
 
