@@ -129,6 +129,20 @@ class TrackingConfig:
 
 
 @dataclass
+class MetricsConfig:
+    """Live metrics (ray.util.metrics) through Ray's metrics endpoint, for Prometheus/Grafana."""
+
+    # None: on when the run joins a cluster (ray.address or RAY_ADDRESS), off for a local run,
+    # which then starts Ray without its dashboard. true on a local run starts the dashboard,
+    # whose head writes the Prometheus service-discovery file.
+    enabled: bool | None = None
+    # After the last round, how long since its figures were recorded the run keeps its actors
+    # (and a local Ray) so that they reach Prometheus: Ray's export interval
+    # (RAY_metrics_report_interval_ms, 10 s by default) plus one scrape interval.
+    linger_s: float = 15.0
+
+
+@dataclass
 class SiloConfig:
     """Settings of one silo, under silos.<name>."""
 
@@ -174,6 +188,7 @@ class FederationConfig:
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     silos: dict[str, SiloConfig] = field(default_factory=dict)  # silo name -> its settings
     # Python modules every process (driver, silos, server) imports before reading the rest of
@@ -344,6 +359,8 @@ def check_ranges(cfg: FederationConfig) -> None:
     _require(0 <= server.beta2 < 1, "server.beta2", "0 <= value < 1", server.beta2)
     _require(server.tau > 0, "server.tau", "a number > 0", server.tau)
     _require(cfg.ray.silo_cpus >= 0, "ray.silo_cpus", "a number >= 0", cfg.ray.silo_cpus)
+    linger = cfg.metrics.linger_s
+    _require(linger >= 0, "metrics.linger_s", "a number of seconds >= 0", linger)
     if cfg.ray.num_cpus is not None:
         _require(cfg.ray.num_cpus >= 1, "ray.num_cpus", "an integer >= 1", cfg.ray.num_cpus)
 

@@ -72,6 +72,8 @@ class FitMetrics:
     train_seconds: float
     bytes_sent: int
     withheld: str = ""  # why the silo sent no update this round (its training diverged)
+    bytes_received: int = 0  # the global keys and the strategy's broadcast it trained from
+    secure_seconds: float = 0.0  # masking its update, under aggregation.secure
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,7 @@ class RoundReport:
     rejected: dict[str, str]  # silo -> why its update was rejected
     aggregated: bool  # False: no quorum; the global state did not change
     reason: str = ""  # why not aggregated
+    secure_seconds: float = 0.0  # summing and decoding the masked updates, under secure
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,7 @@ class EvalMetrics:
     val_loss: float
     test_accuracy: float
     test_loss: float
+    bytes_received: int = 0  # the round's new global keys it evaluated
 
 
 @dataclass(frozen=True)

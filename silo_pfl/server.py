@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -185,9 +186,12 @@ class Server:
             )
             return RoundReport(round_, names, rejected, False, reason)
         self.round = round_
+        unmasking = 0.0
         if self.state:
             if self.secure:
+                began = time.perf_counter()
                 mean = decode_mean(masked_sum([u.masked for u in accepted]), self.flat_shapes)
+                unmasking = time.perf_counter() - began
             else:
                 mean = weighted_mean(
                     [flatten(u.delta, u.extras) for u in accepted],
@@ -196,7 +200,7 @@ class Server:
             delta, extras = unflatten(mean, self.strategy.extras)
             aggregate = Aggregate(delta, extras, len(accepted) / len(self.enrolled))
             self.state = self.strategy.apply(self.state, aggregate, self.optimizer)
-        return RoundReport(round_, names, rejected, True)
+        return RoundReport(round_, names, rejected, True, secure_seconds=unmasking)
 
     def checkpoint(self, round_: int, driver: dict[str, Any]) -> None:
         """Checkpoint, atomically, the global keys and the round, with the driver's part of the

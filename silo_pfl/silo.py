@@ -299,6 +299,8 @@ class Silo:
         reference = self._begin(global_state)
         self.algorithm.begin_round(self, reference, broadcast or {})
         metrics = self._run_phases(reference, round_)
+        received = nbytes(global_state) + sum(nbytes(v) for v in (broadcast or {}).values())
+        metrics = dataclasses.replace(metrics, bytes_received=received)
         state = self.model.state_dict()
         diverged = next((k for k, v in state.items() if not bool(torch.isfinite(v).all())), None)
         if diverged is not None:
@@ -313,15 +315,22 @@ class Silo:
         payload = self.split.outgoing(delta, extras)
         self.algorithm.after_fit(self, reference, round_)
         num_examples = len(self.train_xy[1])
+        masking = 0.0
         if self._masker is None:
             update = SiloUpdate(self.name, round_, num_examples, payload, extras=extras)
             sent = sum(v.nbytes for v in flatten(payload, extras).values())
         else:
+            began = time.perf_counter()
             masked = self._masker.mask(flatten(payload, extras), num_examples, round_, attempt)
+            masking = time.perf_counter() - began
             update = SiloUpdate(self.name, round_, 0, {}, masked=masked)
             sent = masked.nbytes
-        seconds = time.perf_counter() - start
-        return update, dataclasses.replace(metrics, train_seconds=seconds, bytes_sent=sent)
+        return update, dataclasses.replace(
+            metrics,
+            train_seconds=time.perf_counter() - start,
+            bytes_sent=sent,
+            secure_seconds=masking,
+        )
 
     def _begin(self, global_state: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Start a round from the last commit, with the round's global keys loaded."""
@@ -369,7 +378,13 @@ class Silo:
         val = evaluate(self._evaluated, *self.val_xy)
         test = evaluate(self._evaluated, *self.test_xy)
         self._last = EvalMetrics(
-            self.name, round_, val.accuracy, val.loss, test.accuracy, test.loss
+            self.name,
+            round_,
+            val.accuracy,
+            val.loss,
+            test.accuracy,
+            test.loss,
+            bytes_received=nbytes(global_state),
         )
         return self._last
 
@@ -439,3 +454,8 @@ def local_digest(state: dict[str, torch.Tensor], keys: list[str] | tuple[str, ..
         digest.update(key.encode())
         digest.update(state[key].detach().contiguous().numpy().tobytes())
     return digest.hexdigest()
+
+
+def nbytes(arrays: dict[str, Any]) -> int:
+    """The bytes of a mapping of arrays (global keys, a strategy's broadcast)."""
+    return int(sum(np.asarray(v).nbytes for v in arrays.values()))

@@ -55,6 +55,8 @@ def test_every_job_loads():
         (["algorithm.fedprox.mu=-0.5"], "algorithm.fedprox.mu: got -0.5, expected >= 0"),
         (["algorithm.ditto.personal_epochs=-1"], "algorithm.ditto.personal_epochs: got -1"),
         (["model.adapter_dim=-2"], "model.adapter_dim: got -2, expected an integer >= 0"),
+        (["metrics.linger_s=-1"], "metrics.linger_s: got -1.0, expected a number of seconds >= 0"),
+        (["metrics.enabled=maybe"], "metrics.enabled: "),
         (["algorithm.finetune.trainable=head"], "algorithm.finetune.trainable: got 'head'"),
         (["data.source=mnist"], "data.source: got 'mnist'"),
         (["split.local=[head,tail]"], "split.local[1]: got 'tail'"),

@@ -7,11 +7,13 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import ray
 
 from silo_pfl.config import FederationConfig
 from silo_pfl.errors import FederationError, SiloPflError
-from silo_pfl.messages import SiloInfo
+from silo_pfl.messages import EvalMetrics, FitMetrics, RoundReport, SiloInfo, SiloUpdate
+from silo_pfl.runtime.metrics import ServerMetrics, SiloMetrics
 from silo_pfl.runtime.placement import actor_options, server_selector, silo_selector
 from silo_pfl.server import Server
 from silo_pfl.silo import Silo
@@ -27,25 +29,79 @@ SILO_MAX_RESTARTS = -1
 
 
 class SiloActor(Silo):
-    """A Silo that also reports the Ray node it runs on."""
+    """A Silo that also reports the Ray node it runs on and, given the run's metric tags,
+    records its figures as live metrics."""
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        name: str,
+        run_id: str = "default",
+        metric_tags: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(config, name, run_id)
+        self.metrics = SiloMetrics(metric_tags, name) if metric_tags is not None else None
 
     def setup(self, resume: bool = False) -> SiloInfo:
         info = super().setup(resume)
         return dataclasses.replace(info, node_id=ray.get_runtime_context().get_node_id())
 
+    def fit(
+        self,
+        global_state: dict[str, np.ndarray],
+        round_: int,
+        attempt: int = 1,
+        broadcast: dict[str, Any] | None = None,
+    ) -> tuple[SiloUpdate | None, FitMetrics]:
+        update, metrics = super().fit(global_state, round_, attempt, broadcast)
+        if self.metrics is not None:
+            self.metrics.fit(metrics)
+        return update, metrics
+
+    def evaluate(self, global_state: dict[str, np.ndarray], round_: int) -> EvalMetrics:
+        metrics = super().evaluate(global_state, round_)
+        if self.metrics is not None:
+            self.metrics.evaluate(metrics)
+        return metrics
+
 
 class ServerActor(Server):
-    """A Server that can say which Ray node it runs on."""
+    """A Server that can say which Ray node it runs on and, given the run's metric tags,
+    records its unmasking as a live metric."""
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        input_shape: Sequence[int],
+        num_classes: int,
+        run_id: str = "default",
+        metric_tags: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(config, input_shape, num_classes, run_id)
+        self.metrics = ServerMetrics(metric_tags) if metric_tags is not None else None
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    def aggregate(self, *updates: SiloUpdate) -> RoundReport:
+        report = super().aggregate(*updates)
+        if self.metrics is not None:
+            self.metrics.aggregated(report)
+        return report
 
-def start_silo(cfg: FederationConfig, config: dict[str, Any], silo: str, run_id: str) -> Any:
-    """Start the actor of one silo, on a node carrying its label if it has one."""
+
+def start_silo(
+    cfg: FederationConfig,
+    config: dict[str, Any],
+    silo: str,
+    run_id: str,
+    metric_tags: dict[str, str] | None = None,
+) -> Any:
+    """Start the actor of one silo, on a node carrying its label if it has one; with
+    `metric_tags` it records live metrics."""
     options: dict[str, Any] = {"num_cpus": cfg.ray.silo_cpus, "max_restarts": SILO_MAX_RESTARTS}
     options.update(actor_options(silo_selector(cfg, silo)))
-    actor = ray.remote(SiloActor).options(**options).remote(config, silo, run_id)
+    actor = ray.remote(SiloActor).options(**options).remote(config, silo, run_id, metric_tags)
     return _named(actor, f"silo {silo}")
 
 
@@ -55,13 +111,15 @@ def start_server(
     input_shape: Sequence[int],
     num_classes: int,
     run_id: str,
+    metric_tags: dict[str, str] | None = None,
 ) -> Any:
     """Start the server actor: where server.node_label says, else on the head under per_node.
     It is not restarted: the run fails, and `--resume` continues from its last checkpoint."""
     options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
     options.update(actor_options(server_selector(cfg), cfg.ray.placement == "per_node"))
     server = ray.remote(ServerActor).options(**options)
-    return _named(server.remote(config, tuple(input_shape), num_classes, run_id), "the server")
+    actor = server.remote(config, tuple(input_shape), num_classes, run_id, metric_tags)
+    return _named(actor, "the server")
 
 
 def _named(actor: Any, role: str) -> Any:

@@ -23,6 +23,7 @@ from silo_pfl.results import FederationResult, RoundSummary, SiloResult
 from silo_pfl.run_dir import RESULT_FILE, RunDir, check_resumable
 from silo_pfl.runtime.actors import get, start_server, start_silo, stop
 from silo_pfl.runtime.exporting import attach_exporters, export
+from silo_pfl.runtime.metrics import driver_metrics
 from silo_pfl.runtime.placement import (
     LABEL_WAIT_SECONDS,
     check_labels,
@@ -82,7 +83,8 @@ class Orchestrator:
         """Set up every silo and the server (or restore them), run the rounds, collect each
         silo's outcome."""
         run_id = self.run_dir.run_id
-        with ray_session(self.cfg.ray):
+        metrics, tags = driver_metrics(self.cfg, run_id)
+        with ray_session(self.cfg.ray, metrics=tags is not None):
             start = time.perf_counter()
             config = to_dict(self.cfg)
             names = silo_names(self.cfg.data)
@@ -91,7 +93,7 @@ class Orchestrator:
             check_labels({**selectors, "the server": server_selector(self.cfg)}, LABEL_WAIT_SECONDS)
             try:
                 for name in names:
-                    actors[name] = start_silo(self.cfg, config, name, run_id)
+                    actors[name] = start_silo(self.cfg, config, name, run_id, tags)
                 resuming = bool(self.resume)
                 infos = self._each(actors, "setup", "silo set-up", resuming)
                 input_shape, num_classes = model_shape(infos)
@@ -99,7 +101,7 @@ class Orchestrator:
                 split: SplitInfo = self._each(
                     actors, "build", "silo model", input_shape, num_classes, public_keys
                 )[0]
-                server = start_server(self.cfg, config, input_shape, num_classes, run_id)
+                server = start_server(self.cfg, config, input_shape, num_classes, run_id, tags)
                 actors["__server__"] = server
                 silos = {n: actors[n] for n in names}
                 parties = {n: Party(n, actors[n]) for n in names}
@@ -114,7 +116,7 @@ class Orchestrator:
                     self._checkpoint(server, 0, parties, selector, history)
                 exporting = attach_exporters(self.callbacks, infos, actors, self.timeout)
                 rejoin = Rejoin(input_shape, num_classes, public_keys, exporting)
-                runner = RoundRunner(self.cfg, server, parties, rejoin, selector)
+                runner = RoundRunner(self.cfg, server, parties, rejoin, selector, metrics)
                 for round_ in range(len(history) + 1, self.cfg.rounds + 1):
                     self._emit("on_round_start", round_)
                     summary = runner.run(round_)
@@ -127,6 +129,7 @@ class Orchestrator:
                 state_path = self._save_global(state)
                 server_node = get(server.node_id.remote(), "the server's node", self.timeout)
                 export(self.callbacks, list(exporting), actors, self.timeout)
+                metrics.flush()
             finally:
                 stop(list(actors.values()))
             result = FederationResult(

@@ -25,6 +25,7 @@ from silo_pfl.errors import FederationError, one_line
 from silo_pfl.messages import EvalMetrics, FitMetrics, RejoinInfo, RoundReport
 from silo_pfl.results import RoundSummary
 from silo_pfl.runtime.actors import get, task_error_cause
+from silo_pfl.runtime.metrics import DriverMetrics, NoMetrics
 from silo_pfl.selection import Selector
 
 log = logging.getLogger("silo_pfl.rounds")
@@ -52,6 +53,11 @@ class Rejoin:
     exporters: dict[str, dict[str, Any]] = field(default_factory=dict)  # silo -> its exporters
 
 
+def late_reason(timeout: float) -> str:
+    """Why a silo that did not answer by the deadline was left out."""
+    return f"no answer within round.timeout_s={timeout:g} s"
+
+
 def gather(refs: dict[str, Any], timeout: float) -> tuple[dict[str, Any], dict[str, str], set[str]]:
     """Wait for every ref until `timeout` s from now. Returns the answers, a reason for each silo
     that failed or was late, and the silos whose process died."""
@@ -63,7 +69,7 @@ def gather(refs: dict[str, Any], timeout: float) -> tuple[dict[str, Any], dict[s
     died: set[str] = set()
     for name, ref in refs.items():
         if ref not in ready:
-            absent[name] = f"no answer within round.timeout_s={timeout:g} s"
+            absent[name] = late_reason(timeout)
             continue
         try:
             answers[name] = ray.get(ref)
@@ -101,10 +107,12 @@ class RoundRunner:
         parties: dict[str, Party],
         rejoin: Rejoin,
         selector: Selector,
+        metrics: DriverMetrics | None = None,
     ) -> None:
         self.cfg, self.server, self.parties = cfg, server, parties
         self.rejoin_args, self.selector = rejoin, selector
         self.timeout = cfg.round.timeout_s
+        self.metrics = metrics or NoMetrics()
 
     def run(self, round_: int) -> RoundSummary:
         """Run `round_` until an attempt has a quorum; fail, naming who was missing, if none."""
@@ -114,6 +122,8 @@ class RoundRunner:
             rejoined = self.rejoin_the_dead(round_)
             summary = self._attempt(round_, attempt, began, rejoined)
             if isinstance(summary, RoundSummary):
+                alive = sum(not p.died for p in self.parties.values())
+                self.metrics.round(round_, summary.seconds, alive)
                 return summary
             failures.append(summary)
             log.warning("round %d, attempt %d: no quorum: %s", round_, attempt, summary)
@@ -183,6 +193,7 @@ class RoundRunner:
             f"round {round_}: aggregation",
             self.timeout,
         )
+        self._record_fits(fits, absent, died, report)
         absent.update(report.rejected)
         self._mark_dead(died)
         if not report.aggregated:
@@ -207,6 +218,30 @@ class RoundRunner:
         for name, reason in sorted(absent.items()):
             log.warning("round %d: silo %s left out: %s", round_, name, reason)
         return self._summary(round_, began, attempt, report, sent, evals, absent, rejoined)
+
+    def _record_fits(
+        self,
+        fits: dict[str, FitMetrics],
+        absent: dict[str, str],
+        died: set[str],
+        report: RoundReport,
+    ) -> None:
+        """Live metrics of an attempt's fits: the straggler among those that arrived, and why
+        each update left out was (late, died, failed, withheld, rejected, down)."""
+        self.metrics.fits({n: m.train_seconds for n, m in fits.items()})
+        late = late_reason(self.timeout)
+        why = {n: "withheld" for n, m in fits.items() if m.withheld}
+        for name, reason in absent.items():
+            if name in why:
+                continue
+            if name in died:
+                why[name] = "died"
+            elif reason == late:
+                why[name] = "late"
+            else:  # not running since an earlier death, or its fit raised
+                why[name] = "down" if self.parties[name].died else "failed"
+        why.update({n: "rejected" for n in report.rejected})
+        self.metrics.left_out(why)
 
     def _mark_dead(self, names: set[str]) -> None:
         for name in names:

@@ -14,28 +14,25 @@ import ray
 
 from silo_pfl.config import RayConfig
 from silo_pfl.errors import FederationError, one_line
+from silo_pfl.runtime.metrics import ray_address
 
 
 @contextmanager
-def ray_session(cfg: RayConfig) -> Iterator[None]:
+def ray_session(cfg: RayConfig, metrics: bool = False) -> Iterator[None]:
     """Use the Ray already initialised in this process, or start/join one for the run's length.
 
     With no `ray.address`, a Ray Job's driver joins its cluster (Ray sets RAY_ADDRESS for it);
     anywhere else a fresh local instance is started, never a cluster left running on the machine.
+    A local instance starts its dashboard only with `metrics`: the dashboard's head writes the
+    Prometheus service-discovery file (each node's metrics agent runs either way).
     """
     if ray.is_initialized():
         yield
         return
-    address = cfg.address or os.environ.get("RAY_ADDRESS")
+    address = ray_address(cfg.address)
     try:
         if address is None:
-            ray.init(
-                address="local",
-                num_cpus=cfg.num_cpus,
-                include_dashboard=False,
-                log_to_driver=False,
-                logging_level=logging.WARNING,
-            )
+            ray.init(**local_options(cfg, metrics))
         else:
             ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -54,6 +51,17 @@ def ray_session(cfg: RayConfig) -> Iterator[None]:
             yield
     finally:
         ray.shutdown()
+
+
+def local_options(cfg: RayConfig, metrics: bool) -> dict[str, Any]:
+    """ray.init's options for a fresh local instance: its dashboard only with `metrics`."""
+    return {
+        "address": "local",
+        "num_cpus": cfg.num_cpus,
+        "include_dashboard": metrics,
+        "log_to_driver": False,
+        "logging_level": logging.WARNING,
+    }
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -1,0 +1,217 @@
+"""Live metrics through Ray's metrics endpoint (ray.util.metrics), recorded where the work is.
+
+Silo actors record their training, traffic, accuracy and masking from the FitMetrics and
+EvalMetrics their plain Silo returns; the server actor its unmasking from the RoundReport; the
+driver the round, its straggler, the silos alive and the updates left out. Each process creates
+its metric objects once (`_instruments`); a run without metrics creates none. Ray exports them
+with its own `ray_` prefix (a counter with `_total`) on each node's metrics agent.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from silo_pfl.config import FederationConfig
+from silo_pfl.messages import EvalMetrics, FitMetrics, RoundReport
+
+RUN_TAGS = ("federation", "run_id", "algorithm")
+SILO_TAGS = (*RUN_TAGS, "silo")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric: its name (before Ray's `ray_` prefix), kind, tags and meaning."""
+
+    name: str
+    kind: str  # gauge | counter
+    tags: tuple[str, ...]
+    description: str
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("silo_pfl_round", "gauge", RUN_TAGS, "The last round finished."),
+    MetricSpec(
+        "silo_pfl_round_seconds", "gauge", RUN_TAGS, "Wall time of the last round, retries in."
+    ),
+    MetricSpec(
+        "silo_pfl_straggler_seconds",
+        "gauge",
+        SILO_TAGS,
+        "How long the last round waited for its slowest silo (tag silo): its training seconds "
+        "minus the median of the fits that arrived.",
+    ),
+    MetricSpec("silo_pfl_silos_alive", "gauge", RUN_TAGS, "Silos whose process is running."),
+    MetricSpec(
+        "silo_pfl_updates_left_out",
+        "counter",
+        (*SILO_TAGS, "reason"),
+        "Updates not aggregated; reason: late, died, failed, withheld, rejected or down.",
+    ),
+    MetricSpec(
+        "silo_pfl_silo_train_seconds", "gauge", SILO_TAGS, "The silo's last fit, in seconds."
+    ),
+    MetricSpec("silo_pfl_silo_bytes_sent", "counter", SILO_TAGS, "Bytes of updates sent."),
+    MetricSpec(
+        "silo_pfl_silo_bytes_received",
+        "counter",
+        SILO_TAGS,
+        "Bytes of global keys and broadcasts received (fit and evaluation).",
+    ),
+    MetricSpec(
+        "silo_pfl_silo_val_accuracy",
+        "gauge",
+        SILO_TAGS,
+        "Validation accuracy of the silo's personalized model, last round.",
+    ),
+    MetricSpec(
+        "silo_pfl_silo_test_accuracy",
+        "gauge",
+        SILO_TAGS,
+        "Test accuracy of the silo's personalized model, last round.",
+    ),
+    MetricSpec(
+        "silo_pfl_secure_mask_seconds",
+        "gauge",
+        SILO_TAGS,
+        "Masking the silo's last update (aggregation.secure).",
+    ),
+    MetricSpec(
+        "silo_pfl_secure_unmask_seconds",
+        "gauge",
+        RUN_TAGS,
+        "The server summing and decoding the last round's masked updates (aggregation.secure).",
+    ),
+)
+METRIC_NAMES = frozenset(spec.name for spec in METRICS)
+
+
+def ray_address(address: str | None) -> str | None:
+    """The cluster a run joins: `ray.address`, else RAY_ADDRESS (a Ray Job's driver); None: a
+    fresh local Ray."""
+    return address or os.environ.get("RAY_ADDRESS")
+
+
+def metrics_enabled(cfg: FederationConfig) -> bool:
+    """metrics.enabled, where None means on when the run joins a cluster, off for a local run."""
+    if cfg.metrics.enabled is not None:
+        return cfg.metrics.enabled
+    return ray_address(cfg.ray.address) is not None
+
+
+def run_tags(cfg: FederationConfig, run_id: str) -> dict[str, str]:
+    """The tags of every metric of a run."""
+    return {"federation": cfg.name, "run_id": run_id, "algorithm": str(cfg.algorithm["name"])}
+
+
+@cache
+def _instruments() -> dict[str, Any]:
+    """This process's metric objects, created once."""
+    from ray.util.metrics import Counter, Gauge
+
+    kinds = {"gauge": Gauge, "counter": Counter}
+    return {s.name: kinds[s.kind](s.name, s.description, tag_keys=s.tags) for s in METRICS}
+
+
+def _set(name: str, value: float, tags: Mapping[str, str]) -> None:
+    _instruments()[name].set(float(value), tags=dict(tags))
+
+
+def _inc(name: str, value: float, tags: Mapping[str, str]) -> None:
+    if value > 0:
+        _instruments()[name].inc(float(value), tags=dict(tags))
+
+
+class SiloMetrics:
+    """Records a silo's figures, in its actor's process."""
+
+    def __init__(self, tags: Mapping[str, str], silo: str) -> None:
+        self.tags = {**tags, "silo": silo}
+
+    def fit(self, metrics: FitMetrics) -> None:
+        _set("silo_pfl_silo_train_seconds", metrics.train_seconds, self.tags)
+        _inc("silo_pfl_silo_bytes_sent", metrics.bytes_sent, self.tags)
+        _inc("silo_pfl_silo_bytes_received", metrics.bytes_received, self.tags)
+        if metrics.secure_seconds > 0:
+            _set("silo_pfl_secure_mask_seconds", metrics.secure_seconds, self.tags)
+
+    def evaluate(self, metrics: EvalMetrics) -> None:
+        _set("silo_pfl_silo_val_accuracy", metrics.val_accuracy, self.tags)
+        _set("silo_pfl_silo_test_accuracy", metrics.test_accuracy, self.tags)
+        _inc("silo_pfl_silo_bytes_received", metrics.bytes_received, self.tags)
+
+
+class ServerMetrics:
+    """Records the server's figures, in its actor's process."""
+
+    def __init__(self, tags: Mapping[str, str]) -> None:
+        self.tags = dict(tags)
+
+    def aggregated(self, report: RoundReport) -> None:
+        if report.secure_seconds > 0:
+            _set("silo_pfl_secure_unmask_seconds", report.secure_seconds, self.tags)
+
+
+class DriverMetrics:
+    """Records the rounds on the driver; `flush` keeps the run alive until they are exported."""
+
+    def __init__(self, tags: Mapping[str, str], linger_s: float) -> None:
+        self.tags, self.linger_s = dict(tags), linger_s
+        self.last = time.monotonic()
+
+    def fits(self, train_seconds: Mapping[str, float]) -> None:
+        """The fits that arrived: the slowest one's wait beyond the median."""
+        if train_seconds:
+            slowest = max(train_seconds, key=lambda name: train_seconds[name])
+            wait = train_seconds[slowest] - statistics.median(train_seconds.values())
+            _set("silo_pfl_straggler_seconds", wait, {**self.tags, "silo": slowest})
+
+    def left_out(self, reasons: Mapping[str, str]) -> None:
+        """Silo -> why its update was not aggregated (late, died, failed, withheld, ...)."""
+        for silo, reason in reasons.items():
+            _inc("silo_pfl_updates_left_out", 1, {**self.tags, "silo": silo, "reason": reason})
+
+    def round(self, round_: int, seconds: float, alive: int) -> None:
+        _set("silo_pfl_round", round_, self.tags)
+        _set("silo_pfl_round_seconds", seconds, self.tags)
+        _set("silo_pfl_silos_alive", alive, self.tags)
+        self.last = time.monotonic()
+
+    def flush(self) -> None:
+        """Wait until metrics.linger_s after the last figures, so that Ray exports them and
+        Prometheus scrapes them before the actors (and a local Ray) stop."""
+        time.sleep(max(0.0, self.last + self.linger_s - time.monotonic()))
+
+
+class NoMetrics(DriverMetrics):
+    """metrics.enabled off: records nothing and creates no metric object."""
+
+    def __init__(self) -> None:
+        super().__init__({}, 0.0)
+
+    def fits(self, train_seconds: Mapping[str, float]) -> None:
+        pass
+
+    def left_out(self, reasons: Mapping[str, str]) -> None:
+        pass
+
+    def round(self, round_: int, seconds: float, alive: int) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+def driver_metrics(
+    cfg: FederationConfig, run_id: str
+) -> tuple[DriverMetrics, dict[str, str] | None]:
+    """The driver's recorder and the tags handed to the actors; (NoMetrics, None) when off."""
+    if not metrics_enabled(cfg):
+        return NoMetrics(), None
+    tags = run_tags(cfg, run_id)
+    return DriverMetrics(tags, cfg.metrics.linger_s), tags

@@ -1,0 +1,331 @@
+"""Live metrics: a real Prometheus scrapes Ray's metrics while a real federation runs, through the
+service-discovery file of the Ray session the run starts; every metric arrives with its tags, and
+every panel of the Grafana dashboard reads a metric the run exports."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import yaml
+
+from silo_pfl.runtime.metrics import (
+    METRIC_NAMES,
+    METRICS,
+    NoMetrics,
+    _instruments,
+    driver_metrics,
+    metrics_enabled,
+)
+from silo_pfl.runtime.session import local_options
+from silo_pfl.settings import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMETHEUS = Path("/usr/bin/prometheus")
+DASHBOARD = ROOT / "dashboards" / "grafana" / "silo_pfl.json"
+SILOS = ("silo_0", "silo_1")
+ROUNDS = 3
+ARRIVAL_SECONDS = 60  # how long the series may take to show up in Prometheus after the run
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM a process this test started in its own session; SIGKILL its group if it lingers."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture
+def ray_tmp() -> Iterator[Path]:
+    """A Ray temp root of the test's own (short: Ray's sockets live under it), so that the
+    service-discovery file is this run's, whatever else runs Ray on the machine."""
+    path = Path(tempfile.mkdtemp(prefix="spm", dir="/tmp"))
+    (path / "ray").mkdir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path, ray_tmp: Path) -> Iterator[SimpleNamespace]:
+    """Debian's Prometheus with dashboards/prometheus/prometheus.yml, its service-discovery file
+    moved to the test's Ray temp root and its intervals to 1 s; on a free port."""
+    if not PROMETHEUS.exists():
+        pytest.skip(f"{PROMETHEUS} is absent (Debian's package prometheus)")
+    config = yaml.safe_load((ROOT / "dashboards" / "prometheus" / "prometheus.yml").read_text())
+    config["global"].update(scrape_interval="1s", evaluation_interval="1s")
+    for job in config["scrape_configs"]:
+        for sd in job["file_sd_configs"]:
+            sd["files"] = [f.replace("/tmp/ray/", f"{ray_tmp}/ray/") for f in sd["files"]]
+            sd["refresh_interval"] = "1s"
+    path = tmp_path / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config))
+    port = _free_port()
+    log = (tmp_path / "prometheus.log").open("w")
+    proc = subprocess.Popen(
+        [
+            str(PROMETHEUS),
+            f"--config.file={path}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/-/ready", timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                _stop(proc)
+                pytest.fail(
+                    f"prometheus did not start: {(tmp_path / 'prometheus.log').read_text()}"
+                )
+            time.sleep(0.5)
+    yield SimpleNamespace(url=url, log=tmp_path / "prometheus.log")
+    _stop(proc)
+
+
+def _query(url: str, expr: str) -> list[dict[str, Any]]:
+    answer = _get(f"{url}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
+    assert answer["status"] == "success", answer
+    return answer["data"]["result"]
+
+
+def _series(url: str, run_id: str) -> dict[str, list[dict[str, Any]]]:
+    """Every metric's series of the run, as exported by Ray: the last value within 15 minutes
+    (a local Ray has stopped by now, so Prometheus has marked its series stale)."""
+    found = {}
+    for spec in METRICS:
+        exported = f"ray_{spec.name}" + ("_total" if spec.kind == "counter" else "")
+        found[spec.name] = _query(url, f'last_over_time({exported}{{run_id="{run_id}"}}[15m])')
+    return found
+
+
+def test_prometheus_scrapes_every_metric_of_a_run_with_its_tags(tmp_path, ray_tmp, prometheus):
+    """A secure-aggregation run of two silos in which silo_1's training turns to NaN in round 2
+    (the nan_once plugin): that round's first attempt leaves its update out, under secure
+    aggregation without a quorum, and the retry aggregates both."""
+    results = tmp_path / "results.json"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(
+        RAY_TMPDIR=str(ray_tmp),
+        RAY_metrics_report_interval_ms="1000",
+        PYTHONPATH=str(ROOT),
+    )
+    began = time.time()
+    run = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "silo_pfl",
+            "run",
+            "jobs/digits_label_skew.yaml",
+            f"rounds={ROUNDS}",
+            "data.num_silos=2",
+            "data.partition=iid",
+            "data.max_train_rows=200",
+            "model.name=mlp",
+            "model.hidden=[16]",
+            "train.local_epochs=1",
+            "plugins=[tests.fault_plugins]",
+            "algorithm.name=nan_once",
+            "algorithm.nan_once.silo=silo_1",
+            "algorithm.nan_once.round=2",
+            "aggregation.secure=true",
+            "tracking.enabled=false",
+            "metrics.enabled=true",
+            "metrics.linger_s=4",
+            "ray.num_cpus=2",
+            f"output_dir={tmp_path / 'runs'}",
+            "--results",
+            str(results),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = run.communicate(timeout=900)
+    finally:
+        _stop(run)
+    assert run.returncode == 0, output[-3000:]
+    result = json.loads(results.read_text())
+    run_id = result["run_id"]
+    assert [h["attempts"] for h in result["history"]] == [1, 2, 1]
+
+    deadline = time.monotonic() + ARRIVAL_SECONDS
+    while True:
+        found = _series(prometheus.url, run_id)
+        missing = sorted(name for name, series in found.items() if not series)
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert not missing, f"not in Prometheus: {missing}; {prometheus.log.read_text()[-2000:]}"
+
+    run_tags = {"federation": "digits_label_skew", "run_id": run_id, "algorithm": "nan_once"}
+    for spec in METRICS:
+        for series in found[spec.name]:
+            labels = series["metric"]
+            assert {k: labels.get(k) for k in run_tags} == run_tags, (spec.name, labels)
+            assert set(spec.tags) <= set(labels), (spec.name, labels)
+            if "silo" in spec.tags:
+                assert labels["silo"] in SILOS, (spec.name, labels)
+
+    def values(name: str) -> dict[str, float]:
+        return {s["metric"].get("silo", ""): float(s["value"][1]) for s in found[name]}
+
+    assert values("silo_pfl_round") == {"": ROUNDS}
+    assert values("silo_pfl_silos_alive") == {"": len(SILOS)}
+    assert 0 < values("silo_pfl_round_seconds")[""] < time.time() - began
+    assert values("silo_pfl_secure_unmask_seconds")[""] > 0
+    for name in ("silo_pfl_silo_val_accuracy", "silo_pfl_silo_test_accuracy"):
+        assert set(values(name)) == set(SILOS)
+        assert all(0 <= v <= 1 for v in values(name).values()), values(name)
+    for name in (
+        "silo_pfl_silo_train_seconds",
+        "silo_pfl_silo_bytes_sent",
+        "silo_pfl_silo_bytes_received",
+        "silo_pfl_secure_mask_seconds",
+    ):
+        assert set(values(name)) == set(SILOS), name
+        assert all(v > 0 for v in values(name).values()), (name, values(name))
+    per_round = result["silos"]["silo_0"]["bytes_sent_per_round"]
+    sent = values("silo_pfl_silo_bytes_sent")
+    # silo_0 sent in every attempt (4); silo_1 withheld one (3)
+    assert sent == {"silo_0": 4 * per_round, "silo_1": 3 * per_round}
+    straggler = found["silo_pfl_straggler_seconds"]
+    assert all(float(s["value"][1]) >= 0 for s in straggler)
+    left_out = {
+        (s["metric"]["silo"], s["metric"]["reason"]): float(s["value"][1])
+        for s in found["silo_pfl_updates_left_out"]
+    }
+    assert left_out == {("silo_1", "withheld"): 1.0}
+
+    _every_panel_has_data(prometheus.url, run_id, began)
+
+
+def _every_panel_has_data(url: str, run_id: str, began: float) -> None:
+    """Each panel query of the dashboard, with its variables set to this run, returns series
+    over the run's time range (as Grafana asks for them)."""
+    names = {"federation": "digits_label_skew", "run_id": run_id, "silo": ".*"}
+    for expr in _exprs(json.loads(DASHBOARD.read_text()))[0]:
+        query = re.sub(r"\$(\w+)", lambda m: names[m.group(1)], expr)
+        params = {"query": query, "start": began, "end": time.time(), "step": 1}
+        answer = _get(f"{url}/api/v1/query_range?" + urllib.parse.urlencode(params))
+        assert answer["status"] == "success", (expr, answer)
+        assert answer["data"]["result"], f"no data for panel query {expr}"
+
+
+def _exprs(dashboard: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """The dashboard's panel queries (rows' panels included) and its variables' queries."""
+    panels = list(dashboard["panels"])
+    for panel in dashboard["panels"]:
+        panels += panel.get("panels", [])
+    exprs = [t["expr"] for p in panels for t in p.get("targets", [])]
+    variables = [
+        v["query"]["query"] if isinstance(v["query"], dict) else v["query"]
+        for v in dashboard["templating"]["list"]
+        if v["type"] == "query"
+    ]
+    return exprs, variables
+
+
+def _metric_names(expr: str) -> set[str]:
+    """The silo_pfl metrics an expression reads: Ray's prefix and Prometheus' suffixes off."""
+    names = re.findall(r"\bray_(silo_pfl_\w+)", expr)
+    return {re.sub(r"_(total|bucket|sum|count)$", "", name) for name in names}
+
+
+def test_every_panel_reads_an_exported_metric_and_every_metric_has_a_panel():
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs, variables = _exprs(dashboard)
+    assert exprs
+    used = set()
+    for expr in exprs + variables:
+        names = _metric_names(expr)
+        assert names, f"reads no silo_pfl metric: {expr}"
+        assert names <= METRIC_NAMES, f"not exported: {sorted(names - METRIC_NAMES)} in {expr}"
+        assert "$federation" in expr or expr.startswith("label_values(ray_silo_pfl_round,")
+        used |= _metric_names(expr) if expr in exprs else set()
+    assert used == METRIC_NAMES, f"no panel for {sorted(METRIC_NAMES - used)}"
+    templating = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert {"federation", "run_id"} <= set(templating)
+    assert templating["datasource"]["type"] == "datasource"
+    assert templating["datasource"]["query"] == "prometheus"
+    for target in (t for p in dashboard["panels"] for t in p.get("targets", [])):
+        assert target["datasource"]["uid"] == "${datasource}"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "ray_address_env", "on"),
+    [
+        ((), None, False),
+        ((), "10.0.0.1:6379", True),
+        (("ray.address=auto",), None, True),
+        (("metrics.enabled=true",), None, True),
+        (("metrics.enabled=false", "ray.address=auto"), None, False),
+    ],
+)
+def test_metrics_are_on_when_a_run_joins_a_cluster_and_off_for_a_local_run(
+    monkeypatch, overrides, ray_address_env, on
+):
+    if ray_address_env is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", ray_address_env)
+    cfg = load_config("jobs/heart_disease.yaml", list(overrides))
+    assert metrics_enabled(cfg) is on
+    assert local_options(cfg.ray, metrics_enabled(cfg))["include_dashboard"] is on
+
+
+def test_a_local_run_without_metrics_hands_out_no_tags_and_creates_no_metric_object(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    _instruments.cache_clear()
+    recorder, tags = driver_metrics(load_config("jobs/heart_disease.yaml"), "r1")
+    assert tags is None and isinstance(recorder, NoMetrics)
+    recorder.fits({"a": 1.0, "b": 3.0})
+    recorder.left_out({"a": "late"})
+    recorder.round(1, 2.0, 2)
+    recorder.flush()
+    assert _instruments.cache_info().currsize == 0
+    on = load_config("jobs/heart_disease.yaml", ["metrics.enabled=true"])
+    recorder, tags = driver_metrics(on, "r1")
+    assert tags == {"federation": "heart_disease", "run_id": "r1", "algorithm": "fedper"}
+    assert not isinstance(recorder, NoMetrics)
