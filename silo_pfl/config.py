@@ -136,10 +136,14 @@ class MetricsConfig:
     # which then starts Ray without its dashboard. true on a local run starts the dashboard,
     # whose head writes the Prometheus service-discovery file.
     enabled: bool | None = None
-    # After the last round, how long since its figures were recorded the run keeps its actors
-    # (and a local Ray) so that they reach Prometheus: Ray's export interval
-    # (RAY_metrics_report_interval_ms, 10 s by default) plus one scrape interval.
-    linger_s: float = 15.0
+    # A local Ray only: how often its processes export their figures to the metrics agent
+    # (RAY_metrics_report_interval_ms; Ray's floor is 1 s, its default 10 s). A cluster keeps the
+    # interval its nodes were started with.
+    export_interval_s: float = 1.0
+    # A local Ray only: how long it stays up after the last figures reached its metrics agent, so
+    # that Prometheus scrapes them before the endpoint goes away (dashboards/prometheus/
+    # prometheus.yml scrapes every 5 s). The run's end (the report, MLflow) overlaps it.
+    linger_s: float = 5.0
 
 
 @dataclass
@@ -359,8 +363,9 @@ def check_ranges(cfg: FederationConfig) -> None:
     _require(0 <= server.beta2 < 1, "server.beta2", "0 <= value < 1", server.beta2)
     _require(server.tau > 0, "server.tau", "a number > 0", server.tau)
     _require(cfg.ray.silo_cpus >= 0, "ray.silo_cpus", "a number >= 0", cfg.ray.silo_cpus)
-    linger = cfg.metrics.linger_s
+    linger, interval = cfg.metrics.linger_s, cfg.metrics.export_interval_s
     _require(linger >= 0, "metrics.linger_s", "a number of seconds >= 0", linger)
+    _require(interval >= 1, "metrics.export_interval_s", "a number of seconds >= 1", interval)
     if cfg.ray.num_cpus is not None:
         _require(cfg.ray.num_cpus >= 1, "ray.num_cpus", "an integer >= 1", cfg.ray.num_cpus)
 

@@ -143,7 +143,6 @@ def test_prometheus_scrapes_every_metric_of_a_run_with_its_tags(tmp_path, ray_tm
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(
         RAY_TMPDIR=str(ray_tmp),
-        RAY_metrics_report_interval_ms="1000",
         PYTHONPATH=str(ROOT),
     )
     began = time.time()
@@ -168,7 +167,6 @@ def test_prometheus_scrapes_every_metric_of_a_run_with_its_tags(tmp_path, ray_tm
             "aggregation.secure=true",
             "tracking.enabled=false",
             "metrics.enabled=true",
-            "metrics.linger_s=4",
             "ray.num_cpus=2",
             f"output_dir={tmp_path / 'runs'}",
             "--results",
@@ -323,7 +321,8 @@ def test_a_local_run_without_metrics_hands_out_no_tags_and_creates_no_metric_obj
     recorder.fits({"a": 1.0, "b": 3.0})
     recorder.left_out({"a": "late"})
     recorder.round(1, 2.0, 2)
-    recorder.flush()
+    recorder.settle()
+    recorder.linger()
     assert _instruments.cache_info().currsize == 0
     on = load_config("jobs/heart_disease.yaml", ["metrics.enabled=true"])
     recorder, tags = driver_metrics(on, "r1")

@@ -157,11 +157,19 @@ class ServerMetrics:
             _set("silo_pfl_secure_unmask_seconds", report.secure_seconds, self.tags)
 
 
+def export_interval_s() -> float:
+    """How often this process's figures reach its node's metrics agent (Ray floors it at 1 s)."""
+    import ray
+
+    return max(ray._config.metrics_report_interval_ms(), 1000) / 1000.0
+
+
 class DriverMetrics:
-    """Records the rounds on the driver; `flush` keeps the run alive until they are exported."""
+    """Records the rounds on the driver; `settle` and `linger` keep the run up until its last
+    figures are exported (and, on a local Ray, scraped)."""
 
     def __init__(self, tags: Mapping[str, str], linger_s: float) -> None:
-        self.tags, self.linger_s = dict(tags), linger_s
+        self.tags, self.linger_s = dict(tags), linger_s  # linger_s: 0 on a cluster
         self.last = time.monotonic()
 
     def fits(self, train_seconds: Mapping[str, float]) -> None:
@@ -182,10 +190,20 @@ class DriverMetrics:
         _set("silo_pfl_silos_alive", alive, self.tags)
         self.last = time.monotonic()
 
-    def flush(self) -> None:
-        """Wait until metrics.linger_s after the last figures, so that Ray exports them and
-        Prometheus scrapes them before the actors (and a local Ray) stop."""
-        time.sleep(max(0.0, self.last + self.linger_s - time.monotonic()))
+    def _wait(self, seconds: float) -> None:
+        time.sleep(max(0.0, self.last + seconds - time.monotonic()))
+
+    def settle(self) -> None:
+        """Before the actors stop: one export interval after the last figures, so that every
+        process's last figures have reached its node's metrics agent (the export after the last
+        round usually takes longer already)."""
+        self._wait(export_interval_s())
+
+    def linger(self) -> None:
+        """Before the driver leaves Ray: its own last figures exported and, on a local Ray,
+        metrics.linger_s more for Prometheus to scrape them before the endpoint goes away. The
+        run's end (callbacks' on_end: MLflow, the report) runs before this, inside that time."""
+        self._wait(export_interval_s() + self.linger_s)
 
 
 class NoMetrics(DriverMetrics):
@@ -203,7 +221,10 @@ class NoMetrics(DriverMetrics):
     def round(self, round_: int, seconds: float, alive: int) -> None:
         pass
 
-    def flush(self) -> None:
+    def settle(self) -> None:
+        pass
+
+    def linger(self) -> None:
         pass
 
 
@@ -214,4 +235,5 @@ def driver_metrics(
     if not metrics_enabled(cfg):
         return NoMetrics(), None
     tags = run_tags(cfg, run_id)
-    return DriverMetrics(tags, cfg.metrics.linger_s), tags
+    local = ray_address(cfg.ray.address) is None
+    return DriverMetrics(tags, cfg.metrics.linger_s if local else 0.0), tags

@@ -84,7 +84,8 @@ class Orchestrator:
         silo's outcome."""
         run_id = self.run_dir.run_id
         metrics, tags = driver_metrics(self.cfg, run_id)
-        with ray_session(self.cfg.ray, metrics=tags is not None):
+        interval = self.cfg.metrics.export_interval_s if tags is not None else None
+        with ray_session(self.cfg.ray, metrics_interval_s=interval):
             start = time.perf_counter()
             config = to_dict(self.cfg)
             names = silo_names(self.cfg.data)
@@ -129,7 +130,7 @@ class Orchestrator:
                 state_path = self._save_global(state)
                 server_node = get(server.node_id.remote(), "the server's node", self.timeout)
                 export(self.callbacks, list(exporting), actors, self.timeout)
-                metrics.flush()
+                metrics.settle()
             finally:
                 stop(list(actors.values()))
             result = FederationResult(
@@ -157,7 +158,8 @@ class Orchestrator:
                 run_dir=str(self.run_dir.path.resolve()),
                 extras={k: v for callback in self.callbacks for k, v in callback.extras().items()},
             )
-        self._emit("on_end", result)
+            self._emit("on_end", result)
+            metrics.linger()
         result.write_json(self.run_dir.path / RESULT_FILE)
         return result
 

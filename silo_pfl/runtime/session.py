@@ -18,13 +18,15 @@ from silo_pfl.runtime.metrics import ray_address
 
 
 @contextmanager
-def ray_session(cfg: RayConfig, metrics: bool = False) -> Iterator[None]:
+def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iterator[None]:
     """Use the Ray already initialised in this process, or start/join one for the run's length.
 
     With no `ray.address`, a Ray Job's driver joins its cluster (Ray sets RAY_ADDRESS for it);
     anywhere else a fresh local instance is started, never a cluster left running on the machine.
-    A local instance starts its dashboard only with `metrics`: the dashboard's head writes the
-    Prometheus service-discovery file (each node's metrics agent runs either way).
+    With live metrics on (`metrics_interval_s` given), a local instance starts its dashboard,
+    whose head writes the Prometheus service-discovery file (each node's metrics agent runs
+    either way), and its processes export every `metrics_interval_s` seconds, unless
+    RAY_metrics_report_interval_ms says otherwise.
     """
     if ray.is_initialized():
         yield
@@ -32,7 +34,8 @@ def ray_session(cfg: RayConfig, metrics: bool = False) -> Iterator[None]:
     address = ray_address(cfg.address)
     try:
         if address is None:
-            ray.init(**local_options(cfg, metrics))
+            with _export_interval(metrics_interval_s):
+                ray.init(**local_options(cfg, metrics_interval_s is not None))
         else:
             ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -62,6 +65,21 @@ def local_options(cfg: RayConfig, metrics: bool) -> dict[str, Any]:
         "log_to_driver": False,
         "logging_level": logging.WARNING,
     }
+
+
+@contextmanager
+def _export_interval(seconds: float | None) -> Iterator[None]:
+    """While a local Ray starts, RAY_metrics_report_interval_ms for the processes it spawns (they
+    inherit it; its workers from its raylet), unless the environment sets it already."""
+    name = "RAY_metrics_report_interval_ms"
+    if seconds is None or name in os.environ:
+        yield
+        return
+    os.environ[name] = str(round(seconds * 1000))
+    try:
+        yield
+    finally:
+        del os.environ[name]
 
 
 def _interrupt(signum: int, frame: Any) -> None:
