@@ -7,6 +7,7 @@ same figures, so logs stay readable. `--quiet` leaves it out; the final table is
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -20,7 +21,10 @@ from silo_pfl.results import FederationResult, RoundSummary
 if TYPE_CHECKING:
     from tqdm import tqdm
 
-BAR_FORMAT = "{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining} {postfix}"
+BAR_FORMAT = "{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining}{postfix}"
+# A terminal that reports no size (a pty nobody sized, e.g. script(1)'s) gets this one; tqdm
+# would draw nothing at size 0. $COLUMNS and $LINES, when set, win.
+FALLBACK_SIZE = (100, 24)
 
 
 def _clock(seconds: float) -> str:
@@ -77,13 +81,15 @@ class ProgressPrinter(Callback):
         if self.use_bar and self.bar is None:
             from tqdm import tqdm
 
+            size = shutil.get_terminal_size(FALLBACK_SIZE)
             self.bar = tqdm(
                 total=self.rounds,
                 initial=round_ - 1,
                 desc="round",
                 file=self.stream,
                 bar_format=BAR_FORMAT,
-                dynamic_ncols=True,
+                ncols=size.columns,
+                nrows=size.lines,
                 leave=True,
             )
 

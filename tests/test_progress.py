@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -37,18 +38,17 @@ def test_a_terminal_gets_a_bar_with_eta_val_and_the_slowest_silo(tmp_path):
     done = subprocess.run(
         ["script", "-qec", command, "/dev/null"],
         capture_output=True,
-        text=True,
         timeout=300,
-        env={"COLUMNS": "120", "TERM": "xterm", "PATH": "/usr/bin:/bin"},
+        env={**os.environ, "COLUMNS": "120", "TERM": "xterm"},
         stdin=subprocess.DEVNULL,
     )
-    assert done.returncode == 0, done.stdout + done.stderr
-    screen = done.stdout
+    screen = done.stdout.decode()  # bytes: universal newlines would turn each redraw's \r to \n
+    assert done.returncode == 0, screen + done.stderr.decode()
     assert not [line for line in screen.splitlines() if LINE.match(line.strip())]
     redraws = screen.split("\r")
     final = [r for r in redraws if r.startswith("round 3/3 |")]
     assert final, screen
     bar = final[-1]
-    assert re.search(r"\| \d\d:\d\d<00:00 val \d\.\d{3}  slowest \w+ \d+\.\d\ds", bar), bar
+    assert re.search(r"\| \d\d:\d\d<00:00, val \d\.\d{3}  slowest \w+ \d+\.\d\ds", bar), bar
     assert "█" in bar
     assert "mean test accuracy" in screen
