@@ -1,7 +1,8 @@
 """MlflowTracker: the driver-side Callback that records a federation run in MLflow.
 
 One experiment per federation name. Per run: a parent run (the resolved config as flattened
-params, per-round means, the final summary, the global model and split summary as artifacts)
+params, per-round means, the final summary, the global model, split summary and the silos' label
+counts as artifacts)
 and a nested child run per silo (its round metrics with step=round; tags silo, node_id,
 algorithm). The driver logs numbers only: each silo writes its own model's files from its own
 process (MlflowExporter), and the tracker then registers the central silos' models.
@@ -43,6 +44,7 @@ MAX_METRICS_PER_BATCH = 1000
 FLUSH_SECONDS = 2.0
 MAX_PARAM_LENGTH = 6000
 ROUND_MEANS = ("mean_train_loss", "mean_val_accuracy", "mean_test_accuracy")
+PARTITION_FILE = "partition.json"
 FINAL_METRICS = ("mean_test_accuracy", "worst_test_accuracy", "std_test_accuracy", "wall_seconds")
 
 
@@ -58,6 +60,15 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
         else:
             flat[name] = str(value)[:MAX_PARAM_LENGTH]
     return flat
+
+
+def partition_record(silos: Sequence[SiloInfo]) -> str | None:
+    """The text of `partition.json`: each silo's training rows per class, as the silos counted
+    them; None when no silo reported counts (aggregation.secure)."""
+    counts = {info.silo: list(info.label_counts) for info in silos if info.label_counts}
+    if not counts:
+        return None
+    return json.dumps({"silos": counts}, indent=2)
 
 
 def _now_ms() -> int:
@@ -168,6 +179,9 @@ class MlflowTracker(Callback):
         if self.joined == registry.FOUNDER:
             record = federation_record(resolved, *model_shape(silos))
             self.client.log_text(self.run_id, record, FEDERATION_FILE)
+        partition = partition_record(silos)
+        if partition is not None:
+            self.client.log_text(self.run_id, partition, PARTITION_FILE)
         for info in silos:
             child = self.client.create_run(
                 self.experiment_id,
@@ -303,6 +317,7 @@ class MlflowTracker(Callback):
             "global_parameters": result.global_parameters,
             "local_parameters": result.local_parameters,
             "bytes_sent_per_round": split.bytes_sent_per_round if split else None,
+            "model_bytes": split.model_bytes if split else None,
         }
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "split.json").write_text(json.dumps(summary, indent=2))
