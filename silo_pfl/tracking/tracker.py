@@ -1,17 +1,18 @@
 """MlflowTracker: the driver-side Callback that records a federation run in MLflow.
 
 One experiment per federation name. Per run: a parent run (the resolved config as flattened
-params, per-round means, the final summary, the global model, split summary and the silos' label
-counts as artifacts)
-and a nested child run per silo (its round metrics with step=round; tags silo, node_id,
-algorithm). The driver logs numbers only: each silo writes its own model's files from its own
-process (MlflowExporter), and the tracker then registers the central silos' models.
+params, per-round means, the final summary; as artifacts the global model, the split summary,
+the silos' label counts and the run report) and a nested child run per silo (its round metrics
+with step=round; tags silo, node_id, algorithm). The driver logs numbers only: each silo writes
+its own model's files from its own process (MlflowExporter), and the tracker then registers the
+central silos' models.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import tempfile
 import threading
 import time
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig, to_dict
+from silo_pfl.errors import one_line
 from silo_pfl.messages import SiloInfo, SplitInfo, model_shape
 from silo_pfl.results import FederationResult, RoundSummary
 from silo_pfl.settings import split_rules
@@ -305,7 +307,26 @@ class MlflowTracker(Callback):
             self.buffered.setdefault(self.children[silo], []).extend(metrics)
         self._flush()
         self._log_artifacts(result)
+        if self.cfg.tracking.report:
+            self._report(result)
         self._finish(RunStatus.to_string(RunStatus.FINISHED))
+
+    def _report(self, result: FederationResult) -> None:
+        """The run report on the parent run (and in the run's directory, when it has one). A
+        report that fails is one warning line: the run itself has finished."""
+        from silo_pfl import report
+
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(result.run_dir) / "report" if result.run_dir else Path(tmp)
+                report.build(self.client, self.run_id, out, where=redact(self.uri))
+                report.publish(self.client, self.run_id, out)
+        except Exception as exc:
+            print(
+                f"warning: run {self.run_id}: no run report: {type(exc).__name__}: {one_line(exc)}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _log_artifacts(self, result: FederationResult) -> None:
         """The global model (server's keys), the split summary and the result, on the parent."""
