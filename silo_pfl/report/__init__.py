@@ -32,7 +32,7 @@ def build(
     for name in (*FILES, REPORT_FILE):
         (out / name).unlink(missing_ok=True)
     page = out / REPORT_FILE
-    page.write_text(render(run, against, draw(run, against, out)))
+    page.write_text(render(run, against, draw(run, against, out), out))
     return page
 
 

@@ -1,10 +1,16 @@
-"""The report's page: one self-contained HTML file (inline CSS, no script, no external font)
-that links its PNG figures by relative path."""
+"""The report's page: one self-contained HTML file (inline CSS, no script, no external font).
+
+Its figures are embedded as data: URIs. mlflow ui previews an HTML artifact inside a frame of
+its own page, where a relative link to a PNG beside it would not resolve; the PNG files are
+written beside the page all the same.
+"""
 
 from __future__ import annotations
 
+import base64
 import math
 from html import escape
+from pathlib import Path
 
 from silo_pfl.report.data import RunData
 from silo_pfl.report.figures import Figure
@@ -108,16 +114,17 @@ def _notes(run: RunData, against: RunData | None) -> list[str]:
     return [f'<p class="note">{n}</p>' for n in notes]
 
 
-def _figure(figure: Figure) -> str:
+def _figure(figure: Figure, out: Path) -> str:
+    data = base64.b64encode((out / figure.file).read_bytes()).decode("ascii")
     return (
         f"<h2>{escape(figure.title)}</h2><figure>"
-        f'<img src="{escape(figure.file)}" alt="{escape(figure.title)}">'
-        f"<figcaption>{escape(figure.caption)}</figcaption></figure>"
+        f'<img src="data:image/png;base64,{data}" alt="{escape(figure.title)}">'
+        f"<figcaption>{escape(figure.caption)} ({escape(figure.file)})</figcaption></figure>"
     )
 
 
-def render(run: RunData, against: RunData | None, figures: list[Figure]) -> str:
-    """The whole page."""
+def render(run: RunData, against: RunData | None, figures: list[Figure], out: Path) -> str:
+    """The whole page; the figures' PNGs are read from `out`."""
     title = f"Run report: {run.federation} / {run.algorithm} / {run.run_id}"
     body = [
         f"<h1>{escape(title)}</h1>",
@@ -125,7 +132,7 @@ def render(run: RunData, against: RunData | None, figures: list[Figure]) -> str:
         *_notes(run, against),
         "<h2>Silos</h2>",
         _silo_table(run, against),
-        *(_figure(f) for f in figures),
+        *(_figure(f, out) for f in figures),
     ]
     return (
         '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
