@@ -21,6 +21,7 @@ DPI = 100
 GAIN, LOSS, EVEN = "#2e7d32", "#c62828", "#9e9e9e"
 VAL_COLOR, TEST_COLOR, OTHER_COLOR = "#1f77b4", "#ff7f0e", "#616161"
 COLUMNS = 5  # small multiples per row
+MAX_CELL_LABELS = 400  # the partition's counts are written in its cells up to this many
 FILES = ("accuracy.png", "gain.png", "spread.png", "bytes.png", "partition.png")
 
 
@@ -60,31 +61,51 @@ def _grid(n: int) -> tuple[int, int]:
     return math.ceil(n / cols), cols
 
 
-def _axes_grid(fig: MplFigure, n: int, sharey: bool = True) -> list[Any]:
+def _small_multiples(n: int, width: float, height: float) -> tuple[MplFigure, list[Any]]:
+    """A figure of n axes (width x height inches each), COLUMNS a row, sharing x and y.
+
+    Margins are fixed, not constrained: the layout solver would cost more than the drawing.
+    """
+    from matplotlib.figure import Figure as MplFigure
+
     rows, cols = _grid(n)
-    axes = np.atleast_1d(fig.subplots(rows, cols, sharex=True, sharey=sharey)).ravel()
+    left, right, top, bottom, gap_x, gap_y = 1.0, 0.2, 0.75, 0.65, 0.3, 0.5
+    fig_w = left + right + cols * width + (cols - 1) * gap_x
+    fig_h = top + bottom + rows * height + (rows - 1) * gap_y
+    fig = MplFigure(figsize=(fig_w, fig_h), dpi=DPI)
+    fig.subplots_adjust(
+        left=left / fig_w,
+        right=1 - right / fig_w,
+        top=1 - top / fig_h,
+        bottom=bottom / fig_h,
+        wspace=gap_x / width,
+        hspace=gap_y / height,
+    )
+    axes = np.atleast_1d(fig.subplots(rows, cols, sharex=True, sharey=True)).ravel()
     for ax in axes[n:]:
         ax.set_visible(False)
-    return list(axes[:n])
+    return fig, list(axes[:n])
 
 
 def accuracy(run: RunData, out: Path) -> Figure:
     """Per silo: validation and test accuracy over rounds, the selected round marked."""
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import FixedLocator, MaxNLocator
 
-    rows, cols = _grid(len(run.silos))
     with _defaults():
-        fig = _figure(3.2 * cols, 2.4 * rows + 0.8)
+        fig, axes = _small_multiples(len(run.silos), 2.8, 1.9)
         marker = "." if run.rounds <= 20 else None
-        for ax, silo in zip(_axes_grid(fig, len(run.silos)), run.silos.values(), strict=True):
+        for ax, silo in zip(axes, run.silos.values(), strict=True):
             ax.plot(silo.rounds, silo.val_accuracy, color=VAL_COLOR, marker=marker, lw=1.2)
             ax.plot(silo.rounds, silo.test_accuracy, color=TEST_COLOR, marker=marker, lw=1.2)
             chosen = silo.selected_round
             ax.axvline(chosen, color=OTHER_COLOR, ls=":", lw=1)
             ax.plot([chosen], [silo.selected_test_accuracy], "o", color=TEST_COLOR, mec="black")
-            ax.set_title(f"{silo.name}: {silo.selected_test_accuracy:.3f} @ round {chosen}")
+            # y given: matplotlib then skips placing each title by its axes' tick labels.
+            title = f"{silo.name}: {silo.selected_test_accuracy:.3f} @ round {chosen}"
+            ax.set_title(title, y=1.0, fontsize=10)
             ax.set_ylim(0, 1.02)
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.yaxis.set_major_locator(FixedLocator([0, 0.25, 0.5, 0.75, 1.0]))
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))
             ax.grid(alpha=0.3)
         fig.supxlabel("round")
         fig.supylabel("accuracy")
@@ -185,7 +206,7 @@ def spread(run: RunData, against: RunData | None, out: Path) -> Figure:
         "Spread across silos (fairness)",
         "Each silo's selected test accuracy, sorted; the black line is the mean over silos, the "
         "dashed red line the worst silo, the band mean ± one standard deviation"
-        + (" ; white diamonds: the compared run." if against is not None else "."),
+        + ("; white diamonds: the compared run." if against is not None else "."),
     )
 
 
@@ -262,30 +283,36 @@ def traffic(run: RunData, against: RunData | None, out: Path) -> Figure | None:
 
 
 def partition(run: RunData, out: Path) -> Figure | None:
-    """Per silo: its training rows per class, as the silo counted them."""
+    """Per silo, a row: its training rows per class (as the silo counted them), shaded and
+    written in each cell."""
     if not run.partition:
         return None
     names = [s for s in run.silos if s in run.partition] or list(run.partition)
-    rows, cols = _grid(len(names))
     classes = max(len(c) for c in run.partition.values())
+    counts = np.array([run.partition[n] + [0] * (classes - len(run.partition[n])) for n in names])
     with _defaults():
-        fig = _figure(3.2 * cols, 2.3 * rows + 0.8)
-        for ax, name in zip(_axes_grid(fig, len(names)), names, strict=True):
-            counts = run.partition[name] + [0] * (classes - len(run.partition[name]))
-            ax.bar(range(classes), counts, color=VAL_COLOR)
-            ax.set_title(f"{name} ({sum(counts)} rows)")
-            ax.set_xticks(range(classes))
-            ax.tick_params(axis="x", labelsize=8)
-            ax.grid(axis="y", alpha=0.3)
-        fig.supxlabel("class")
-        fig.supylabel("training rows")
-        fig.suptitle(f"{run.federation}: the partition, training rows per class in each silo")
+        fig = _figure(max(5.0, 1.6 + 0.55 * classes), 1.4 + 0.42 * len(names))
+        ax = fig.add_subplot()
+        image = ax.imshow(counts, cmap="Blues", aspect="auto", vmin=0)
+        if counts.size <= MAX_CELL_LABELS:
+            dark = counts.max() * 0.6
+            for (row, col), value in np.ndenumerate(counts):
+                color = "white" if value > dark else "black"
+                ax.text(col, row, str(value), ha="center", va="center", color=color, fontsize=8)
+        ax.set_xticks(range(classes))
+        ax.set_yticks(
+            range(len(names)), [f"{n} ({t})" for n, t in zip(names, counts.sum(1), strict=True)]
+        )
+        ax.set_xlabel("class")
+        ax.set_ylabel("silo (its training rows)")
+        fig.colorbar(image, ax=ax, label="training rows", shrink=0.9)
+        ax.set_title(f"{run.federation}: the partition, training rows per class in each silo")
         _save(fig, out / "partition.png")
     return Figure(
         "partition.png",
         "The partition",
-        "Each silo's training rows per class. Each silo counted its own rows and reported "
-        "only these counts; no row left it.",
+        "Each row is a silo's label histogram: its training rows per class. Each silo counted "
+        "its own rows and reported only these counts; no row left it.",
     )
 
 
