@@ -287,10 +287,15 @@ def test_mlflow_ui_lists_every_silo_model_and_the_report(runs, mlflow_ui, tmp_pa
     experiment = MlflowClient(runs.uri).get_run(run_id).info.experiment_id
     names = [f"heart_disease-{hospital}" for hospital in HOSPITALS]
     with chromium() as page:
+        page.resize(1280, 900)
         page.open(f"{mlflow_ui}/#/models")
         models_text = page.wait_for_text(names)
+        time.sleep(2)  # mlflow ui opens a dialog about its new registry UI; close it
+        page.escape()
+        time.sleep(1)
         models = page.screenshot(tmp_path / "mlflow_registered_models.png", full_page=False)
         # The run's Artifacts tab, with report/report.html selected: the tree and its preview.
+        page.resize(1280, 2000)
         page.open(f"{mlflow_ui}/#/experiments/{experiment}/runs/{run_id}/artifacts/{PAGE}")
         run_text = page.wait_for_text([PAGE])
         preview = preview_of(page)
