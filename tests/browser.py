@@ -50,8 +50,18 @@ class Page:
         self.session = attached["sessionId"]
         for domain in ("Page", "Runtime", "Log", "Network"):
             self.call(f"{domain}.enable", session=True)
-        metrics = {"width": WIDTH, "height": HEIGHT, "deviceScaleFactor": 1, "mobile": False}
+        self.resize(WIDTH, HEIGHT)
+
+    def resize(self, width: int, height: int) -> None:
+        """The window's size in CSS pixels."""
+        metrics = {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False}
         self.call("Emulation.setDeviceMetricsOverride", metrics, session=True)
+
+    def escape(self) -> None:
+        """Press Escape, e.g. to close a dialog that covers the page."""
+        key = {"key": "Escape", "code": "Escape", "windowsVirtualKeyCode": 27}
+        for kind in ("keyDown", "keyUp"):
+            self.call("Input.dispatchKeyEvent", {"type": kind, **key}, session=True)
 
     def _message(self, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
