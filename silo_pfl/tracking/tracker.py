@@ -73,6 +73,14 @@ def partition_record(silos: Sequence[SiloInfo]) -> str | None:
     return json.dumps({"silos": counts}, indent=2)
 
 
+def _warm_up() -> None:
+    """The report's warm-up; a failure here shows when the report itself is built."""
+    with contextlib.suppress(Exception):
+        from silo_pfl.report.figures import warm_up
+
+        warm_up()
+
+
 def _now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -118,6 +126,8 @@ class MlflowTracker(Callback):
         self.flushed_at = time.monotonic()
         self.logged: dict[str, Any] = {}  # silo -> the logged model it writes its files into
         self.restarts: dict[str, int] = {}  # silo -> times it restarted, as recorded
+        # matplotlib's import and first figure, while the rounds run, for the report at the end
+        self.warming = threading.Thread(target=_warm_up, name="report-warm-up", daemon=True)
 
     def _log(self, run_id: str, metrics: list[Metric]) -> None:
         """Buffer metrics; every FLUSH_SECONDS each run's buffer goes out as one batch."""
@@ -160,6 +170,8 @@ class MlflowTracker(Callback):
 
         self.client, self.experiment_id = self.opening.result()
         self.split = split
+        if self.cfg.tracking.report:
+            self.warming.start()
         if self.run_id:
             self._reopen()
             return
@@ -316,6 +328,8 @@ class MlflowTracker(Callback):
         report that fails is one warning line: the run itself has finished."""
         from silo_pfl import report
 
+        if self.warming.is_alive():
+            self.warming.join()
         try:
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(result.run_dir) / "report" if result.run_dir else Path(tmp)
