@@ -302,7 +302,7 @@ def partition(run: RunData, out: Path) -> Figure | None:
     classes = max(len(c) for c in run.partition.values())
     counts = np.array([run.partition[n] + [0] * (classes - len(run.partition[n])) for n in names])
     with _defaults():
-        fig = _figure(max(5.0, 1.6 + 0.55 * classes), 1.4 + 0.42 * len(names))
+        fig = _figure(max(6.0, 1.6 + 0.55 * classes), 1.6 + 0.42 * len(names))
         ax = fig.add_subplot()
         image = ax.imshow(counts, cmap="Blues", aspect="auto", vmin=0)
         if counts.size <= MAX_CELL_LABELS:
@@ -317,7 +317,7 @@ def partition(run: RunData, out: Path) -> Figure | None:
         ax.set_xlabel("class")
         ax.set_ylabel("silo (its training rows)")
         fig.colorbar(image, ax=ax, label="training rows", shrink=0.9)
-        ax.set_title(f"{run.federation}: the partition, training rows per class in each silo")
+        ax.set_title(f"{run.federation}: the partition\ntraining rows per class in each silo")
         _save(fig, out / "partition.png")
     return Figure(
         "partition.png",
