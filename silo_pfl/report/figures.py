@@ -295,7 +295,7 @@ def traffic(run: RunData, against: RunData | None, out: Path) -> Figure | None:
 
 def partition(run: RunData, out: Path) -> Figure | None:
     """Per silo, a row: its training rows per class (as the silo counted them), shaded and
-    written in each cell."""
+    written in each cell (beyond MAX_CELL_LABELS cells, shaded only: darker is more)."""
     if not run.partition:
         return None
     names = [s for s in run.silos if s in run.partition] or list(run.partition)
@@ -304,7 +304,7 @@ def partition(run: RunData, out: Path) -> Figure | None:
     with _defaults():
         fig = _figure(max(6.0, 1.6 + 0.55 * classes), 1.6 + 0.42 * len(names))
         ax = fig.add_subplot()
-        image = ax.imshow(counts, cmap="Blues", aspect="auto", vmin=0)
+        ax.imshow(counts, cmap="Blues", aspect="auto", vmin=0)
         if counts.size <= MAX_CELL_LABELS:
             dark = counts.max() * 0.6
             for (row, col), value in np.ndenumerate(counts):
@@ -316,7 +316,6 @@ def partition(run: RunData, out: Path) -> Figure | None:
         )
         ax.set_xlabel("class")
         ax.set_ylabel("silo (its training rows)")
-        fig.colorbar(image, ax=ax, label="training rows", shrink=0.9)
         ax.set_title(f"{run.federation}: the partition\ntraining rows per class in each silo")
         _save(fig, out / "partition.png")
     return Figure(
