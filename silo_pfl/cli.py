@@ -1,5 +1,5 @@
 """The command line: `silo-pfl run|submit|config CONFIG [key=value ...]`, `onboard`, `jobs`,
-`stop`, `models`, `compare`."""
+`stop`, `models`, `report`, `compare`."""
 
 from __future__ import annotations
 
@@ -99,6 +99,26 @@ def _parser() -> argparse.ArgumentParser:
     )
     models.add_argument("--all", action="store_true", help="every version, not only aliased ones")
     _debug(models)
+    report = commands.add_parser(
+        "report", help="a tracked run's HTML report with figures, also logged to the run"
+    )
+    report.add_argument("run_id", metavar="RUN_ID", help="the federation's MLflow parent run")
+    report.add_argument(
+        "--against",
+        metavar="RUN_ID",
+        help="another run of the same federation (e.g. fedavg or local): each silo's gain",
+    )
+    report.add_argument(
+        "--out", help="directory for report.html and its PNGs; default reports/RUN_ID"
+    )
+    report.add_argument(
+        "--tracking-uri",
+        help="MLflow store; default $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db",
+    )
+    report.add_argument(
+        "--no-log", action="store_true", help="do not (re)log the report to the run's artifacts"
+    )
+    _debug(report)
     compare = commands.add_parser("compare", help="every algorithm on several jobs: tables, JSON")
     compare_arguments(compare)
     _debug(compare)
@@ -254,6 +274,15 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from silo_pfl.report.command import report
+
+    page = report(args.run_id, args.against, args.out, args.tracking_uri, log=not args.no_log)
+    logged = "" if args.no_log else f"; logged to run {args.run_id}'s artifacts under report/"
+    print(f"report written to {page}{logged}")
+    return 0
+
+
 def _compare(args: argparse.Namespace) -> int:
     from silo_pfl.compare import main as compare_main
 
@@ -268,6 +297,7 @@ COMMANDS = {
     "jobs": _jobs,
     "stop": _stop,
     "models": _models,
+    "report": _report,
     "compare": _compare,
 }
 

@@ -126,6 +126,9 @@ class TrackingConfig:
     # Tracking and registry store. None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the
     # working directory (artifacts in <db dir>/mlartifacts/<name>).
     uri: str | None = None
+    # At the end of a run, the run report (report/report.html and its PNG figures) on the
+    # parent run; false for a benchmark that times the run without it.
+    report: bool = True
 
 
 @dataclass

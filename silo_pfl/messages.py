@@ -24,6 +24,9 @@ class SiloInfo:
     node_id: str = ""
     public_key: bytes = b""  # X25519, only under aggregation.secure
     pid: int = 0  # the silo's process, for operators (and fault tests)
+    # Its training rows per class (counts only, for the run report's partition figure); empty
+    # under aggregation.secure, where no per-silo statistic leaves the silo.
+    label_counts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class SplitInfo:
     global_parameters: int
     local_parameters: int
     bytes_sent_per_round: int
+    model_bytes: int = 0  # every state_dict entry once: what full-model FedAvg sends per round
 
 
 @dataclass(frozen=True)

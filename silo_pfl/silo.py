@@ -139,6 +139,7 @@ class Silo:
             num_classes=data.num_classes,
             public_key=self._masker.public_key() if self._masker else b"",
             pid=os.getpid(),
+            label_counts=() if self.cfg.aggregation.secure else label_counts(data),
         )
 
     def _secure_masker(self, resume: bool) -> Masker:
@@ -184,6 +185,7 @@ class Silo:
             global_parameters=self.split.global_parameters,
             local_parameters=self.split.local_parameters,
             bytes_sent_per_round=sent,
+            model_bytes=sum(v.numel() * v.element_size() for v in state.values()),
         )
 
     def rejoin(
@@ -459,3 +461,9 @@ def local_digest(state: dict[str, torch.Tensor], keys: list[str] | tuple[str, ..
 def nbytes(arrays: dict[str, Any]) -> int:
     """The bytes of a mapping of arrays (global keys, a strategy's broadcast)."""
     return int(sum(np.asarray(v).nbytes for v in arrays.values()))
+
+
+def label_counts(data: SiloData) -> tuple[int, ...]:
+    """How many of the silo's training rows carry each class: counts only, never a row."""
+    counts = np.bincount(np.asarray(data.y_train, dtype=np.int64), minlength=data.num_classes)
+    return tuple(int(c) for c in counts)

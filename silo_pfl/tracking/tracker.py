@@ -1,16 +1,18 @@
 """MlflowTracker: the driver-side Callback that records a federation run in MLflow.
 
 One experiment per federation name. Per run: a parent run (the resolved config as flattened
-params, per-round means, the final summary, the global model and split summary as artifacts)
-and a nested child run per silo (its round metrics with step=round; tags silo, node_id,
-algorithm). The driver logs numbers only: each silo writes its own model's files from its own
-process (MlflowExporter), and the tracker then registers the central silos' models.
+params, per-round means, the final summary; as artifacts the global model, the split summary,
+the silos' label counts and the run report) and a nested child run per silo (its round metrics
+with step=round; tags silo, node_id, algorithm). The driver logs numbers only: each silo writes
+its own model's files from its own process (MlflowExporter), and the tracker then registers the
+central silos' models.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import tempfile
 import threading
 import time
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig, to_dict
+from silo_pfl.errors import one_line
 from silo_pfl.messages import SiloInfo, SplitInfo, model_shape
 from silo_pfl.results import FederationResult, RoundSummary
 from silo_pfl.settings import split_rules
@@ -43,6 +46,7 @@ MAX_METRICS_PER_BATCH = 1000
 FLUSH_SECONDS = 2.0
 MAX_PARAM_LENGTH = 6000
 ROUND_MEANS = ("mean_train_loss", "mean_val_accuracy", "mean_test_accuracy")
+PARTITION_FILE = "partition.json"
 FINAL_METRICS = ("mean_test_accuracy", "worst_test_accuracy", "std_test_accuracy", "wall_seconds")
 
 
@@ -58,6 +62,23 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
         else:
             flat[name] = str(value)[:MAX_PARAM_LENGTH]
     return flat
+
+
+def partition_record(silos: Sequence[SiloInfo]) -> str | None:
+    """The text of `partition.json`: each silo's training rows per class, as the silos counted
+    them; None when no silo reported counts (aggregation.secure)."""
+    counts = {info.silo: list(info.label_counts) for info in silos if info.label_counts}
+    if not counts:
+        return None
+    return json.dumps({"silos": counts}, indent=2)
+
+
+def _warm_up() -> None:
+    """The report's warm-up; a failure here shows when the report itself is built."""
+    with contextlib.suppress(Exception):
+        from silo_pfl.report.figures import warm_up
+
+        warm_up()
 
 
 def _now_ms() -> int:
@@ -105,6 +126,8 @@ class MlflowTracker(Callback):
         self.flushed_at = time.monotonic()
         self.logged: dict[str, Any] = {}  # silo -> the logged model it writes its files into
         self.restarts: dict[str, int] = {}  # silo -> times it restarted, as recorded
+        # matplotlib's import and first figure, while the rounds run, for the report at the end
+        self.warming = threading.Thread(target=_warm_up, name="report-warm-up", daemon=True)
 
     def _log(self, run_id: str, metrics: list[Metric]) -> None:
         """Buffer metrics; every FLUSH_SECONDS each run's buffer goes out as one batch."""
@@ -147,6 +170,8 @@ class MlflowTracker(Callback):
 
         self.client, self.experiment_id = self.opening.result()
         self.split = split
+        if self.cfg.tracking.report:
+            self.warming.start()
         if self.run_id:
             self._reopen()
             return
@@ -168,6 +193,9 @@ class MlflowTracker(Callback):
         if self.joined == registry.FOUNDER:
             record = federation_record(resolved, *model_shape(silos))
             self.client.log_text(self.run_id, record, FEDERATION_FILE)
+        partition = partition_record(silos)
+        if partition is not None:
+            self.client.log_text(self.run_id, partition, PARTITION_FILE)
         for info in silos:
             child = self.client.create_run(
                 self.experiment_id,
@@ -291,7 +319,28 @@ class MlflowTracker(Callback):
             self.buffered.setdefault(self.children[silo], []).extend(metrics)
         self._flush()
         self._log_artifacts(result)
+        if self.cfg.tracking.report:
+            self._report(result)
         self._finish(RunStatus.to_string(RunStatus.FINISHED))
+
+    def _report(self, result: FederationResult) -> None:
+        """The run report on the parent run (and in the run's directory, when it has one). A
+        report that fails is one warning line: the run itself has finished."""
+        from silo_pfl import report
+
+        if self.warming.is_alive():
+            self.warming.join()
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(result.run_dir) / "report" if result.run_dir else Path(tmp)
+                report.build(self.client, self.run_id, out, where=redact(self.uri))
+                report.publish(self.client, self.run_id, out)
+        except Exception as exc:
+            print(
+                f"warning: run {self.run_id}: no run report: {type(exc).__name__}: {one_line(exc)}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _log_artifacts(self, result: FederationResult) -> None:
         """The global model (server's keys), the split summary and the result, on the parent."""
@@ -303,6 +352,7 @@ class MlflowTracker(Callback):
             "global_parameters": result.global_parameters,
             "local_parameters": result.local_parameters,
             "bytes_sent_per_round": split.bytes_sent_per_round if split else None,
+            "model_bytes": split.model_bytes if split else None,
         }
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "split.json").write_text(json.dumps(summary, indent=2))

@@ -1,0 +1,41 @@
+"""The run report: an HTML page with PNG figures of one tracked federation run, read from its
+MLflow store (data.py), drawn with matplotlib (figures.py), laid out (html.py), and logged to
+the run's artifacts under report/. The tracker builds it at the end of a run (tracking.report);
+`silo-pfl report RUN_ID` builds it on demand (command.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from silo_pfl.report.data import check_against, read_run
+from silo_pfl.report.figures import FILES, draw
+from silo_pfl.report.html import render
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+REPORT_DIR = "report"  # the artifact directory on the parent run
+REPORT_FILE = "report.html"
+
+
+def build(
+    client: MlflowClient, run_id: str, out: Path, against_id: str | None = None, where: str = ""
+) -> Path:
+    """Write report.html and its figures into `out` (created; older figures replaced)."""
+    run = read_run(client, run_id, "RUN_ID", where)
+    against = None
+    if against_id:
+        against = read_run(client, against_id, "--against", where)
+        check_against(run, against)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in (*FILES, REPORT_FILE):
+        (out / name).unlink(missing_ok=True)
+    page = out / REPORT_FILE
+    page.write_text(render(run, against, draw(run, against, out), out))
+    return page
+
+
+def publish(client: MlflowClient, run_id: str, out: Path) -> None:
+    """Log the report in `out` to the run's artifacts, under report/."""
+    client.log_artifacts(run_id, str(out), REPORT_DIR)

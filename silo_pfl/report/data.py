@@ -1,0 +1,180 @@
+"""A tracked federation run read back from its MLflow store into plain data for the report.
+
+Per silo, from its child run: validation and test accuracy and bytes sent per round (step =
+round), and its selected model's round and accuracies. From the parent run: its tags, params
+and final metrics, and the artifacts `split.json` and `partition.json` (absent under
+aggregation.secure: the silos report no counts then).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from silo_pfl.errors import ConfigError
+from silo_pfl.tracking import registry
+from silo_pfl.tracking.tracker import PARENT_RUN_TAG, PARTITION_FILE
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+SPLIT_FILE = "split.json"
+PROGRESS_BAR = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+SERIES = ("val_accuracy", "test_accuracy", "bytes_sent")
+
+
+@dataclass(frozen=True)
+class SiloSeries:
+    """One silo of a run: its metrics per round and its selected model."""
+
+    name: str
+    rounds: tuple[int, ...]
+    val_accuracy: tuple[float, ...]
+    test_accuracy: tuple[float, ...]
+    bytes_sent: dict[int, float]  # round -> bytes it sent that round
+    selected_round: int
+    selected_val_accuracy: float
+    selected_test_accuracy: float
+
+
+@dataclass(frozen=True)
+class RunData:
+    """What the report shows of one federation run."""
+
+    run_id: str
+    federation: str
+    algorithm: str
+    seed: str
+    rounds: int
+    wall_seconds: float
+    secure: bool
+    silos: dict[str, SiloSeries]
+    split: dict[str, Any] = field(default_factory=dict)  # split.json; empty if not logged
+    partition: dict[str, list[int]] | None = None  # silo -> training rows per class
+
+    @property
+    def selected_test(self) -> np.ndarray:
+        return np.array([s.selected_test_accuracy for s in self.silos.values()])
+
+    @property
+    def mean_test(self) -> float:
+        return float(np.mean(self.selected_test))
+
+    @property
+    def worst_test(self) -> float:
+        return float(np.min(self.selected_test))
+
+    @property
+    def std_test(self) -> float:
+        return float(np.std(self.selected_test))
+
+
+def silo_order(name: str) -> tuple[Any, ...]:
+    """Natural order: silo_2 before silo_10."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
+@contextlib.contextmanager
+def _no_progress_bar() -> Iterator[None]:
+    """MLflow draws a progress bar on stderr for every download; not for a report's two files."""
+    before = os.environ.get(PROGRESS_BAR)
+    os.environ[PROGRESS_BAR] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(PROGRESS_BAR, None)
+        else:
+            os.environ[PROGRESS_BAR] = before
+
+
+def _artifact_json(client: MlflowClient, run_id: str, path: str) -> Any:
+    """A JSON artifact of the run, or None when the run has none at `path`."""
+    names = {a.path for a in client.list_artifacts(run_id)}
+    if path not in names:
+        return None
+    with tempfile.TemporaryDirectory() as tmp, _no_progress_bar():
+        return json.loads(Path(client.download_artifacts(run_id, path, tmp)).read_text())
+
+
+def _series(client: MlflowClient, run: Any) -> SiloSeries:
+    """A silo's child run: its round metrics and its selected model's."""
+    run_id, metrics = run.info.run_id, run.data.metrics
+    history = {key: client.get_metric_history(run_id, key) for key in SERIES}
+    val = {m.step: m.value for m in history["val_accuracy"]}
+    test = {m.step: m.value for m in history["test_accuracy"]}
+    rounds = tuple(sorted(set(val) & set(test)))
+    return SiloSeries(
+        name=run.data.tags[registry.SILO],
+        rounds=rounds,
+        val_accuracy=tuple(val[r] for r in rounds),
+        test_accuracy=tuple(test[r] for r in rounds),
+        bytes_sent={m.step: m.value for m in history["bytes_sent"]},
+        selected_round=int(metrics.get("selected_round", 0)),
+        selected_val_accuracy=float(metrics.get("selected_val_accuracy", np.nan)),
+        selected_test_accuracy=float(metrics.get("selected_test_accuracy", np.nan)),
+    )
+
+
+def get_parent(client: MlflowClient, run_id: str, key: str, where: str) -> Any:
+    """The MLflow run `run_id`, checked to be a federation's parent run; one-line errors."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = client.get_run(run_id)
+    except MlflowException:
+        raise ConfigError(f"{key} {run_id}: no such run in {where}") from None
+    tags = run.data.tags
+    if PARENT_RUN_TAG in tags or registry.FEDERATION not in tags:
+        raise ConfigError(
+            f"{key} {run_id}: not a federation run (a silo's run, or not logged by silo-pfl); "
+            "name the parent run that `silo-pfl run` printed"
+        )
+    return run
+
+
+def read_run(client: MlflowClient, run_id: str, key: str = "RUN_ID", where: str = "") -> RunData:
+    """Read a federation's parent run and its silos' child runs from the store."""
+    run = get_parent(client, run_id, key, where or "the tracking store")
+    children = client.search_runs(
+        [run.info.experiment_id],
+        filter_string=f"tags.{PARENT_RUN_TAG} = '{run_id}'",
+        max_results=10000,
+    )
+    series = [_series(client, child) for child in children if registry.SILO in child.data.tags]
+    if not series:
+        raise ConfigError(f"{key} {run_id}: the run has no silo runs; it logged no round")
+    params, tags = run.data.params, run.data.tags
+    partition = _artifact_json(client, run_id, PARTITION_FILE)
+    return RunData(
+        run_id=run_id,
+        federation=tags[registry.FEDERATION],
+        algorithm=tags.get(registry.ALGORITHM, params.get("algorithm.name", "")),
+        seed=params.get("seed", ""),
+        rounds=int(params.get("rounds", 0)),
+        wall_seconds=float(run.data.metrics.get("wall_seconds", np.nan)),
+        secure=params.get("aggregation.secure", "False") == "True",
+        silos={s.name: s for s in sorted(series, key=lambda s: silo_order(s.name))},
+        split=_artifact_json(client, run_id, SPLIT_FILE) or {},
+        partition=None if partition is None else dict(partition["silos"]),
+    )
+
+
+def check_against(run: RunData, against: RunData) -> None:
+    """The run to compare with is another run of the same federation."""
+    if against.run_id == run.run_id:
+        raise ConfigError(f"--against {against.run_id}: that is the run itself; name another run")
+    if against.federation != run.federation:
+        raise ConfigError(
+            f"--against {against.run_id}: a run of federation {against.federation!r}, not "
+            f"{run.federation!r}; compare runs of the same federation"
+        )

@@ -1,0 +1,309 @@
+"""The run report of real tracked federations (real Ray, a real SQLite store), read back by
+`silo-pfl report`, rendered by headless Chromium, and browsed in a real `mlflow ui`."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from matplotlib.image import imread
+from mlflow import MlflowClient
+
+from silo_pfl.cli import main
+from silo_pfl.federation import Federation
+from silo_pfl.results import FederationResult
+from silo_pfl.settings import load_config
+
+HOSPITALS = ["cleveland", "hungarian", "switzerland", "va"]
+FIGURES = {"accuracy.png", "spread.png", "bytes.png", "partition.png"}
+PAGE = "report/report.html"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+BIN = Path(sys.executable).parent
+STARTUP_SECONDS = 300  # mlflow ui takes minutes on a busy 2-core machine
+needs_chromium = pytest.mark.skipif(
+    not Path("/usr/bin/chromium").exists(), reason="Debian's chromium is not installed"
+)
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Three tracked runs in one store: fedper and fedavg of heart_disease, and a secure run of
+    another federation with the automatic report off."""
+
+    uri: str
+    root: Path
+    fedper: FederationResult
+    fedavg: FederationResult
+    secure: FederationResult
+
+    @staticmethod
+    def run_id(result: FederationResult) -> str:
+        return str(result.extras["mlflow"]["run_id"])
+
+
+@pytest.fixture(scope="module")
+def runs(ray_local, tmp_path_factory) -> Runs:
+    root = tmp_path_factory.mktemp("report")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+
+    def run(*overrides: str) -> FederationResult:
+        options = [f"tracking.uri={uri}", f"output_dir={root / 'runs'}", "rounds=3", *overrides]
+        return Federation(load_config("jobs/heart_disease.yaml", options)).run()
+
+    return Runs(
+        uri,
+        root,
+        fedper=run(),
+        fedavg=run("algorithm.name=fedavg"),
+        secure=run("name=heart_secure", "aggregation.secure=true", "tracking.report=false"),
+    )
+
+
+def artifacts(uri: str, run_id: str, path: str = "") -> set[str]:
+    return {a.path for a in MlflowClient(uri).list_artifacts(run_id, path or None)}
+
+
+def assert_png(path: Path) -> None:
+    assert path.read_bytes()[:8] == PNG_SIGNATURE, path
+    height, width = imread(path).shape[:2]
+    assert height >= 200 and width >= 400, (path, height, width)
+
+
+def report(runs: Runs, run_id: str, out: Path, *more: str) -> list[str]:
+    return ["report", run_id, "--out", str(out), "--tracking-uri", runs.uri, *more]
+
+
+def test_every_tracked_run_ends_with_its_report(runs):
+    run_id = Runs.run_id(runs.fedavg)
+    client = MlflowClient(runs.uri)
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert artifacts(runs.uri, run_id, "report") == {
+        f"report/{name}" for name in (*FIGURES, "report.html")
+    }
+    local = Path(runs.fedavg.run_dir) / "report"
+    page = (local / "report.html").read_text()
+    for hospital in HOSPITALS:
+        assert f'<td class="name">{hospital}</td>' in page
+    for name in FIGURES:
+        assert_png(local / name)
+        embedded = base64.b64encode((local / name).read_bytes()).decode()
+        assert f'src="data:image/png;base64,{embedded}"' in page, name
+    partition = json.loads(
+        Path(client.download_artifacts(run_id, "partition.json", str(runs.root))).read_text()
+    )["silos"]
+    assert sorted(partition) == HOSPITALS
+    for hospital, counts in partition.items():
+        silo = runs.fedavg.silos[hospital]
+        assert len(counts) == 2 and sum(counts) == silo.num_train - silo.num_val, hospital
+
+
+def test_report_against_fedavg_shows_each_silos_gain(runs, tmp_path, capsys):
+    run_id, against = Runs.run_id(runs.fedper), Runs.run_id(runs.fedavg)
+    out = tmp_path / "out"
+    assert main(report(runs, run_id, out, "--against", against)) == 0
+    assert capsys.readouterr().out.startswith(f"report written to {out / 'report.html'}")
+    page = (out / "report.html").read_text()
+    for name in (*FIGURES, "gain.png"):
+        assert_png(out / name)
+    assert run_id in page and against in page
+    assert f"mean {runs.fedper.mean_test_accuracy:.3f}" in page
+    assert f"worst {runs.fedper.worst_test_accuracy:.3f}" in page
+    for hospital in HOSPITALS:
+        gain = runs.fedper.silos[hospital].test_accuracy - runs.fedavg.silos[hospital].test_accuracy
+        row = re.search(rf'<td class="name">{hospital}</td>(.*?)</tr>', page)
+        assert row is not None, hospital
+        assert f">{100 * gain:+.1f}</td>" in row.group(1), (hospital, row.group(1))
+    logged = artifacts(runs.uri, run_id, "report")
+    assert {"report/report.html", "report/gain.png"} <= logged
+
+
+def test_figures_are_the_same_bytes_every_time(runs, tmp_path):
+    run_id = Runs.run_id(runs.fedper)
+    for name in ("a", "b"):
+        assert main(report(runs, run_id, tmp_path / name, "--no-log")) == 0
+    for figure in FIGURES:
+        assert (tmp_path / "a" / figure).read_bytes() == (tmp_path / "b" / figure).read_bytes()
+
+
+def test_secure_aggregation_reports_no_label_counts(runs, tmp_path):
+    run_id = Runs.run_id(runs.secure)
+    logged = artifacts(runs.uri, run_id)
+    assert "partition.json" not in logged
+    assert "report" not in logged, "tracking.report=false: no report at the end of the run"
+    assert not (Path(runs.secure.run_dir) / "report").exists()
+    out = tmp_path / "out"
+    assert main(report(runs, run_id, out)) == 0
+    page = (out / "report.html").read_text()
+    assert not (out / "partition.png").exists() and "partition.png" not in page
+    assert "under secure aggregation the silos report no per-silo statistic" in page
+    assert {"report/report.html", "report/accuracy.png"} <= artifacts(runs.uri, run_id, "report")
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--against", "0123456789abcdef"], "--against 0123456789abcdef: no such run"),
+        (["--against", "{secure}"], "a run of federation 'heart_secure', not 'heart_disease'"),
+        (["--against", "{fedper}"], "that is the run itself"),
+    ],
+    ids=["unknown", "other-federation", "itself"],
+)
+def test_report_refuses_a_bad_against_run_in_one_line(runs, tmp_path, capsys, args, expected):
+    ids = {"secure": Runs.run_id(runs.secure), "fedper": Runs.run_id(runs.fedper)}
+    args = [a.format(**ids) for a in args]
+    assert main(report(runs, ids["fedper"], tmp_path / "out", *args)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err and expected in err, err
+
+
+def test_report_refuses_unknown_runs_and_stores_in_one_line(runs, tmp_path, capsys):
+    child = MlflowClient(runs.uri).search_runs(
+        [MlflowClient(runs.uri).get_run(Runs.run_id(runs.fedper)).info.experiment_id],
+        "tags.silo = 'va'",
+    )[0]
+    cases = [
+        (report(runs, "0123456789abcdef", tmp_path), "RUN_ID 0123456789abcdef: no such run"),
+        (report(runs, child.info.run_id, tmp_path), "not a federation run"),
+        (
+            ["report", "x", "--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}"],
+            "no MLflow store at",
+        ),
+    ]
+    for args, expected in cases:
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "Traceback" not in err and expected in err, err
+
+
+def keep_screens(*shots: Path) -> None:
+    """Copy screenshots to $SILO_PFL_SCREENS, when set, for a person to look at."""
+    target = os.environ.get("SILO_PFL_SCREENS")
+    if target:
+        Path(target).mkdir(parents=True, exist_ok=True)
+        for shot in shots:
+            shutil.copy(shot, Path(target) / shot.name)
+
+
+@needs_chromium
+def test_report_renders_in_chromium_without_console_errors(runs, tmp_path):
+    from browser import IMAGES_LOADED, chromium
+
+    out = tmp_path / "out"
+    against = Runs.run_id(runs.fedavg)
+    assert main(report(runs, Runs.run_id(runs.fedper), out, "--against", against, "--no-log")) == 0
+    with chromium() as page:
+        page.open((out / "report.html").as_uri())
+        text = page.text()
+        loaded = page.evaluate(IMAGES_LOADED)
+        shot = page.screenshot(tmp_path / "report_chromium.png")
+        errors = page.errors
+    keep_screens(shot)
+    assert errors == []
+    assert loaded is True
+    assert all(hospital in text for hospital in HOSPITALS)
+    assert_png(shot)
+    assert imread(shot).shape[0] > 2000  # the whole page, not only the window
+
+
+def _wait_for(url: str, server: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + STARTUP_SECONDS
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"mlflow ui exited with {server.returncode}: {log.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
+                if answer.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.5)
+    pytest.fail(f"mlflow ui did not answer /health in {STARTUP_SECONDS} s")
+
+
+@pytest.fixture
+def mlflow_ui(runs, tmp_path):
+    """`mlflow ui` on the runs' store, on a free port, in its own process group."""
+    from serving import free_port
+
+    port = free_port()
+    log = tmp_path / "mlflow_ui.log"
+    command = [str(BIN / "mlflow"), "ui", "--backend-store-uri", runs.uri]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    with log.open("w") as output:
+        server = subprocess.Popen(
+            command, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for(url, server, log)
+        yield url
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+
+
+def preview_of(page, timeout: float = 60) -> list | None:
+    """mlflow ui's preview of an HTML artifact: a sandboxed frame; its text and whether every
+    image in it loaded, once it shows the report."""
+    from browser import BODY_TEXT, IMAGES_LOADED
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for found in page.in_frames(f"[{BODY_TEXT}, {IMAGES_LOADED}]"):
+            if found and found[0].startswith("Run report"):
+                return found
+        time.sleep(0.5)
+    return None
+
+
+@needs_chromium
+def test_mlflow_ui_lists_every_silo_model_and_the_report(runs, mlflow_ui, tmp_path):
+    """The README's walk-through: the registered models page, then the run's artifacts."""
+    from browser import chromium
+
+    run_id = Runs.run_id(runs.fedavg)
+    query = f"{mlflow_ui}/api/2.0/mlflow/artifacts/list?run_id={run_id}&path=report"
+    with urllib.request.urlopen(query, timeout=30) as answer:
+        listed = {f["path"] for f in json.loads(answer.read())["files"]}
+    assert "report/report.html" in listed
+    experiment = MlflowClient(runs.uri).get_run(run_id).info.experiment_id
+    names = [f"heart_disease-{hospital}" for hospital in HOSPITALS]
+    with chromium() as page:
+        page.resize(1280, 900)
+        page.open(f"{mlflow_ui}/#/models")
+        models_text = page.wait_for_text(names)
+        time.sleep(2)  # mlflow ui opens a dialog about its new registry UI; close it
+        page.escape()
+        time.sleep(1)
+        models = page.screenshot(tmp_path / "mlflow_registered_models.png", full_page=False)
+        # The run's Artifacts tab, with report/report.html selected: the tree and its preview.
+        page.resize(1280, 2000)
+        page.open(f"{mlflow_ui}/#/experiments/{experiment}/runs/{run_id}/artifacts/{PAGE}")
+        run_text = page.wait_for_text([PAGE])
+        preview = preview_of(page)
+        run_page = page.screenshot(tmp_path / "mlflow_run_artifacts.png", full_page=False)
+    keep_screens(models, run_page)
+    missing = [n for n in names if n not in models_text]
+    assert not missing, f"not on the registered models page: {missing}: {html.escape(models_text)}"
+    assert PAGE in run_text
+    assert preview is not None, "mlflow ui shows no preview of report.html"
+    assert preview[0].startswith(f"Run report: heart_disease / fedavg / {run_id}")
+    assert preview[1] is True, "a figure of the report does not show in mlflow ui's preview"
