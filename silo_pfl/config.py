@@ -135,9 +135,9 @@ class TrackingConfig:
 class MetricsConfig:
     """Live metrics (ray.util.metrics) through Ray's metrics endpoint, for Prometheus/Grafana."""
 
-    # None: on when the run joins a cluster (ray.address or RAY_ADDRESS), off for a local run,
-    # which then starts Ray without its dashboard. true on a local run starts the dashboard,
-    # whose head writes the Prometheus service-discovery file.
+    # None: on when the run joins a cluster (ray.address or RAY_ADDRESS), off for a local run.
+    # A local run with metrics on writes Prometheus' service-discovery file itself (Ray's
+    # dashboard, which a local Ray never starts, would write it).
     enabled: bool | None = None
     # A local Ray only: how often its processes export their figures to the metrics agent
     # (RAY_metrics_report_interval_ms; Ray's floor is 1 s, its default 10 s). A cluster keeps the

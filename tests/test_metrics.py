@@ -310,7 +310,7 @@ def test_metrics_are_on_when_a_run_joins_a_cluster_and_off_for_a_local_run(
         monkeypatch.setenv("RAY_ADDRESS", ray_address_env)
     cfg = load_config("jobs/heart_disease.yaml", list(overrides))
     assert metrics_enabled(cfg) is on
-    assert local_options(cfg.ray, metrics_enabled(cfg))["include_dashboard"] is on
+    assert local_options(cfg.ray)["include_dashboard"] is False  # never: see runtime/discovery
 
 
 def test_a_local_run_without_metrics_hands_out_no_tags_and_creates_no_metric_object(monkeypatch):

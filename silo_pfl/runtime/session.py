@@ -14,6 +14,7 @@ import ray
 
 from silo_pfl.config import RayConfig
 from silo_pfl.errors import FederationError, one_line
+from silo_pfl.runtime.discovery import write_discovery_file
 from silo_pfl.runtime.metrics import ray_address
 
 
@@ -23,10 +24,10 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
 
     With no `ray.address`, a Ray Job's driver joins its cluster (Ray sets RAY_ADDRESS for it);
     anywhere else a fresh local instance is started, never a cluster left running on the machine.
-    With live metrics on (`metrics_interval_s` given), a local instance starts its dashboard,
-    whose head writes the Prometheus service-discovery file (each node's metrics agent runs
-    either way), and its processes export every `metrics_interval_s` seconds, unless
-    RAY_metrics_report_interval_ms says otherwise.
+    A local instance never starts Ray's dashboard. With live metrics on (`metrics_interval_s`
+    given), its processes export every `metrics_interval_s` seconds (unless
+    RAY_metrics_report_interval_ms says otherwise) to its metrics agent, which runs either way,
+    and the run writes the Prometheus service-discovery file the dashboard would have written.
     """
     if ray.is_initialized():
         yield
@@ -35,7 +36,9 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
     try:
         if address is None:
             with _export_interval(metrics_interval_s):
-                ray.init(**local_options(cfg, metrics_interval_s is not None))
+                ray.init(**local_options(cfg))
+            if metrics_interval_s is not None:
+                write_discovery_file()
         else:
             ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -56,12 +59,12 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
         ray.shutdown()
 
 
-def local_options(cfg: RayConfig, metrics: bool) -> dict[str, Any]:
-    """ray.init's options for a fresh local instance: its dashboard only with `metrics`."""
+def local_options(cfg: RayConfig) -> dict[str, Any]:
+    """ray.init's options for a fresh local instance, without Ray's dashboard."""
     return {
         "address": "local",
         "num_cpus": cfg.num_cpus,
-        "include_dashboard": metrics,
+        "include_dashboard": False,
         "log_to_driver": False,
         "logging_level": logging.WARNING,
     }
