@@ -10,7 +10,6 @@ import json
 import os
 import select
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -18,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from processes import stop_group
 
 CHROMIUM = Path("/usr/bin/chromium")
 FLAGS = (
@@ -200,11 +201,5 @@ def chromium() -> Iterator[Page]:
     finally:
         os.close(to_chromium_w)
         os.close(from_chromium_r)
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        stop_group(process)
         shutil.rmtree(profile, ignore_errors=True)

@@ -5,18 +5,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
-import pytest
+from processes import stop_group, wait_for_http
 
 STARTUP_SECONDS = 180
 BIN = Path(sys.executable).parent
@@ -43,30 +41,10 @@ def served(model_uri: str, tracking_uri: str, log: Path) -> Iterator[str]:
         )
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_for_ping(url, server, log)
+        wait_for_http(f"{url}/ping", server, log, "mlflow models serve", STARTUP_SECONDS)
         yield url
     finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
-
-
-def _wait_for_ping(url: str, server: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_SECONDS
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            pytest.fail(f"mlflow models serve exited with {server.returncode}: {log.read_text()}")
-        try:
-            with urllib.request.urlopen(f"{url}/ping", timeout=2) as answer:
-                if answer.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            time.sleep(0.5)
-    pytest.fail(f"mlflow models serve did not answer /ping in {STARTUP_SECONDS} s")
+        stop_group(server)
 
 
 def predict(url: str, columns: Sequence[str], rows: list[list[float]]) -> np.ndarray:

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
+from processes import stop_group
 
 from silo_pfl.runtime.metrics import (
     METRIC_NAMES,
@@ -47,17 +47,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM a process this test started in its own session; SIGKILL its group if it lingers."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def _get(url: str) -> Any:
@@ -110,13 +99,13 @@ def prometheus(tmp_path: Path, ray_tmp: Path) -> Iterator[SimpleNamespace]:
             break
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
-                _stop(proc)
+                stop_group(proc)
                 pytest.fail(
                     f"prometheus did not start: {(tmp_path / 'prometheus.log').read_text()}"
                 )
             time.sleep(0.5)
     yield SimpleNamespace(url=url, log=tmp_path / "prometheus.log")
-    _stop(proc)
+    stop_group(proc)
 
 
 def _query(url: str, expr: str) -> list[dict[str, Any]]:
@@ -182,7 +171,7 @@ def test_prometheus_scrapes_every_metric_of_a_run_with_its_tags(tmp_path, ray_tm
     try:
         output, _ = run.communicate(timeout=900)
     finally:
-        _stop(run)
+        stop_group(run)
     assert run.returncode == 0, output[-3000:]
     result = json.loads(results.read_text())
     run_id = result["run_id"]

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 from matplotlib.image import imread
 from mlflow import MlflowClient
+from processes import stop_group, wait_for_http
 
 from silo_pfl.cli import main
 from silo_pfl.federation import Federation
@@ -218,20 +218,6 @@ def test_report_renders_in_chromium_without_console_errors(runs, tmp_path):
     assert imread(shot).shape[0] > 2000  # the whole page, not only the window
 
 
-def _wait_for(url: str, server: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_SECONDS
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            pytest.fail(f"mlflow ui exited with {server.returncode}: {log.read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
-                if answer.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            time.sleep(0.5)
-    pytest.fail(f"mlflow ui did not answer /health in {STARTUP_SECONDS} s")
-
-
 @pytest.fixture
 def mlflow_ui(runs, tmp_path):
     """`mlflow ui` on the runs' store, on a free port, in its own process group."""
@@ -248,16 +234,10 @@ def mlflow_ui(runs, tmp_path):
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_for(url, server, log)
+        wait_for_http(f"{url}/health", server, log, "mlflow ui", STARTUP_SECONDS)
         yield url
     finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
+        stop_group(server)
 
 
 def preview_of(page, timeout: float = 60) -> list | None:

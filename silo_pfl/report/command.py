@@ -6,8 +6,8 @@ from pathlib import Path
 
 from silo_pfl.errors import ConfigError
 from silo_pfl.report import build, publish
-from silo_pfl.tracking.store import open_client
-from silo_pfl.tracking.uri import redact, resolve_uri, sqlite_path
+from silo_pfl.tracking.store import open_existing
+from silo_pfl.tracking.uri import redact
 
 DEFAULT_OUT = Path("reports")  # the report of run R goes to reports/R/ by default
 
@@ -17,19 +17,12 @@ def report(
 ) -> Path:
     """Build the report of `run_id` into `out` and (with `log`) onto the run's artifacts;
     returns the path of report.html."""
-    key = "--tracking-uri"
-    uri = resolve_uri(uri, key)
-    path = sqlite_path(uri)
-    if path is not None and not path.is_file():
-        raise ConfigError(
-            f"{key} {redact(uri)}: no MLflow store at {path}; point {key} at the run's store"
-        )
+    client, uri = open_existing(uri, "--tracking-uri")
     directory = Path(out) if out else DEFAULT_OUT / run_id
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"--out {directory}: cannot create it: {exc.strerror}") from None
-    client = open_client(uri, key)
     page = build(client, run_id, directory, against, redact(uri))
     if log:
         publish(client, run_id, directory)

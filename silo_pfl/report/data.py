@@ -8,12 +8,9 @@ aggregation.secure: the silos report no counts then).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
 import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,7 +25,6 @@ if TYPE_CHECKING:
     from mlflow import MlflowClient
 
 SPLIT_FILE = "split.json"
-PROGRESS_BAR = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
 SERIES = ("val_accuracy", "test_accuracy", "bytes_sent")
 
 
@@ -83,26 +79,12 @@ def silo_order(name: str) -> tuple[Any, ...]:
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
 
 
-@contextlib.contextmanager
-def _no_progress_bar() -> Iterator[None]:
-    """MLflow draws a progress bar on stderr for every download; not for a report's two files."""
-    before = os.environ.get(PROGRESS_BAR)
-    os.environ[PROGRESS_BAR] = "false"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(PROGRESS_BAR, None)
-        else:
-            os.environ[PROGRESS_BAR] = before
-
-
 def _artifact_json(client: MlflowClient, run_id: str, path: str) -> Any:
     """A JSON artifact of the run, or None when the run has none at `path`."""
     names = {a.path for a in client.list_artifacts(run_id)}
     if path not in names:
         return None
-    with tempfile.TemporaryDirectory() as tmp, _no_progress_bar():
+    with tempfile.TemporaryDirectory() as tmp:
         return json.loads(Path(client.download_artifacts(run_id, path, tmp)).read_text())
 
 

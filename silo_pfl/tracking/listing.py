@@ -107,19 +107,11 @@ def format_table(rows: list[ModelRow]) -> str:
 
 def models_table(uri: str | None, federation: str | None, every_version: bool) -> str:
     """The `silo-pfl models` output for the store at `uri` (default: as tracking.uri)."""
-    from silo_pfl.errors import ConfigError
-    from silo_pfl.tracking.store import open_client
-    from silo_pfl.tracking.uri import redact, resolve_uri, sqlite_path
+    from silo_pfl.tracking.store import open_existing
+    from silo_pfl.tracking.uri import redact
 
-    key = "--tracking-uri"
-    uri = resolve_uri(uri, key)
-    path = sqlite_path(uri)
-    if path is not None and not path.is_file():
-        raise ConfigError(
-            f"{key} {redact(uri)}: no MLflow store at {path}; run a federation first, or point "
-            f"{key} at its store"
-        )
-    rows = model_rows(open_client(uri, key), federation, every_version)
+    client, uri = open_existing(uri, "--tracking-uri")
+    rows = model_rows(client, federation, every_version)
     if not rows:
         which = f" of federation {federation}" if federation else ""
         return f"no registered silo models{which} in {redact(uri)}"

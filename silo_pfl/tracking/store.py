@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import tempfile
 import urllib.error
 import urllib.request
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
 from silo_pfl.errors import ConfigError, FederationError, one_line
-from silo_pfl.tracking.uri import artifact_dir, redact, sqlite_path
+from silo_pfl.tracking.uri import artifact_dir, redact, resolve_uri, sqlite_path
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -27,10 +28,13 @@ HEALTH_TIMEOUT_SECONDS = 20.0  # a server busy starting up answers slowly on 2 c
 
 
 def quiet() -> None:
-    """Keep MLflow's logs (a new SQLite store's migrations, pickling advice) and warnings quiet.
+    """Keep MLflow's logs (a new SQLite store's migrations, pickling advice), warnings and
+    download progress bars (drawn with tqdm, a dependency of the CLI's own bar) quiet, unless
+    MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR asks for them.
 
     Failures still surface, as exceptions.
     """
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     logging.getLogger("mlflow").setLevel(logging.ERROR)
     logging.getLogger("alembic").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", module=r"mlflow(\.|$)")
@@ -86,6 +90,19 @@ def open_client(uri: str, key: str) -> MlflowClient:
             f"{key}: cannot open the MLflow store {redact(uri)}: {one_line(exc)}"
         ) from None
     return client
+
+
+def open_existing(uri: str | None, key: str) -> tuple[MlflowClient, str]:
+    """A store that runs were logged to already (what `silo-pfl models` and `report` read): a
+    client and the resolved URI; a SQLite file that is not there is a one-line error."""
+    uri = resolve_uri(uri, key)
+    path = sqlite_path(uri)
+    if path is not None and not path.is_file():
+        raise ConfigError(
+            f"{key} {redact(uri)}: no MLflow store at {path}; run a federation first, or point "
+            f"{key} at its store"
+        )
+    return open_client(uri, key), uri
 
 
 def ensure_experiment(client: MlflowClient, uri: str, name: str, key: str) -> str:

@@ -1,0 +1,42 @@
+"""Processes a test starts in their own session: waiting for one to answer over HTTP, and
+stopping it with everything it started, by its process group (never by name)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+
+def stop_group(proc: subprocess.Popen, timeout: float = 15) -> None:
+    """SIGTERM the process group of `proc` (started with start_new_session=True); SIGKILL it if
+    it is still there after `timeout` seconds."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def wait_for_http(url: str, proc: subprocess.Popen, log: Path, what: str, seconds: float) -> None:
+    """Until `url` answers 200 within `seconds`; fail, with the end of `log`, if `proc` exits or
+    the time runs out."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"{what} exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as answer:
+                if answer.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.5)
+    pytest.fail(f"{what} did not answer {url} in {seconds} s")
