@@ -115,7 +115,11 @@ class RayConfig:
     # per_node: silo X only on a node labelled silo=X (unless its own node_label says otherwise),
     # the server on the head node (unless server.node_label says otherwise)
     placement: str = "any"
-    silo_cpus: float = 0.0  # CPUs reserved per silo actor; 0 lets many silos share a core
+    silo_cpus: float = 0.0  # CPUs reserved per silo; 0 lets many silos share a core
+    # How many silos live in one worker process (each with its own model, state and RNG):
+    # an integer k >= 1, or auto: 1 under placement=per_node (an actor per silo, on its own node),
+    # else as few workers as the Ray instance has CPUs.
+    silos_per_worker: Any = "auto"
 
 
 @dataclass
@@ -366,6 +370,14 @@ def check_ranges(cfg: FederationConfig) -> None:
     _require(0 <= server.beta2 < 1, "server.beta2", "0 <= value < 1", server.beta2)
     _require(server.tau > 0, "server.tau", "a number > 0", server.tau)
     _require(cfg.ray.silo_cpus >= 0, "ray.silo_cpus", "a number >= 0", cfg.ray.silo_cpus)
+    per_worker = cfg.ray.silos_per_worker
+    _require(
+        per_worker == "auto"
+        or (isinstance(per_worker, int) and not isinstance(per_worker, bool) and per_worker >= 1),
+        "ray.silos_per_worker",
+        "an integer >= 1, or auto",
+        per_worker,
+    )
     linger, interval = cfg.metrics.linger_s, cfg.metrics.export_interval_s
     _require(linger >= 0, "metrics.linger_s", "a number of seconds >= 0", linger)
     _require(interval >= 1, "metrics.export_interval_s", "a number of seconds >= 1", interval)

@@ -35,11 +35,13 @@ class AtRound(Callback):
 
     def __init__(self, silo: str, round_: int, delay: float, act) -> None:
         self.silo, self.round, self.delay, self.act = silo, round_, delay, act
-        self.digests: dict[int, str] = {}
+        self.digests: dict[str, dict[int, str]] = {}  # silo -> round -> its local keys' digest
         self.summaries = []
 
     def on_start(self, config, silos, split) -> None:
         self.pid = next(info.pid for info in silos if info.silo == self.silo)
+        # The silos in the same process as `silo` (packed with it), itself included.
+        self.housemates = sorted(info.silo for info in silos if info.pid == self.pid)
         self.dir = Path(config.output_dir) / config.name
 
     def on_round_start(self, round_: int) -> None:
@@ -47,12 +49,13 @@ class AtRound(Callback):
             threading.Timer(self.delay, self.act, args=(self.pid,)).start()
 
     def on_round_end(self, summary) -> None:
-        """Record the digest of the local keys the silo checkpointed this round, from its file."""
+        """Record the digest of the local keys each silo checkpointed this round, from its file."""
         self.summaries.append(summary)
-        folder = next(self.dir.glob(f"*/silos/{self.silo}/{CHECKPOINTS}"))
-        if summary.round in checkpoint.rounds(folder):
-            state = checkpoint.load(folder, summary.round)["local"]
-            self.digests[summary.round] = local_digest(state, list(state))
+        for folder in self.dir.glob(f"*/silos/*/{CHECKPOINTS}"):
+            if summary.round in checkpoint.rounds(folder):
+                state = checkpoint.load(folder, summary.round)["local"]
+                digests = self.digests.setdefault(folder.parent.name, {})
+                digests[summary.round] = local_digest(state, list(state))
 
 
 def _run(tmp_path: Path, name: str, *overrides: str, callbacks=()) -> FederationResult:
@@ -85,17 +88,26 @@ def undisturbed(tmp_path_factory) -> FederationResult:
     return _run(tmp_path_factory.mktemp("undisturbed"), "runs", "tracking.enabled=false")
 
 
-def test_a_silo_killed_mid_round_restarts_from_its_checkpoint(tmp_path, mlflow_store, undisturbed):
+@pytest.mark.parametrize("per_worker", ["1", "2"])
+def test_a_silo_killed_mid_round_restarts_from_its_checkpoint(
+    tmp_path, mlflow_store, undisturbed, per_worker
+):
+    """va's process is killed: alone in it, va restarts; packed with another silo, both do.
+    Each restores its own commit, and the run equals the undisturbed (packed) one bit for bit."""
     killer = AtRound("va", 3, 0.05, lambda pid: os.kill(pid, signal.SIGKILL))
-    result = _run(tmp_path, "runs", callbacks=[killer])
+    result = _run(tmp_path, "runs", f"ray.silos_per_worker={per_worker}", callbacks=[killer])
+    assert len(killer.housemates) == int(per_worker) and "va" in killer.housemates
     third = result.history[2]
     assert third.attempts == 2, "the round without va had no quorum and was tried again"
-    # va restored, bit for bit, the local keys it had checkpointed in round 2, before the crash.
-    assert list(third.restarted) == ["va"]
-    assert third.restarted["va"]["round"] == 2
-    assert third.restarted["va"]["local_digest"] == killer.digests[2]
-    assert third.restarted["va"]["pid"] != killer.pid
-    assert result.silos["va"].restarts == 1
+    # Each silo of the killed process restored, bit for bit, the local keys it had checkpointed
+    # in round 2, before the crash; the others did not restart.
+    assert sorted(third.restarted) == killer.housemates
+    for silo in killer.housemates:
+        assert third.restarted[silo]["round"] == 2
+        assert third.restarted[silo]["local_digest"] == killer.digests[silo][2]
+        assert third.restarted[silo]["pid"] != killer.pid
+        assert result.silos[silo].restarts == 1
+    assert sum(s.restarts for s in result.silos.values()) == int(per_worker)
     assert all(
         s.participants == ["cleveland", "hungarian", "switzerland", "va"] for s in result.history
     )
@@ -111,7 +123,7 @@ def test_a_silo_killed_mid_round_restarts_from_its_checkpoint(tmp_path, mlflow_s
     )
     va = next(r for r in runs if r.data.tags["silo"] == "va")
     assert va.data.tags["restarts"] == "1"
-    assert va.data.tags["round_3_restored"] == killer.digests[2]
+    assert va.data.tags["round_3_restored"] == killer.digests["va"][2]
 
 
 def test_a_hung_silo_is_left_out_by_the_deadline_and_rejoins(tmp_path, mlflow_store):
@@ -122,7 +134,8 @@ def test_a_hung_silo_is_left_out_by_the_deadline_and_rejoins(tmp_path, mlflow_st
         threading.Timer(timeout + 2, os.kill, args=(pid, signal.SIGCONT)).start()
 
     hanger = AtRound("va", 3, 0.0, hang)
-    quorum = ("round.min_silos=3", f"round.timeout_s={timeout}")
+    # va alone in its process, as on a node of its own: stopping it stops no other silo.
+    quorum = ("round.min_silos=3", f"round.timeout_s={timeout}", "ray.silos_per_worker=1")
     printed = io.StringIO()
     result = _run(tmp_path, "runs", *quorum, callbacks=[hanger, ProgressPrinter(printed)])
     assert (

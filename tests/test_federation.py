@@ -177,7 +177,7 @@ def test_a_dead_silo_actor_is_reported_by_name(job):
 
     cfg = job("jobs/heart_disease.yaml", "tracking.enabled=false")
     actor = start_silo(cfg, to_dict(cfg), "hungarian", "test")
-    ray.kill(actor, no_restart=True)  # dead for good: a restart would bring it back
+    ray.kill(actor.host, no_restart=True)  # dead for good: a restart would bring it back
     with pytest.raises(FederationError) as info:
         get(actor.setup.remote(), "silo set-up")
     stop([actor])

@@ -1,93 +1,176 @@
-"""The silo and server actors: the plain classes, made remote late with their placement."""
+"""The silo and server actors: plain classes hosted in Ray worker processes, started early.
+
+A silo worker (`SiloHost`) holds one or more silos (`SiloGroup`); the driver sees each silo
+through a `SiloHandle`, which calls its worker with the silo's name, so rounds, rejoins and
+exports address silos alike however they are packed. The server's worker starts with the silos'
+(its torch import overlaps theirs) and builds its model once they have reported their shapes.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import ray
 
 from silo_pfl.config import FederationConfig
 from silo_pfl.errors import FederationError, SiloPflError
-from silo_pfl.messages import EvalMetrics, FitMetrics, RoundReport, SiloInfo, SiloUpdate
+from silo_pfl.messages import RoundReport, SiloUpdate
 from silo_pfl.runtime.metrics import ServerMetrics, SiloMetrics
 from silo_pfl.runtime.placement import actor_options, server_selector, silo_selector
 from silo_pfl.server import Server
-from silo_pfl.silo import Silo
+from silo_pfl.silo_group import API, SiloGroup
 
 # Actor id (hex) -> what it is ("silo va", "the server"), so a death can be reported by name.
 _ROLES: dict[str, str] = {}
 
 
 # A silo's process may die (its node reboots, it is pre-empted) any number of times: Ray starts
-# it again and the driver has it restore its last commit. Tasks are not retried by Ray: the
-# round decides what a restarted silo does next.
+# it again and the driver has each of its silos restore its last commit. Tasks are not retried
+# by Ray: the round decides what a restarted silo does next.
 SILO_MAX_RESTARTS = -1
 
 
-class SiloActor(Silo):
-    """A Silo that also reports the Ray node it runs on and, given the run's metric tags,
-    records its figures as live metrics."""
+class SiloHost:
+    """A Ray worker holding the silos `names` (one, or several packed), each with its own state
+    and random generators. It reports the node it runs on and, given the run's metric tags,
+    records each silo's figures as live metrics."""
 
     def __init__(
         self,
         config: dict[str, Any],
-        name: str,
+        names: Sequence[str],
         run_id: str = "default",
         metric_tags: dict[str, str] | None = None,
     ) -> None:
-        super().__init__(config, name, run_id)
-        self.metrics = SiloMetrics(metric_tags, name) if metric_tags is not None else None
+        self.group = SiloGroup(config, names, run_id)
+        self.metrics = (
+            {name: SiloMetrics(metric_tags, name) for name in names}
+            if metric_tags is not None
+            else {}
+        )
 
-    def setup(self, resume: bool = False) -> SiloInfo:
-        info = super().setup(resume)
-        return dataclasses.replace(info, node_id=ray.get_runtime_context().get_node_id())
-
-    def fit(
-        self,
-        global_state: dict[str, np.ndarray],
-        round_: int,
-        attempt: int = 1,
-        broadcast: dict[str, Any] | None = None,
-    ) -> tuple[SiloUpdate | None, FitMetrics]:
-        update, metrics = super().fit(global_state, round_, attempt, broadcast)
-        if self.metrics is not None:
-            self.metrics.fit(metrics)
-        return update, metrics
-
-    def evaluate(self, global_state: dict[str, np.ndarray], round_: int) -> EvalMetrics:
-        metrics = super().evaluate(global_state, round_)
-        if self.metrics is not None:
-            self.metrics.evaluate(metrics)
-        return metrics
+    def call(self, name: str, method: str, *args: Any) -> Any:
+        """Silo `name`'s `method`; what it returns goes back to the driver."""
+        result = self.group.call(name, method, *args)
+        if method == "setup":
+            result = dataclasses.replace(result, node_id=ray.get_runtime_context().get_node_id())
+        recorder = self.metrics.get(name)
+        if recorder is not None and method == "fit":
+            recorder.fit(result[1])
+        elif recorder is not None and method == "evaluate":
+            recorder.evaluate(result)
+        return result
 
 
-class ServerActor(Server):
-    """A Server that can say which Ray node it runs on and, given the run's metric tags,
-    records its unmasking as a live metric."""
+def _forwarder(method: str) -> Callable[..., Any]:
+    """SiloHost.<method>(name, *args): silo `name`'s `method`, a task of its own name in Ray."""
+
+    def forward(self: SiloHost, name: str, *args: Any) -> Any:
+        return self.call(name, method, *args)
+
+    forward.__name__ = forward.__qualname__ = method
+    forward.__doc__ = f"Silo `name`'s {method}."
+    return forward
+
+
+for _method in sorted(API):
+    setattr(SiloHost, _method, _forwarder(_method))
+
+
+class SiloHandle:
+    """The driver's handle on one silo: `handle.fit.remote(...)` calls `fit` of that silo in
+    its worker; `handle.fit.options(num_returns=2)` passes Ray's call options through."""
+
+    def __init__(self, host: Any, name: str) -> None:
+        self.host = host
+        self.name = name
+
+    def __getattr__(self, method: str) -> _SiloMethod:
+        if method not in API:
+            raise AttributeError(f"{method!r} is not part of a silo's API")
+        return _SiloMethod(getattr(self.host, method), self.name)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SiloMethod:
+    actor_method: Any
+    silo: str
+
+    def remote(self, *args: Any) -> Any:
+        return self.actor_method.remote(self.silo, *args)
+
+    def options(self, **options: Any) -> _SiloMethod:
+        return _SiloMethod(self.actor_method.options(**options), self.silo)
+
+
+class ServerHost:
+    """The server in a Ray worker: it starts as soon as the run does, and builds the model once
+    the silos have told the driver its input shape and classes."""
 
     def __init__(
         self,
         config: dict[str, Any],
-        input_shape: Sequence[int],
-        num_classes: int,
         run_id: str = "default",
         metric_tags: dict[str, str] | None = None,
     ) -> None:
-        super().__init__(config, input_shape, num_classes, run_id)
+        self.config, self.run_id = config, run_id
         self.metrics = ServerMetrics(metric_tags) if metric_tags is not None else None
+        self.server: Any = None
+
+    def build(self, input_shape: Sequence[int], num_classes: int) -> None:
+        self.server = Server(self.config, tuple(input_shape), num_classes, self.run_id)
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    def global_state(self) -> Any:
+        return self.server.global_state()
+
+    def broadcast(self) -> Any:
+        return self.server.broadcast()
+
     def aggregate(self, *updates: SiloUpdate) -> RoundReport:
-        report = super().aggregate(*updates)
+        report = self.server.aggregate(*updates)
         if self.metrics is not None:
             self.metrics.aggregated(report)
         return report
+
+    def checkpoint(self, round_: int, driver: dict[str, Any]) -> None:
+        self.server.checkpoint(round_, driver)
+
+    def resume(self) -> dict[str, Any]:
+        return self.server.resume()
+
+    def state_bytes(self) -> bytes:
+        return self.server.state_bytes()
+
+
+def start_silos(
+    cfg: FederationConfig,
+    config: dict[str, Any],
+    groups: Sequence[Sequence[str]],
+    run_id: str,
+    metric_tags: dict[str, str] | None = None,
+) -> dict[str, SiloHandle]:
+    """Start a worker per group of silos (see runtime.packing), on a node carrying their label
+    if they have one; return a handle per silo. With `metric_tags` they record live metrics."""
+    handles: dict[str, SiloHandle] = {}
+    for names in groups:
+        options: dict[str, Any] = {
+            "num_cpus": cfg.ray.silo_cpus * len(names),
+            "max_restarts": SILO_MAX_RESTARTS,
+        }
+        options.update(actor_options(silo_selector(cfg, names[0])))
+        host = (
+            ray.remote(SiloHost).options(**options).remote(config, list(names), run_id, metric_tags)
+        )
+        who = f"silo {names[0]}" if len(names) == 1 else f"the worker of silos {', '.join(names)}"
+        _named(host, who)
+        handles.update({name: SiloHandle(host, name) for name in names})
+    return handles
 
 
 def start_silo(
@@ -96,29 +179,23 @@ def start_silo(
     silo: str,
     run_id: str,
     metric_tags: dict[str, str] | None = None,
-) -> Any:
-    """Start the actor of one silo, on a node carrying its label if it has one; with
-    `metric_tags` it records live metrics."""
-    options: dict[str, Any] = {"num_cpus": cfg.ray.silo_cpus, "max_restarts": SILO_MAX_RESTARTS}
-    options.update(actor_options(silo_selector(cfg, silo)))
-    actor = ray.remote(SiloActor).options(**options).remote(config, silo, run_id, metric_tags)
-    return _named(actor, f"silo {silo}")
+) -> SiloHandle:
+    """Start one silo in its own worker."""
+    return start_silos(cfg, config, [[silo]], run_id, metric_tags)[silo]
 
 
 def start_server(
     cfg: FederationConfig,
     config: dict[str, Any],
-    input_shape: Sequence[int],
-    num_classes: int,
     run_id: str,
     metric_tags: dict[str, str] | None = None,
 ) -> Any:
     """Start the server actor: where server.node_label says, else on the head under per_node.
-    It is not restarted: the run fails, and `--resume` continues from its last checkpoint."""
+    It is not restarted: the run fails, and `--resume` continues from its last checkpoint.
+    `build` gives it its model once the silos' shapes are known."""
     options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
     options.update(actor_options(server_selector(cfg), cfg.ray.placement == "per_node"))
-    server = ray.remote(ServerActor).options(**options)
-    actor = server.remote(config, tuple(input_shape), num_classes, run_id, metric_tags)
+    actor = ray.remote(ServerHost).options(**options).remote(config, run_id, metric_tags)
     return _named(actor, "the server")
 
 
@@ -171,7 +248,9 @@ def _collect_the_rest(refs: Any) -> None:
 
 
 def stop(actors: Sequence[Any]) -> None:
-    """Stop actors; they hold no state the run still needs."""
-    for actor in actors:
+    """Stop actors (a silo's handle stops its worker); they hold no state the run still needs."""
+    hosts = {id(a.host if isinstance(a, SiloHandle) else a): a for a in actors}
+    for actor in hosts.values():
+        actor = actor.host if isinstance(actor, SiloHandle) else actor
         ray.kill(actor, no_restart=True)
         _ROLES.pop(actor._actor_id.hex(), None)

@@ -14,6 +14,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import ray
+
 from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig, to_dict
 from silo_pfl.data import silo_names
@@ -21,9 +23,10 @@ from silo_pfl.errors import ConfigError
 from silo_pfl.messages import SiloOutcome, SplitInfo, model_shape
 from silo_pfl.results import FederationResult, RoundSummary, SiloResult
 from silo_pfl.run_dir import RESULT_FILE, RunDir, check_resumable
-from silo_pfl.runtime.actors import get, start_server, start_silo, stop
+from silo_pfl.runtime.actors import get, start_server, start_silos, stop
 from silo_pfl.runtime.exporting import attach_exporters, export
 from silo_pfl.runtime.metrics import driver_metrics
+from silo_pfl.runtime.packing import pack
 from silo_pfl.runtime.placement import (
     LABEL_WAIT_SECONDS,
     check_labels,
@@ -70,10 +73,12 @@ class Orchestrator:
         """How long a remote step outside the rounds may take (round.call_timeout_s)."""
         return self.cfg.round.call_timeout_s
 
-    def _each(self, silos: dict[str, Any], method: str, what: str, *args: Any) -> list[Any]:
-        """Call `method` on every silo actor and wait, bounded; a late silo is named."""
-        refs = [getattr(actor, method).remote(*args) for actor in silos.values()]
-        return get(refs, what, self.timeout, [f"silo {name}" for name in silos])
+    def _each(
+        self, silos: dict[str, Any], names: list[str], method: str, what: str, *args: Any
+    ) -> list[Any]:
+        """Call `method` on each of the silos `names` and wait, bounded; a late silo is named."""
+        refs = [getattr(silos[name], method).remote(*args) for name in names]
+        return get(refs, what, self.timeout, [f"silo {name}" for name in names])
 
     def _emit(self, hook: str, *args: Any) -> None:
         for callback in self.callbacks:
@@ -93,17 +98,18 @@ class Orchestrator:
             selectors = {f"silo {n}": silo_selector(self.cfg, n) for n in names}
             check_labels({**selectors, "the server": server_selector(self.cfg)}, LABEL_WAIT_SECONDS)
             try:
-                for name in names:
-                    actors[name] = start_silo(self.cfg, config, name, run_id, tags)
+                actors["__server__"] = server = start_server(self.cfg, config, run_id, tags)
+                groups = pack(self.cfg, names, ray.cluster_resources().get("CPU", 1))
+                actors.update(start_silos(self.cfg, config, groups, run_id, tags))
                 resuming = bool(self.resume)
-                infos = self._each(actors, "setup", "silo set-up", resuming)
+                infos = self._each(actors, names, "setup", "silo set-up", resuming)
                 input_shape, num_classes = model_shape(infos)
+                built = server.build.remote(input_shape, num_classes)
                 public_keys = {i.silo: i.public_key for i in infos if i.public_key}
                 split: SplitInfo = self._each(
-                    actors, "build", "silo model", input_shape, num_classes, public_keys
+                    actors, names, "build", "silo model", input_shape, num_classes, public_keys
                 )[0]
-                server = start_server(self.cfg, config, input_shape, num_classes, run_id, tags)
-                actors["__server__"] = server
+                get(built, "the server's model", self.timeout)
                 silos = {n: actors[n] for n in names}
                 parties = {n: Party(n, actors[n]) for n in names}
                 selector = Selector(self.cfg.eval.selection)
@@ -125,7 +131,7 @@ class Orchestrator:
                     self._checkpoint(server, round_, parties, selector, history)
                     self._emit("on_round_end", summary)
                 runner.rejoin_the_dead(self.cfg.rounds)
-                outcomes: list[SiloOutcome] = self._each(silos, "outcome", "silo outcome")
+                outcomes: list[SiloOutcome] = self._each(silos, names, "outcome", "silo outcome")
                 state = get(server.state_bytes.remote(), "the server's global state", self.timeout)
                 state_path = self._save_global(state)
                 server_node = get(server.node_id.remote(), "the server's node", self.timeout)

@@ -1,0 +1,130 @@
+"""Several silos in one worker process (`ray.silos_per_worker`): who shares a worker, and that a
+packed silo computes bit for bit what it computes alone, without Ray and on a real local Ray."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from silo_pfl import checkpoint
+from silo_pfl.config import to_dict
+from silo_pfl.errors import ConfigError
+from silo_pfl.federation import Federation
+from silo_pfl.runtime.packing import pack
+from silo_pfl.server import Server
+from silo_pfl.silo import CHECKPOINTS
+from silo_pfl.silo_group import SiloGroup
+
+SILOS = ("cleveland", "hungarian")
+
+
+def test_auto_packs_one_worker_per_cpu_and_per_node_one_silo_each(job):
+    names = [f"silo_{i}" for i in range(10)]
+    cfg = job("jobs/digits_label_skew.yaml")
+    assert cfg.ray.silos_per_worker == "auto"
+    groups = pack(cfg, names, cpus=2)
+    assert [len(g) for g in groups] == [5, 5]
+    assert sorted(n for g in groups for n in g) == sorted(names)
+    assert [len(g) for g in pack(cfg, names, cpus=16)] == [1] * 10
+    three = job("jobs/digits_label_skew.yaml", "ray.silos_per_worker=3")
+    assert [len(g) for g in pack(three, names, cpus=2)] == [3, 3, 2, 2]
+    per_node = job("jobs/digits_label_skew.yaml", "ray.placement=per_node")
+    assert pack(per_node, names, cpus=2) == [[n] for n in names]
+
+
+def test_a_silo_pinned_to_a_node_gets_its_own_worker_under_auto(job):
+    cfg = job("jobs/heart_disease.yaml", "silos.cleveland.node_label.site=a")
+    groups = pack(cfg, ["cleveland", "hungarian", "switzerland", "va"], cpus=1)
+    assert ["cleveland"] in groups
+    assert sorted(len(g) for g in groups) == [1, 3]
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "many", "1.5", "true"])
+def test_a_bad_silos_per_worker_is_one_line_naming_the_key(job, value):
+    with pytest.raises(ConfigError) as info:
+        job("jobs/digits_label_skew.yaml", f"ray.silos_per_worker={value}")
+    message = str(info.value)
+    assert message.startswith("ray.silos_per_worker:") and "an integer >= 1, or auto" in message
+    assert "\n" not in message
+
+
+def _rounds(groups: list[SiloGroup], config: dict, rounds: int, order: tuple) -> dict[str, list]:
+    """Plain rounds over silos spread on `groups`, each step called silo by silo in `order`;
+    each silo's updates and evaluations."""
+    where = {name: group for group in groups for name in group.silos}
+    infos = [where[n].call(n, "setup") for n in order]
+    for name in order:
+        where[name].call(name, "build", infos[0].input_shape, infos[0].num_classes)
+    server = Server(config, infos[0].input_shape, infos[0].num_classes)
+    seen: dict[str, list] = {name: [] for name in order}
+    for round_ in range(1, rounds + 1):
+        state = server.global_state()
+        updates = {n: where[n].call(n, "fit", state, round_)[0] for n in order}
+        assert server.aggregate(*[updates[n] for n in SILOS]).aggregated
+        for name in order:
+            seen[name].append(updates[name].delta)
+            seen[name].append(where[name].call(name, "evaluate", server.global_state(), round_))
+            where[name].call(name, "commit", round_, True)
+    return seen
+
+
+def test_packed_silos_draw_from_their_own_generators_bit_for_bit(job, tmp_path):
+    """With an algorithm that draws from torch's global generator every batch, two silos in one
+    process compute exactly what each computes in a group of its own, whichever goes first (in
+    one process, a shared stream would give the silo that draws second other numbers)."""
+    overrides = ("algorithm.name=global_noise", "plugins=[rng_plugins]", "round.min_silos=2")
+    config = to_dict(job("jobs/heart_disease.yaml", *overrides, f"output_dir={tmp_path / 'a'}"))
+    packed = _rounds([SiloGroup(config, SILOS)], config, 2, SILOS)
+    config = to_dict(job("jobs/heart_disease.yaml", *overrides, f"output_dir={tmp_path / 'b'}"))
+    alone = _rounds([SiloGroup(config, [name]) for name in SILOS], config, 2, SILOS[::-1])
+    for name in SILOS:
+        for mine, theirs in zip(packed[name], alone[name], strict=True):
+            if isinstance(mine, dict):
+                assert all(np.array_equal(mine[k], theirs[k]) for k in mine), name
+            else:
+                assert mine == theirs, name
+
+
+def test_a_group_calls_only_the_silo_api(job, tmp_path):
+    config = to_dict(job("jobs/heart_disease.yaml"))
+    group = SiloGroup(config, ["cleveland"])
+    with pytest.raises(AttributeError):
+        group.call("cleveland", "_checkpoint", 0)
+    with pytest.raises(KeyError):
+        group.call("va", "setup")
+
+
+def _final(result) -> dict[str, np.ndarray]:
+    """The global keys and every silo's last committed local state."""
+    arrays = dict(np.load(result.global_state_path))
+    for silo in result.silos:
+        folder = Path(result.run_dir) / "silos" / silo / CHECKPOINTS
+        saved = checkpoint.load(folder, checkpoint.rounds(folder)[-1])
+        for part in ("local", "selected_state"):
+            for key, value in (saved[part] or {}).items():
+                arrays[f"{silo}/{part}/{key}"] = value.numpy()
+    return arrays
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_packed_run_on_ray_equals_a_silo_per_process_bit_for_bit(tmp_path):
+    common = [
+        "rounds=3",
+        "data.num_silos=6",
+        "tracking.enabled=false",
+        "train.local_epochs=1",
+    ]
+    results = {}
+    for per_worker in ("1", "3"):
+        out = f"output_dir={tmp_path / per_worker}"
+        overrides = [*common, out, f"ray.silos_per_worker={per_worker}"]
+        results[per_worker] = Federation("jobs/digits_label_skew.yaml", overrides).run()
+    one, packed = _final(results["1"]), _final(results["3"])
+    assert set(one) == set(packed) and len(one) > 0
+    for key in one:
+        assert np.array_equal(one[key], packed[key]), key
+    assert [s.mean_val_accuracy for s in results["1"].history] == [
+        s.mean_val_accuracy for s in results["3"].history
+    ]
