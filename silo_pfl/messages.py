@@ -106,6 +106,14 @@ class EvalMetrics:
 
 
 @dataclass(frozen=True)
+class CallFailed:
+    """What a worker answers for one of its silos whose call raised, in a call made for several:
+    the error in one line ("ValueError: ..."), so the others' answers still arrive."""
+
+    error: str
+
+
+@dataclass(frozen=True)
 class SiloOutcome:
     """A silo's final, selected personalized model and how it scores."""
 

@@ -95,8 +95,12 @@ class SiloExporter(Protocol):
 class Silo:
     """One participant. Only `Split.outgoing` payloads and attached exporters ever leave it."""
 
-    def __init__(self, config: dict[str, Any], name: str, run_id: str = "default") -> None:
-        self.cfg = from_dict(config)
+    def __init__(
+        self, config: dict[str, Any] | FederationConfig, name: str, run_id: str = "default"
+    ) -> None:
+        """`config` is the driver's validated config, as `config.to_dict` sent it or already
+        rebuilt (silos sharing a process share one, read-only)."""
+        self.cfg = config if isinstance(config, FederationConfig) else from_dict(config)
         self.name = name
         self.dir = silo_dir(self.cfg, run_id, name)
         self.algorithm = build_algorithm(self.cfg.algorithm, self.cfg.train)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from silo_pfl.seeding import rng_state, set_rng_state
+from silo_pfl.settings import from_dict
 from silo_pfl.silo import Silo
 
 # The silo methods a caller may invoke through the group: the silo's whole remote API.
@@ -40,7 +41,8 @@ class SiloGroup:
     def __init__(self, config: dict[str, Any], names: Sequence[str], run_id: str = "default"):
         if len(set(names)) != len(names) or not names:
             raise ValueError(f"a silo group needs distinct silo names, got {list(names)}")
-        self.silos = {name: Silo(config, name, run_id) for name in names}
+        cfg = from_dict(config)  # built once: the silos share it, read-only
+        self.silos = {name: Silo(cfg, name, run_id) for name in names}
         self._rng: dict[str, dict[str, object]] = {}  # each silo's generators between calls
 
     def call(self, name: str, method: str, *args: Any) -> Any:

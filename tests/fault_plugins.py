@@ -45,3 +45,30 @@ class NanOnce(FedPer):
             return super().extra_loss(model, reference)
         self.poison = False  # one batch is enough: its NaN gradients reach every weight
         return float("nan") * sum(param.sum() for param in model.parameters())
+
+
+@dataclass
+class RaiseOnceParams(FedPerParams):
+    """Which silo's fit raises, and in which round."""
+
+    silo: str = ""
+    round: int = 2
+
+
+@register
+class RaiseOnce(FedPer):
+    """FedPer, except that `silo`'s fit raises in round `round` (a bug, a full disk)."""
+
+    name = "raise_once"
+    Params = RaiseOnceParams
+
+    def __init__(self, params: RaiseOnceParams, train) -> None:
+        super().__init__(params, train)
+        self.raised = False
+
+    def begin_round(self, silo: SiloTrainer, reference, broadcast) -> None:
+        super().begin_round(silo, reference, broadcast)
+        due = getattr(silo, "committed", 0) + 1 == self.params.round
+        if getattr(silo, "name", "") == self.params.silo and due and not self.raised:
+            self.raised = True
+            raise RuntimeError("disk full")

@@ -128,3 +128,25 @@ def test_a_packed_run_on_ray_equals_a_silo_per_process_bit_for_bit(tmp_path):
     assert [s.mean_val_accuracy for s in results["1"].history] == [
         s.mean_val_accuracy for s in results["3"].history
     ]
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_packed_silo_whose_fit_raises_is_left_out_alone(tmp_path):
+    """va's fit raises in round 2: va is left out with its error; the silo packed with it and the
+    others are aggregated, and va takes part again from round 3."""
+    overrides = [
+        "plugins=[tests.fault_plugins]",
+        "algorithm.name=raise_once",
+        "algorithm.raise_once.silo=va",
+        "algorithm.raise_once.round=2",
+        "round.min_silos=3",
+        "rounds=3",
+        "ray.silos_per_worker=2",
+        "tracking.enabled=false",
+        f"output_dir={tmp_path}",
+    ]
+    result = Federation("jobs/heart_disease.yaml", overrides).run()
+    second = result.history[1]
+    assert second.absent == {"va": "failed: RuntimeError: disk full"}
+    assert second.participants == ["cleveland", "hungarian", "switzerland"]
+    assert result.history[2].participants == ["cleveland", "hungarian", "switzerland", "va"]

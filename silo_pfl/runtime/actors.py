@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
 
 from silo_pfl.config import FederationConfig
-from silo_pfl.errors import FederationError, SiloPflError
-from silo_pfl.messages import RoundReport, SiloUpdate
+from silo_pfl.errors import FederationError, SiloPflError, one_line
+from silo_pfl.messages import CallFailed, RoundReport, SiloUpdate
 from silo_pfl.runtime.metrics import ServerMetrics, SiloMetrics
 from silo_pfl.runtime.placement import actor_options, server_selector, silo_selector
 from silo_pfl.server import Server
@@ -63,6 +63,58 @@ class SiloHost:
         elif recorder is not None and method == "evaluate":
             recorder.evaluate(result)
         return result
+
+    def fit_many(
+        self,
+        names: Sequence[str],
+        global_state: dict[str, Any],
+        round_: int,
+        attempt: int,
+        broadcast: dict[str, Any],
+    ) -> Any:
+        """A round's fit of each of `names`, one after another: update and metrics of each."""
+        answers: list[Any] = []
+        for name in names:
+            answer = self._guarded(name, "fit", global_state, round_, attempt, broadcast)
+            answers.extend((answer, answer) if isinstance(answer, CallFailed) else answer)
+        return _returns(answers)
+
+    def evaluate_many(self, names: Sequence[str], global_state: dict[str, Any], round_: int) -> Any:
+        """A round's evaluation of each of `names` on the new global state."""
+        return _returns([self._guarded(n, "evaluate", global_state, round_) for n in names])
+
+    def commit_many(self, names: Sequence[str], round_: int, keep: dict[str, bool]) -> Any:
+        """Each of `names` commits `round_`, keeping its evaluated model if `keep` says so."""
+        return _returns([self._guarded(n, "commit", round_, keep[n]) for n in names])
+
+    def _guarded(self, name: str, method: str, *args: Any) -> Any:
+        """One silo's call in a call made for several: its error is its answer, not theirs."""
+        try:
+            return self.call(name, method, *args)
+        except Exception as exc:
+            return CallFailed(f"{type(exc).__name__}: {one_line(exc)}")
+
+
+def _returns(values: list[Any]) -> Any:
+    """What a method called with num_returns=len(values) returns: the one value, or them all."""
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def call_many(
+    handles: Mapping[str, SiloHandle], method: str, *args: Any, each: int = 1
+) -> dict[str, list[Any]]:
+    """`<method>_many` on every worker of `handles`, one call for all its silos there; the refs
+    of each silo's `each` answers, which arrive when its worker's call ends."""
+    by_host: dict[Any, tuple[Any, list[str]]] = {}
+    for name, handle in handles.items():
+        by_host.setdefault(handle.host._actor_id, (handle.host, []))[1].append(name)
+    refs: dict[str, list[Any]] = {}
+    for host, names in by_host.values():
+        count = each * len(names)
+        out = getattr(host, f"{method}_many").options(num_returns=count).remote(names, *args)
+        out = [out] if count == 1 else list(out)
+        refs.update({name: out[i * each : (i + 1) * each] for i, name in enumerate(names)})
+    return refs
 
 
 def _forwarder(method: str) -> Callable[..., Any]:

@@ -7,6 +7,9 @@ the silos whose updates were aggregated evaluate the new global state, by the de
 runs on those evaluations; those silos commit (checkpoint) the round. Without a quorum nothing is
 committed and the round is tried again, up to round.retries times; every silo then starts again
 from its last commit.
+
+Each step is one call per worker for all its silos (`call_many`), whose answers come back per
+silo: a round costs the driver a few calls however many silos there are.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ import ray
 
 from silo_pfl.config import FederationConfig
 from silo_pfl.errors import FederationError, one_line
-from silo_pfl.messages import EvalMetrics, FitMetrics, RejoinInfo, RoundReport
+from silo_pfl.messages import CallFailed, EvalMetrics, FitMetrics, RejoinInfo, RoundReport
 from silo_pfl.results import RoundSummary
-from silo_pfl.runtime.actors import get, task_error_cause
+from silo_pfl.runtime.actors import call_many, get, task_error_cause
 from silo_pfl.runtime.metrics import DriverMetrics, NoMetrics
 from silo_pfl.selection import Selector
 
@@ -72,13 +75,18 @@ def gather(refs: dict[str, Any], timeout: float) -> tuple[dict[str, Any], dict[s
             absent[name] = late_reason(timeout)
             continue
         try:
-            answers[name] = ray.get(ref)
+            answer = ray.get(ref)
         except ray.exceptions.RayActorError as exc:
             died.add(name)
             absent[name] = f"its process died ({type(exc).__name__})"
         except ray.exceptions.RayTaskError as exc:
             cause = task_error_cause(exc)
             absent[name] = f"failed: {type(cause).__name__}: {one_line(cause)}"
+        else:
+            if isinstance(answer, CallFailed):
+                absent[name] = f"failed: {answer.error}"
+            else:
+                answers[name] = answer
     return answers, absent, died
 
 
@@ -173,13 +181,10 @@ class RoundRunner:
         self, round_: int, attempt: int, began: float, rejoined: dict[str, RejoinInfo]
     ) -> RoundSummary | str:
         """One attempt at `round_`: its summary, or why it had no quorum."""
-        live = {n: p for n, p in self.parties.items() if not p.died}
+        live = {n: p.actor for n, p in self.parties.items() if not p.died}
         global_ref = self.server.global_state.remote()
         broadcast_ref = self.server.broadcast.remote()
-        fit_refs = {
-            n: p.actor.fit.options(num_returns=2).remote(global_ref, round_, attempt, broadcast_ref)
-            for n, p in live.items()
-        }
+        fit_refs = call_many(live, "fit", global_ref, round_, attempt, broadcast_ref, each=2)
         fits, absent, died = gather({n: m for n, (_, m) in fit_refs.items()}, self.timeout)
         absent.update({n: "not running (restart pending)" for n in self.parties if n not in live})
         sent: dict[str, FitMetrics] = {}
@@ -199,18 +204,18 @@ class RoundRunner:
         if not report.aggregated:
             return report.reason + _reasons(absent)
         new_global = self.server.global_state.remote()
-        eval_refs = {
-            n: self.parties[n].actor.evaluate.remote(new_global, round_) for n in report.accepted
-        }
-        evals, late, died = gather(eval_refs, self.timeout)
+        accepted = {n: live[n] for n in report.accepted}
+        eval_refs = call_many(accepted, "evaluate", new_global, round_)
+        evals, late, died = gather({n: r for n, (r,) in eval_refs.items()}, self.timeout)
         absent.update(
             {n: f"its update was aggregated, but its evaluation: {r}" for n, r in late.items()}
         )
         self._mark_dead(died)
         ordered = [evals[n] for n in sorted(evals)]
         chosen = set(self.selector.choose(ordered))
-        commit_refs = {n: self.parties[n].actor.commit.remote(round_, n in chosen) for n in evals}
-        done, failed, died = gather(commit_refs, self.timeout)
+        keep = {n: n in chosen for n in evals}
+        commit_refs = call_many({n: live[n] for n in evals}, "commit", round_, keep)
+        done, failed, died = gather({n: r for n, (r,) in commit_refs.items()}, self.timeout)
         absent.update({n: f"evaluated, but could not commit: {r}" for n, r in failed.items()})
         self._mark_dead(died)
         for name in done:
