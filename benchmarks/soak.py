@@ -4,7 +4,8 @@
                               [key=value ...]
 
 Runs JOB (default jobs/heart_disease.yaml: 4 hospital silos) for --rounds rounds on a local Ray
-that the run itself starts and shuts down (train.local_epochs=10, so a fit lasts ~0.1-0.5 s). At
+that the run itself starts and shuts down (train.local_epochs=10, so a fit lasts ~0.1-0.5 s; one
+silo per worker process, ray.silos_per_worker=1, so that a kill hits one silo). At
 the start of rounds k+1, 2k+1, ... (k = --kill-every) a timer SIGKILLs one silo's process 50 ms
 later, mid-fit; the victim cycles over the silos, and a restarted silo's new pid is taken from
 `RoundSummary.restarted`. A kill in the fit makes the round retry (every silo must send by
@@ -18,7 +19,7 @@ or commit instead: it is left out of that round's commit and rejoins in the next
 - at the end of the last round exactly 4 silo actors + 1 server actor are alive, counted in the
   GCS actor table (`ray.util.state.list_actors` when the state API answers, else the private
   `ray._private.state.actors()`: the local Ray runs without a dashboard) and, as a cross-check,
-  as live descendant processes of the driver titled `ray::SiloActor` / `ray::ServerActor`;
+  as live descendant processes of the driver titled `ray::SiloHost` / `ray::ServerHost`;
 - every process descended from the driver during the run (sampled at the start and after every
   round) is gone a few seconds after the run returned, Ray being shut down by then.
 
@@ -53,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KILL_DELAY_S = 0.05  # after the round starts: the silos are fitting by then
 MAX_RSS_GROWTH = 0.10
 LEAK_GRACE_S = 5.0  # how long after the run a process it started may take to exit
-ACTOR_TITLES = {"SiloActor": "ray::SiloActor", "ServerActor": "ray::ServerActor"}
+ACTOR_TITLES = {"SiloHost": "ray::SiloHost", "ServerHost": "ray::ServerHost"}
 
 
 def _psutil() -> Any:
@@ -121,7 +122,7 @@ def count_actors() -> tuple[str, dict[str, int]]:
 
 
 def count_actor_processes() -> dict[str, int]:
-    """Live descendant processes of the driver titled ray::SiloActor / ray::ServerActor."""
+    """Live descendant processes of the driver titled ray::SiloHost / ray::ServerHost."""
     counts = dict.fromkeys(ACTOR_TITLES, 0)
     for cmdline in descendants().values():
         for name, title in ACTOR_TITLES.items():
@@ -220,6 +221,7 @@ def soak(job: str, overrides: list[str], rounds: int, kill_every: int, tracking:
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         options = [
             "train.local_epochs=10",
+            "ray.silos_per_worker=1",
             *overrides,
             f"rounds={rounds}",
             f"output_dir={tmp}/runs",
@@ -273,7 +275,7 @@ def soak(job: str, overrides: list[str], rounds: int, kill_every: int, tracking:
         failures.append(f"{restarts} restarts for {kills} kills")
     if not growth <= MAX_RSS_GROWTH:
         failures.append(f"driver RSS grew {growth:.1%} (> {MAX_RSS_GROWTH:.0%})")
-    expected = {"SiloActor": len(watcher.silos) or 4, "ServerActor": 1}
+    expected = {"SiloHost": len(watcher.silos) or 4, "ServerHost": 1}
     if watcher.actors != expected:
         failures.append(f"alive actors at the end {watcher.actors}, expected {expected}")
     if watcher.actor_processes != expected:
