@@ -50,8 +50,10 @@ from silo_pfl.settings import from_dict, split_rules
 from silo_pfl.split import Split, compute_split
 from silo_pfl.training import ExtraLoss, evaluate, to_tensors, train_epochs
 
-PERSONALIZED_FILE = "personalized_model.pt"
 CHECKPOINTS = "checkpoints"
+# The selected personalized models: a checkpoint (its state_dict) for each round that kept one,
+# written once when kept; a round's checkpoint names its selected round.
+SELECTED = "selected"
 SECURE_KEY_FILE = "secure_aggregation.key"  # this silo's X25519 private key, mode 0600
 
 
@@ -73,7 +75,7 @@ class PersonalizedModel:
 
     silo: str
     config: FederationConfig
-    state_path: Path  # the state_dict of the selected model (PERSONALIZED_FILE)
+    state_path: Path  # the state_dict of the selected model (Silo.selected_path)
     input_shape: tuple[int, ...]
     num_classes: int
     preprocessing: Preprocessing
@@ -106,7 +108,6 @@ class Silo:
         self.algorithm = build_algorithm(self.cfg.algorithm, self.cfg.train)
         self._last: EvalMetrics | None = None
         self._selected: EvalMetrics | None = None
-        self._selected_state: dict[str, torch.Tensor] | None = None
         self._selected_report: dict[str, float] = {}  # the algorithm's figures of that model
         self._exporters: dict[str, SiloExporter] = {}
         self._masker: Masker | None = None
@@ -210,13 +211,11 @@ class Silo:
 
     def _checkpoint(self, round_: int) -> None:
         state = self.model.state_dict()
-        local = {k: state[k].clone() for k in self.split.local_keys}
         state = {
             "round": round_,
-            "local": local,
+            "local": {k: state[k] for k in self.split.local_keys},
             "algorithm": self.algorithm.local_state(),
             "selected": dataclasses.asdict(self._selected) if self._selected else None,
-            "selected_state": self._selected_state,
             "selected_report": self._selected_report,
             "last": dataclasses.asdict(self._last) if self._last else None,
             "rng": rng_state(),
@@ -230,12 +229,11 @@ class Silo:
         self.model.load_state_dict(state["local"], strict=False)
         self.algorithm.load_local_state(self, state["algorithm"])
         self._selected = EvalMetrics(**state["selected"]) if state["selected"] else None
-        self._selected_state = state["selected_state"]
+        if self._selected is not None and not self.selected_path.is_file():
+            raise checkpoint.CheckpointError(f"checkpoint {self.selected_path}: not found")
         self._selected_report = state["selected_report"]
         self._last = EvalMetrics(**state["last"]) if state["last"] else None
         set_rng_state(state["rng"])
-        if self._selected_state is not None:
-            torch.save(self._selected_state, self.dir / PERSONALIZED_FILE)
         self.committed, self._dirty = round_, False
         return local_digest(self.model.state_dict(), self.split.local_keys)
 
@@ -403,11 +401,16 @@ class Silo:
             assert self._evaluated is not None
             self._selected = self._last
             self._selected_report = dict(self.algorithm.report())
-            self._selected_state = {
-                k: v.detach().clone() for k, v in self._evaluated.state_dict().items()
-            }
-            torch.save(self._selected_state, self.dir / PERSONALIZED_FILE)
+            selected = {k: v.detach() for k, v in self._evaluated.state_dict().items()}
+            checkpoint.save(self.dir / SELECTED, round_, selected)
         self._checkpoint(round_)
+
+    @property
+    def selected_path(self) -> Path:
+        """The file of the selected personalized model's state_dict."""
+        if self._selected is None:
+            raise RuntimeError(f"silo {self.name}: no model selected yet")
+        return checkpoint.path_of(self.dir / SELECTED, self._selected.round)
 
     def outcome(self) -> SiloOutcome:
         """The selected personalized model's scores."""
@@ -443,7 +446,7 @@ class Silo:
         return PersonalizedModel(
             silo=self.name,
             config=self.cfg,
-            state_path=self.dir / PERSONALIZED_FILE,
+            state_path=self.selected_path,
             input_shape=self.data.input_shape,
             num_classes=self.num_classes,
             preprocessing=self.data.preprocessing,

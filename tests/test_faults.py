@@ -22,7 +22,7 @@ from silo_pfl.callbacks import Callback
 from silo_pfl.federation import Federation
 from silo_pfl.progress import ProgressPrinter
 from silo_pfl.results import FederationResult
-from silo_pfl.silo import CHECKPOINTS, local_digest
+from silo_pfl.silo import CHECKPOINTS, SELECTED, local_digest
 
 JOB = "jobs/heart_disease.yaml"
 ROUNDS = 6
@@ -70,6 +70,9 @@ def _final_states(result: FederationResult | dict) -> dict[str, np.ndarray]:
     for silo in summary["silos"]:
         folder = Path(summary["run_dir"]) / "silos" / silo / CHECKPOINTS
         saved = checkpoint.load(folder, checkpoint.rounds(folder)[-1])
+        saved["selected_state"] = checkpoint.load(
+            folder.parent / SELECTED, saved["selected"]["round"]
+        )
         for part in ("local", "algorithm", "selected_state"):
             for key, value in (saved[part] or {}).items():
                 arrays[f"{silo}/{part}/{key}"] = value.numpy()

@@ -14,7 +14,7 @@ from silo_pfl.errors import ConfigError
 from silo_pfl.federation import Federation
 from silo_pfl.runtime.packing import pack
 from silo_pfl.server import Server
-from silo_pfl.silo import CHECKPOINTS
+from silo_pfl.silo import CHECKPOINTS, SELECTED
 from silo_pfl.silo_group import SiloGroup
 
 SILOS = ("cleveland", "hungarian")
@@ -102,6 +102,9 @@ def _final(result) -> dict[str, np.ndarray]:
     for silo in result.silos:
         folder = Path(result.run_dir) / "silos" / silo / CHECKPOINTS
         saved = checkpoint.load(folder, checkpoint.rounds(folder)[-1])
+        saved["selected_state"] = checkpoint.load(
+            folder.parent / SELECTED, saved["selected"]["round"]
+        )
         for part in ("local", "selected_state"):
             for key, value in (saved[part] or {}).items():
                 arrays[f"{silo}/{part}/{key}"] = value.numpy()

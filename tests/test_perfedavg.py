@@ -14,7 +14,6 @@ from torch import nn
 from silo_pfl.algorithms import build_algorithm
 from silo_pfl.algorithms.base import Phase
 from silo_pfl.errors import ConfigError
-from silo_pfl.silo import PERSONALIZED_FILE
 from silo_pfl.training import evaluate, train_epochs
 
 
@@ -132,7 +131,7 @@ def test_the_personalized_model_is_one_sgd_step_on_a_copy(job):
         assert metrics.val_loss == evaluate(adapted, *silo.val_xy).loss
         assert metrics.val_loss != evaluate(silo.model, *silo.val_xy).loss
         silo.commit(1, keep=True)
-        kept = torch.load(silo.dir / PERSONALIZED_FILE)
+        kept = torch.load(silo.selected_path)
         assert all(torch.equal(kept[k], v) for k, v in adapted.state_dict().items())
 
 

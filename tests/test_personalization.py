@@ -7,8 +7,6 @@ import numpy as np
 import torch
 from plain_federation import federation, play_round, same_updates
 
-from silo_pfl.silo import PERSONALIZED_FILE
-
 
 def test_ditto_sends_fedavgs_update_and_is_judged_by_its_personal_model(job):
     ditto, ditto_server = federation(job, "ditto", "algorithm.ditto.lam=0.1")
@@ -23,7 +21,7 @@ def test_ditto_sends_fedavgs_update_and_is_judged_by_its_personal_model(job):
     silo = ditto[0]
     personal = silo.algorithm.personal.state_dict()
     silo.commit(2, keep=True)
-    kept = torch.load(silo.dir / PERSONALIZED_FILE)
+    kept = torch.load(silo.selected_path)
     assert all(torch.equal(kept[k], personal[k]) for k in personal)
     # Nothing the silo sent equals a personal weight.
     sent = [v for u in d_updates for v in u.delta.values()]
