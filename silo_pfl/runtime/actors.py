@@ -184,11 +184,13 @@ class ServerHost:
     def broadcast(self) -> Any:
         return self.server.broadcast()
 
-    def aggregate(self, *updates: SiloUpdate) -> RoundReport:
+    def aggregate(self, *updates: SiloUpdate) -> tuple[RoundReport, Any, Any]:
+        """The round's report, and what the next step reads (call with num_returns=3): the
+        global keys and the strategy's broadcast as they now are, aggregated or not."""
         report = self.server.aggregate(*updates)
         if self.metrics is not None:
             self.metrics.aggregated(report)
-        return report
+        return report, self.server.global_state(), self.server.broadcast()
 
     def checkpoint(self, round_: int, driver: dict[str, Any]) -> None:
         self.server.checkpoint(round_, driver)

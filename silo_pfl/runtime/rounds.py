@@ -121,6 +121,8 @@ class RoundRunner:
         self.rejoin_args, self.selector = rejoin, selector
         self.timeout = cfg.round.timeout_s
         self.metrics = metrics or NoMetrics()
+        # The server's global keys and broadcast as its last aggregation left them (refs).
+        self.inputs: tuple[Any, Any] | None = None
 
     def run(self, round_: int) -> RoundSummary:
         """Run `round_` until an attempt has a quorum; fail, naming who was missing, if none."""
@@ -182,8 +184,9 @@ class RoundRunner:
     ) -> RoundSummary | str:
         """One attempt at `round_`: its summary, or why it had no quorum."""
         live = {n: p.actor for n, p in self.parties.items() if not p.died}
-        global_ref = self.server.global_state.remote()
-        broadcast_ref = self.server.broadcast.remote()
+        if self.inputs is None:
+            self.inputs = (self.server.global_state.remote(), self.server.broadcast.remote())
+        global_ref, broadcast_ref = self.inputs
         fit_refs = call_many(live, "fit", global_ref, round_, attempt, broadcast_ref, each=2)
         fits, absent, died = gather({n: m for n, (_, m) in fit_refs.items()}, self.timeout)
         absent.update({n: "not running (restart pending)" for n in self.parties if n not in live})
@@ -193,17 +196,17 @@ class RoundRunner:
                 absent[name] = metrics.withheld
             else:
                 sent[name] = metrics
-        report: RoundReport = get(
-            self.server.aggregate.remote(*[fit_refs[n][0] for n in sent]),
-            f"round {round_}: aggregation",
-            self.timeout,
+        report_ref, *inputs = self.server.aggregate.options(num_returns=3).remote(
+            *[fit_refs[n][0] for n in sent]
         )
+        report: RoundReport = get(report_ref, f"round {round_}: aggregation", self.timeout)
+        self.inputs = (inputs[0], inputs[1])
         self._record_fits(fits, absent, died, report)
         absent.update(report.rejected)
         self._mark_dead(died)
         if not report.aggregated:
             return report.reason + _reasons(absent)
-        new_global = self.server.global_state.remote()
+        new_global = self.inputs[0]
         accepted = {n: live[n] for n in report.accepted}
         eval_refs = call_many(accepted, "evaluate", new_global, round_)
         evals, late, died = gather({n: r for n, (r,) in eval_refs.items()}, self.timeout)
