@@ -45,6 +45,14 @@ def _nan(update: SiloUpdate) -> SiloUpdate:
     return dataclasses.replace(update, delta={**update.delta, key: bad})
 
 
+def _infinities(update: SiloUpdate) -> SiloUpdate:
+    """+inf and -inf in one key: their sum is NaN, not an infinity."""
+    key = next(iter(update.delta))
+    bad = update.delta[key].copy()
+    bad.flat[:2] = (np.inf, -np.inf)
+    return dataclasses.replace(update, delta={**update.delta, key: bad})
+
+
 def _float64(update: SiloUpdate) -> SiloUpdate:
     return dataclasses.replace(
         update, delta={k: v.astype(np.float64) for k, v in update.delta.items()}
@@ -60,6 +68,7 @@ def _float64(update: SiloUpdate) -> SiloUpdate:
             "not a silo of this federation (its silos are cleveland,",
         ),
         (_nan, "body.fc1.weight is not finite"),
+        (_infinities, "body.fc1.weight is not finite"),
         (_float64, "is float64, expected float32"),
     ],
 )
@@ -76,6 +85,15 @@ def test_a_bad_update_is_rejected_with_its_reason_and_the_round_goes_on(round_on
     for key, value in server.global_state().items():
         assert np.array_equal(value, alone.global_state()[key]), "the bad update changed a key"
     assert not np.array_equal(server.global_state()["body.fc1.weight"], start["body.fc1.weight"])
+
+
+def test_huge_finite_values_whose_float32_sum_overflows_are_still_finite(round_one):
+    server, (hungarian, _) = round_one
+    key = next(iter(hungarian.delta))
+    huge = hungarian.delta[key].copy()
+    huge.flat[:3] = 3e38
+    report = server.aggregate(dataclasses.replace(hungarian, delta={**hungarian.delta, key: huge}))
+    assert report.aggregated and not report.rejected
 
 
 def test_a_duplicate_is_rejected_and_a_replay_next_round_too(round_one):
