@@ -8,9 +8,17 @@ import numpy as np
 
 State = dict[str, np.ndarray]
 
+# Elements per block of the weighted mean: a block's float64 accumulator and scratch (512 KiB
+# together) stay in cache while every update's block is added into it.
+BLOCK = 1 << 15
+
 
 def weighted_mean(deltas: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]) -> State:
-    """Per key, sum_i w_i * delta_i / sum_i w_i, accumulated in float64 in the given order."""
+    """Per key, sum_i (w_i / sum_j w_j) * delta_i, accumulated in float64 in the given order.
+
+    Block by block: each update's block is scaled into one reused scratch block and added to
+    the accumulator's block while both are in cache, so the deltas are read once, in place, and
+    nothing the size of a delta is allocated but the result."""
     if not deltas:
         raise ValueError("no updates to aggregate")
     if len(deltas) != len(weights):
@@ -18,23 +26,33 @@ def weighted_mean(deltas: Sequence[Mapping[str, np.ndarray]], weights: Sequence[
     total = float(sum(weights))
     if total <= 0 or min(weights) < 0:
         raise ValueError(f"weights must be >= 0 with a positive sum, got {list(weights)}")
+    scales = [weight / total for weight in weights]
+    scratch = np.empty(BLOCK, dtype=np.float64)
     mean: State = {}
     for key in deltas[0]:
         acc = np.zeros(np.shape(deltas[0][key]), dtype=np.float64)
-        for delta, weight in zip(deltas, weights, strict=True):
-            acc += (weight / total) * np.asarray(delta[key], dtype=np.float64)
+        flat = acc.reshape(-1)
+        sources = [np.asarray(delta[key]).reshape(-1) for delta in deltas]
+        for start in range(0, flat.size, BLOCK):
+            block = flat[start : start + BLOCK]
+            scaled = scratch[: block.size]
+            for source, scale in zip(sources, scales, strict=True):
+                np.copyto(scaled, source[start : start + BLOCK])
+                scaled *= scale
+                block += scaled
         mean[key] = acc
     return mean
 
 
 def apply_delta(state: Mapping[str, np.ndarray], delta: Mapping[str, np.ndarray]) -> State:
-    """state + delta, cast back to each entry's dtype (integer buffers are rounded)."""
+    """state + delta, added in float64 and stored in each entry's dtype (integer buffers are
+    rounded): new arrays, the inputs are left as they are."""
     out: State = {}
     for key, value in state.items():
-        updated = value.astype(np.float64) + delta[key]
         if np.issubdtype(value.dtype, np.integer):
-            updated = np.rint(updated)
-        out[key] = updated.astype(value.dtype)
+            out[key] = np.rint(np.add(value, delta[key], dtype=np.float64)).astype(value.dtype)
+        else:
+            out[key] = np.add(value, delta[key], out=np.empty_like(value), dtype=np.float64)
     return out
 
 

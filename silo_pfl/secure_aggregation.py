@@ -68,7 +68,9 @@ def decode_mean(total: np.ndarray, shapes: Mapping[str, tuple[int, ...]]) -> dic
     weight = int(signed[-1])
     if weight < 1:
         raise ValueError(f"secure aggregation: the weights sum to {weight}, expected >= 1")
-    flat = signed[:-1].astype(np.float64) / _SCALE / weight
+    flat = signed[:-1].astype(np.float64)
+    flat /= _SCALE
+    flat /= weight
     mean, start = {}, 0
     for key in sorted(shapes):
         size = int(np.prod(shapes[key], dtype=np.int64))

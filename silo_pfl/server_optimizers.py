@@ -58,7 +58,8 @@ class ServerOptimizer:
     def step(self, state: State, delta: State) -> State:
         """The new global state from the current one and the round's mean delta."""
         if self.kind == "sgd":
-            scaled = {k: self.lr * d if k in self.parameters else d for k, d in delta.items()}
+            scale = self.parameters if self.lr != 1.0 else frozenset()  # lr 1: the mean itself
+            scaled = {k: self.lr * d if k in scale else d for k, d in delta.items()}
             return apply_delta(state, scaled)
         step = {}
         for key, d in delta.items():

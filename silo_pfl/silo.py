@@ -48,7 +48,7 @@ from silo_pfl.secure_aggregation import Masker, vector_length
 from silo_pfl.seeding import derive_seed, rng_state, seed_everything, set_rng_state
 from silo_pfl.settings import from_dict, split_rules
 from silo_pfl.split import Split, compute_split
-from silo_pfl.training import ExtraLoss, evaluate, to_tensors, train_epochs
+from silo_pfl.training import ExtraLoss, evaluate, shared_tensor, to_tensors, train_epochs
 
 CHECKPOINTS = "checkpoints"
 # The selected personalized models: a checkpoint (its state_dict) for each round that kept one,
@@ -238,10 +238,13 @@ class Silo:
         return local_digest(self.model.state_dict(), self.split.local_keys)
 
     def _load_global(self, global_state: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """Overwrite the global keys of the model; the local keys are untouched."""
+        """Overwrite the global keys of the model (copied once, into its parameters and
+        buffers); the local keys are untouched. Returns the received arrays as tensors over
+        their own memory, not copies: under Ray a read-only buffer every silo of the worker
+        shares, so neither the silo nor its algorithm may ever write into them."""
         if set(global_state) != set(self.split.global_keys):
             raise ValueError(f"silo {self.name}: received keys differ from its global keys")
-        incoming = {k: torch.tensor(np.asarray(v)) for k, v in global_state.items()}
+        incoming = {k: shared_tensor(v) for k, v in global_state.items()}
         self.model.load_state_dict(incoming, strict=False)
         return incoming
 

@@ -6,6 +6,7 @@ term to the loss (FedProx's proximal term, Ditto's pull towards the global model
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -103,3 +104,15 @@ def to_tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor
     return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), torch.from_numpy(
         np.ascontiguousarray(y, dtype=np.int64)
     )
+
+
+def shared_tensor(array: np.ndarray) -> torch.Tensor:
+    """A tensor over `array`'s own memory, not a copy. A read-only array (Ray's object store hands
+    every reader a read-only view of one shared buffer) gives a tensor that must never be written:
+    torch cannot mark it read-only, and only warns that it is, which is expected here."""
+    array = np.asarray(array)
+    if array.flags.writeable:
+        return torch.from_numpy(array)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+        return torch.from_numpy(array)

@@ -45,6 +45,14 @@ def _nan(update: SiloUpdate) -> SiloUpdate:
     return dataclasses.replace(update, delta={**update.delta, key: bad})
 
 
+def _infinities(update: SiloUpdate) -> SiloUpdate:
+    """+inf and -inf in one key: their sum is NaN, not an infinity."""
+    key = next(iter(update.delta))
+    bad = update.delta[key].copy()
+    bad.flat[:2] = (np.inf, -np.inf)
+    return dataclasses.replace(update, delta={**update.delta, key: bad})
+
+
 def _float64(update: SiloUpdate) -> SiloUpdate:
     return dataclasses.replace(
         update, delta={k: v.astype(np.float64) for k, v in update.delta.items()}
@@ -60,6 +68,7 @@ def _float64(update: SiloUpdate) -> SiloUpdate:
             "not a silo of this federation (its silos are cleveland,",
         ),
         (_nan, "body.fc1.weight is not finite"),
+        (_infinities, "body.fc1.weight is not finite"),
         (_float64, "is float64, expected float32"),
     ],
 )

@@ -24,6 +24,7 @@ from silo_pfl.config import FederationConfig
 from silo_pfl.errors import ConfigError
 from silo_pfl.server_optimizers import ServerOptimizer
 from silo_pfl.strategy import Aggregate, ServerStrategy
+from silo_pfl.training import shared_tensor
 
 EXTRA = "control_variate"
 PREFIX = "scaffold.c."
@@ -82,7 +83,7 @@ class Scaffold(Algorithm):
         if not self.c_local:
             self.c_local = {k: torch.zeros_like(v) for k, v in reference.items()}
         self.correction = {
-            k: torch.as_tensor(np.asarray(server_c[k])) - self.c_local[k]
+            k: shared_tensor(server_c[k]) - self.c_local[k]
             for k, v in reference.items()
             if v.is_floating_point()
         }

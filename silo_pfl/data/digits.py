@@ -15,6 +15,9 @@ Every silo computes the same global partition from the seed and keeps its own sh
 
 Images are then standardised with the fixed, public mean and std of the whole digits set
 (`PIXEL_MEAN`, `PIXEL_STD`, like MNIST's usual constants); no silo's statistics are shared.
+data.image_shape=[C, S, S] (default [1, 8, 8]) hands the models larger images, e.g. [3, 32, 32]
+for a network sized for CIFAR: each pixel repeated S/8 times along both axes, the grey repeated
+in each of the C channels. Nothing is added: the same digits, at a network's input size.
 
 iid, concept_shift and feature_shift draw the same rows for a seed, so they differ only by the
 shift. Each silo then holds out data.test_fraction of its rows for test and data.val_fraction of
@@ -25,7 +28,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -44,9 +48,10 @@ MAX_SILOS = NUM_IMAGES // MIN_ROWS_PER_SILO
 PIXEL_MEAN = 0.3053
 PIXEL_STD = 0.3760
 GEOMETRIES = ("rot90", "rot180", "rot270", "flip_lr", "flip_ud")
-# Raw layout of a served model: the silo's own 8x8 image (after its feature shift), row-major.
+# Raw layout of a served model: the silo's own image (after its feature shift, at
+# data.image_shape), row-major: pixel_0 .. pixel_{C*S*S-1}.
 IMAGE_SHAPE = (1, 8, 8)
-PIXEL_COLUMNS = tuple(f"pixel_{i}" for i in range(64))
+CHANNELS = (1, 3)  # grey, or grey repeated as RGB
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,8 @@ class Params(DataConfig):
     partition: str = "iid"  # iid | dirichlet | pathological | concept_shift | feature_shift
     alpha: float = 0.5  # dirichlet: concentration; smaller is more skewed
     classes_per_silo: int = 2  # pathological: classes each silo holds
+    # [C, S, S]: the images upsampled to S x S (S a multiple of 8) in C channels (1 or 3)
+    image_shape: list[int] = field(default_factory=lambda: list(IMAGE_SHAPE))
 
 
 def validate(cfg: Params) -> None:
@@ -95,17 +102,54 @@ def validate(cfg: Params) -> None:
             f"{cfg.num_silos}, expected num_silos * classes_per_silo >= {NUM_CLASSES} so that "
             "every digit is held by some silo"
         )
+    shape = list(cfg.image_shape)
+    if not (
+        len(shape) == 3
+        and shape[0] in CHANNELS
+        and shape[1] == shape[2]
+        and shape[1] >= 8
+        and shape[1] % 8 == 0
+    ):
+        raise ConfigError(
+            f"data.image_shape: got {shape}, expected [C, S, S] with C 1 or 3 and S a multiple "
+            "of 8 (the 8x8 digits, each pixel repeated S/8 times)"
+        )
+
+
+def image_shape_of(width: int) -> tuple[int, int, int] | None:
+    """The (C, S, S) of raw rows `width` pixels wide (C 1 or 3, S a multiple of 8), or None."""
+    for channels in CHANNELS:
+        size = math.isqrt(width // channels)
+        if channels * size * size == width and size >= 8 and size % 8 == 0:
+            return channels, size, size
+    return None
+
+
+def upsample(images: np.ndarray, shape: tuple[int, ...] | list[int]) -> np.ndarray:
+    """Images (n, 1, 8, 8) as (n, C, S, S): each pixel repeated S/8 times along both axes, the
+    grey repeated in every channel."""
+    channels, size = shape[0], shape[1]
+    factor = size // IMAGE_SHAPE[1]
+    grey = images.repeat(factor, axis=-2).repeat(factor, axis=-1)
+    return np.ascontiguousarray(np.broadcast_to(grey, (len(images), channels, size, size)))
+
+
+def pixel_columns(width: int) -> tuple[str, ...]:
+    """pixel_0 .. pixel_{width-1}: the raw columns of images `width` pixels wide."""
+    return tuple(f"pixel_{i}" for i in range(width))
 
 
 def encode_raw(rows: np.ndarray) -> np.ndarray:
-    """Map raw rows (n, 64) of PIXEL_COLUMNS in [0, 1] to images (n, 1, 8, 8)."""
+    """Map raw rows (n, C*S*S) of pixel_0.. in [0, 1] to images (n, C, S, S): (n, 64) to
+    (n, 1, 8, 8), (n, 3072) to (n, 3, 32, 32)."""
     rows = np.asarray(rows, dtype=np.float32)
-    if rows.ndim != 2 or rows.shape[1] != len(PIXEL_COLUMNS):
+    shape = image_shape_of(rows.shape[1]) if rows.ndim == 2 else None
+    if shape is None:
         raise DataError(
-            f"digits raw rows: got shape {rows.shape}, expected (n, {len(PIXEL_COLUMNS)}) with "
-            "columns pixel_0..pixel_63 in [0, 1]"
+            f"digits raw rows: got shape {rows.shape}, expected (n, C*S*S) with columns "
+            "pixel_0.. in [0, 1], C 1 or 3 and S a multiple of 8 (64 for the 8x8 digits)"
         )
-    return rows.reshape(-1, *IMAGE_SHAPE)
+    return rows.reshape(-1, *shape)
 
 
 def silo_names(cfg: Params) -> list[str]:
@@ -207,7 +251,7 @@ def _silo_index(cfg: Params, silo: str) -> int:
 
 
 def _silo_rows(cfg: Params, silo: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """The silo's images, feature shift applied, and their true digits."""
+    """The silo's images, feature shift applied, at data.image_shape, and their true digits."""
     images, labels = read_digits(silo)
     rows = partition(cfg, labels, seed)[_silo_index(cfg, silo)]
     x, digit = images[rows], labels[rows]
@@ -219,6 +263,8 @@ def _silo_rows(cfg: Params, silo: str, seed: int) -> tuple[np.ndarray, np.ndarra
             f"silo {silo}: data.partition={cfg.partition} gave it {len(digit)} digits rows, need "
             "at least 2 for train and test; lower data.num_silos"
         )
+    if tuple(cfg.image_shape) != IMAGE_SHAPE:
+        x = upsample(x, cfg.image_shape)
     return x, digit
 
 
@@ -246,6 +292,6 @@ def load(cfg: Params, silo: str, seed: int) -> SiloData:
         strata=digit,
         num_classes=NUM_CLASSES,
         preprocessing=standardise,
-        raw_columns=PIXEL_COLUMNS,
+        raw_columns=pixel_columns(int(np.prod(x.shape[1:]))),
         x_test_raw=x[test].reshape(len(test), -1),
     )

@@ -46,6 +46,10 @@ def labels() -> np.ndarray:
         ({"classes_per_silo": 0}, "data.classes_per_silo"),
         ({"classes_per_silo": 11}, "data.classes_per_silo"),
         ({"partition": "pathological", "num_silos": 3, "classes_per_silo": 2}, "classes_per_silo"),
+        ({"image_shape": [3, 30, 30]}, "data.image_shape"),
+        ({"image_shape": [2, 32, 32]}, "data.image_shape"),
+        ({"image_shape": [3, 32, 16]}, "data.image_shape"),
+        ({"image_shape": [32, 32]}, "data.image_shape"),
     ],
 )
 def test_validate_names_the_key(overrides, key):
@@ -185,6 +189,26 @@ def test_feature_shift_geometry_is_applied():
     shift = digits.FeatureShift(contrast=1.0, brightness=0.0, noise_std=0.0, geometry="rot90")
     out = digits.apply_feature_shift(images, shift, np.random.default_rng(0))
     assert np.allclose(out[0, 0], np.rot90(images[0, 0]))
+
+
+def test_image_shape_repeats_each_pixel_and_the_grey_and_keeps_rows_splits_and_serving():
+    small = digits.load(config(num_silos=4, partition="feature_shift"), "silo_2", 0)
+    cfg = config(num_silos=4, partition="feature_shift", image_shape=[3, 32, 32])
+    digits.validate(cfg)
+    large = digits.load(cfg, "silo_2", 0)
+    assert large.input_shape == (3, 32, 32) and large.x_train.dtype == np.float32
+    assert np.array_equal(large.y_train, small.y_train)
+    assert np.array_equal(large.y_test, small.y_test)
+    for channel in range(3):
+        for dy, dx in ((0, 0), (3, 1), (2, 3)):
+            assert np.array_equal(large.x_train[:, channel, dy::4, dx::4], small.x_train[:, 0])
+    # A served model answers on the large images' raw pixels, exactly as the silo trained.
+    assert len(large.raw_columns) == 3 * 32 * 32 and large.raw_columns[-1] == "pixel_3071"
+    rebuilt = large.preprocessing.apply(digits.encode_raw(large.x_test_raw))
+    assert np.array_equal(rebuilt, large.x_test)
+    assert digits.encode_raw(small.x_test_raw).shape == (len(small.y_test), 1, 8, 8)
+    with pytest.raises(DataError, match="digits raw rows"):
+        digits.encode_raw(np.zeros((2, 100)))
 
 
 def test_unknown_silo_is_a_data_error():
