@@ -16,9 +16,9 @@ BLOCK = 1 << 15
 def weighted_mean(deltas: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]) -> State:
     """Per key, sum_i (w_i / sum_j w_j) * delta_i, accumulated in float64 in the given order.
 
-    Block by block: each update's block is scaled into one reused scratch block and added to
-    the accumulator's block while both are in cache, so the deltas are read once, in place, and
-    nothing the size of a delta is allocated but the result."""
+    Block by block: each update's block is scaled (in float64, in one pass) into one reused
+    scratch block and added to the accumulator's block while both are in cache, so the deltas
+    are read once, in place, and nothing the size of a delta is allocated but the result."""
     if not deltas:
         raise ValueError("no updates to aggregate")
     if len(deltas) != len(weights):
@@ -37,8 +37,7 @@ def weighted_mean(deltas: Sequence[Mapping[str, np.ndarray]], weights: Sequence[
             block = flat[start : start + BLOCK]
             scaled = scratch[: block.size]
             for source, scale in zip(sources, scales, strict=True):
-                np.copyto(scaled, source[start : start + BLOCK])
-                scaled *= scale
+                np.multiply(source[start : start + BLOCK], scale, out=scaled, dtype=np.float64)
                 block += scaled
         mean[key] = acc
     return mean
