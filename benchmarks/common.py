@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
+from typing import Any
 
 import ray
+
+from silo_pfl.callbacks import Callback
+from silo_pfl.results import RoundSummary
 
 
 def job_parser(doc: str, default_job: str | None = None) -> argparse.ArgumentParser:
@@ -24,3 +29,26 @@ def start_local_ray() -> None:
     ray.init(
         address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING
     )
+
+
+class RoundClock(Callback):
+    """When the set-up ended (on_start) and when each round ended, its checkpoint included:
+    the time between two round ends is all a round costs the run."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.ends: list[float] = []
+
+    def on_start(self, *args: Any) -> None:
+        self.ends = [time.perf_counter()]
+
+    def on_round_end(self, summary: RoundSummary) -> None:
+        self.ends.append(time.perf_counter())
+
+    def round_seconds(self) -> list[float]:
+        """Each round's seconds, round 1 first."""
+        return [b - a for a, b in zip(self.ends[:-1], self.ends[1:], strict=True)]
+
+    def startup_seconds(self) -> float:
+        """From this clock's creation (just before the run) to the set-up's end."""
+        return self.ends[0] - self.started

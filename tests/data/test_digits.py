@@ -6,12 +6,16 @@ import importlib.util
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from silo_pfl.data import digits, partitioners
+from silo_pfl.data import digits, load_silo_data, partitioners, silo_names
 from silo_pfl.errors import ConfigError, DataError
+from silo_pfl.settings import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def config(**overrides) -> digits.Params:
@@ -40,7 +44,7 @@ def labels() -> np.ndarray:
     ("overrides", "key"),
     [
         ({"num_silos": 0}, "data.num_silos"),
-        ({"num_silos": 90}, "data.num_silos"),
+        ({"num_silos": 129}, "data.num_silos"),
         ({"partition": "random"}, "data.partition"),
         ({"alpha": -1.0}, "data.alpha"),
         ({"classes_per_silo": 0}, "data.classes_per_silo"),
@@ -60,7 +64,32 @@ def test_validate_names_the_key(overrides, key):
 
 def test_validate_accepts_the_defaults_and_the_largest_federation():
     digits.validate(config())
-    digits.validate(config(num_silos=89))
+    digits.validate(config(num_silos=128))
+
+
+def test_num_silos_out_of_range_says_the_range_in_one_line():
+    with pytest.raises(ConfigError) as info:
+        digits.validate(config(num_silos=129))
+    assert str(info.value) == (
+        "data.num_silos: got 129, expected 1 <= value <= 128 (at least 14 of the 1797 digits "
+        "per silo)"
+    )
+
+
+def test_128_pathological_silos_each_hold_both_classes_in_every_split():
+    cfg = load_config(
+        str(ROOT / "jobs" / "digits_label_skew.yaml"),
+        ["algorithm.name=fedavg", "data.num_silos=128"],
+    )
+    assert (cfg.data.partition, cfg.data.classes_per_silo) == ("pathological", 2)
+    silos = [load_silo_data(cfg.data, name, cfg.seed) for name in silo_names(cfg.data)]
+    assert len(silos) == 128
+    for silo in silos:
+        classes = np.unique(all_labels(silo))
+        assert len(classes) == 2, silo.name
+        for split in ("train", "val", "test"):
+            held = np.unique(getattr(silo, f"y_{split}"))
+            assert np.array_equal(held, classes), (silo.name, split, held)
 
 
 def test_shapes_ranges_and_sizes():
@@ -108,7 +137,9 @@ def test_val_carve_depends_on_the_seed():
     )
 
 
-@pytest.mark.parametrize(("num_silos", "k"), [(10, 2), (5, 2), (7, 3), (89, 1), (20, 10), (10, 1)])
+@pytest.mark.parametrize(
+    ("num_silos", "k"), [(10, 2), (5, 2), (7, 3), (128, 1), (128, 2), (20, 10), (10, 1)]
+)
 def test_pathological_gives_each_silo_exactly_k_classes(labels, num_silos, k):
     cfg = config(partition="pathological", num_silos=num_silos, classes_per_silo=k)
     parts = digits.partition(cfg, labels, seed=3)
