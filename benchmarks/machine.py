@@ -13,7 +13,7 @@ import sys
 import time
 
 QUIET_BUSY = 0.15  # the share of all cores' time in use below which the machine counts as quiet
-QUIET_WAIT_S = float(os.environ.get("BENCH_QUIET_WAIT_S", "900"))  # at most, before each measurement
+QUIET_WAIT_S = float(os.environ.get("BENCH_QUIET_WAIT_S", "900"))  # at most, per measurement
 SAMPLE_S = 2.0
 
 

@@ -94,9 +94,12 @@ def task_spans(since: float) -> list[dict[str, Any]]:
 def _execution(task: dict[str, Any]) -> tuple[float, float]:
     """(start, end) of a task's `task::<Class>.<method>` span."""
     spans = task["spans"]
-    if not spans:
-        raise RuntimeError(f"no execution span for task {task.get('name')}: events lost")
-    return spans[0][1], spans[0][2]
+    if spans:
+        return spans[0][1], spans[0][2]
+    states = task["states"]  # a worker killed at the run's end may not have sent its spans yet
+    if RUNNING in states and FINISHED in states:
+        return states[RUNNING], states[FINISHED]
+    raise RuntimeError(f"no execution span for task {task.get('name')}: events lost")
 
 
 def milestones(tasks: list[dict[str, Any]], run_start: float, run_end: float) -> dict[str, float]:
@@ -115,7 +118,7 @@ def milestones(tasks: list[dict[str, Any]], run_start: float, run_end: float) ->
         ("init", max(_execution(t)[1] for t in inits)),
         ("setup", max(_execution(t)[1] for t in named("setup"))),
         ("build", max(_execution(t)[1] for t in named("build"))),
-        ("fit", max(_execution(t)[1] for t in named("fit"))),
+        ("fit", max(_execution(t)[1] for t in named("fit", "fit_many"))),
         ("rest", run_end),
     ]
     phases, previous = {}, run_start
