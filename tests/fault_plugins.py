@@ -1,5 +1,6 @@
 """A plugin for the fault tests (config `plugins: [fault_plugins]`): FedPer whose one silo's
-training turns to NaN in one round, as a silo with corrupt data or a bad update would."""
+training turns to NaN in one round, as a silo with corrupt data or a bad update would, or whose
+fit raises in one round."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from silo_pfl.algorithms.fedper import FedPer, FedPerParams
 
 
 @dataclass
-class NanOnceParams(FedPerParams):
-    """Which silo's training turns to NaN, and in which round."""
+class OnceParams(FedPerParams):
+    """Which silo the fault hits, and in which round."""
 
     silo: str = ""
     round: int = 3
@@ -26,9 +27,9 @@ class NanOnce(FedPer):
     """FedPer, except that `silo`'s loss is NaN in round `round` (and only then)."""
 
     name = "nan_once"
-    Params = NanOnceParams
+    Params = OnceParams
 
-    def __init__(self, params: NanOnceParams, train) -> None:
+    def __init__(self, params: OnceParams, train) -> None:
         super().__init__(params, train)
         self.poison = False
 
@@ -47,22 +48,14 @@ class NanOnce(FedPer):
         return float("nan") * sum(param.sum() for param in model.parameters())
 
 
-@dataclass
-class RaiseOnceParams(FedPerParams):
-    """Which silo's fit raises, and in which round."""
-
-    silo: str = ""
-    round: int = 2
-
-
 @register
 class RaiseOnce(FedPer):
     """FedPer, except that `silo`'s fit raises in round `round` (a bug, a full disk)."""
 
     name = "raise_once"
-    Params = RaiseOnceParams
+    Params = OnceParams
 
-    def __init__(self, params: RaiseOnceParams, train) -> None:
+    def __init__(self, params: OnceParams, train) -> None:
         super().__init__(params, train)
         self.raised = False
 

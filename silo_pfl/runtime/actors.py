@@ -303,8 +303,7 @@ def _collect_the_rest(refs: Any) -> None:
 
 def stop(actors: Sequence[Any]) -> None:
     """Stop actors (a silo's handle stops its worker); they hold no state the run still needs."""
-    hosts = {id(a.host if isinstance(a, SiloHandle) else a): a for a in actors}
-    for actor in hosts.values():
-        actor = actor.host if isinstance(actor, SiloHandle) else actor
+    hosts = [a.host if isinstance(a, SiloHandle) else a for a in actors]
+    for actor in {id(h): h for h in hosts}.values():
         ray.kill(actor, no_restart=True)
         _ROLES.pop(actor._actor_id.hex(), None)

@@ -30,13 +30,13 @@ def per_worker(cfg: FederationConfig, num_silos: int, cpus: float, pinned: bool 
 def pack(cfg: FederationConfig, names: Sequence[str], cpus: float) -> list[list[str]]:
     """The silos of each worker: silos with the same node selector, dealt in order so that
     the groups differ in size by one at most."""
-    by_selector: dict[str, list[str]] = {}
+    by_selector: dict[tuple[tuple[str, str], ...], list[str]] = {}
     for name in names:
-        selector = silo_selector(cfg, name)
-        by_selector.setdefault(repr(sorted((selector or {}).items())), []).append(name)
+        selector = silo_selector(cfg, name) or {}
+        by_selector.setdefault(tuple(sorted(selector.items())), []).append(name)
     groups: list[list[str]] = []
-    for key, members in by_selector.items():
-        k = per_worker(cfg, len(members), cpus, pinned=key != "[]")
+    for selector, members in by_selector.items():
+        k = per_worker(cfg, len(members), cpus, pinned=bool(selector))
         workers = math.ceil(len(members) / k)
         groups.extend(members[i::workers] for i in range(workers))
     return groups
