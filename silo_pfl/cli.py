@@ -1,5 +1,5 @@
 """The command line: `silo-pfl run|submit|config CONFIG [key=value ...]`, `onboard`, `jobs`,
-`stop`, `models`, `report`, `compare`."""
+`stop`, `models`, `report`, `compare`, `keys init|show`."""
 
 from __future__ import annotations
 
@@ -122,6 +122,17 @@ def _parser() -> argparse.ArgumentParser:
     compare = commands.add_parser("compare", help="every algorithm on several jobs: tables, JSON")
     compare_arguments(compare)
     _debug(compare)
+    keys = commands.add_parser(
+        "keys", help="a silo's identity key for secure aggregation, on the silo's own node"
+    )
+    keys.add_argument("action", choices=("init", "show"), help="init: create it; show: print it")
+    keys.add_argument("--federation", required=True, help="the federation's name")
+    keys.add_argument("--silo", required=True, help="this node's silo")
+    keys.add_argument(
+        "--key-dir",
+        help="where the key lives (silos.<silo>.key_dir); default ~/.silo_pfl/keys/FEDERATION/SILO",
+    )
+    _debug(keys)
     return parser
 
 
@@ -289,6 +300,24 @@ def _compare(args: argparse.Namespace) -> int:
     return compare_main(args)
 
 
+def _keys(args: argparse.Namespace) -> int:
+    from silo_pfl.secure import identity
+
+    directory = (
+        Path(args.key_dir).expanduser()
+        if args.key_dir
+        else identity.default_key_dir(args.federation, args.silo)
+    )
+    if args.action == "init":
+        key = identity.create(directory)
+        print(f"created {directory / identity.PRIVATE_FILE}; its public key, for the config:")
+    else:
+        key = identity.load(directory)
+    public = identity.encode_public(identity.public_bytes(key))
+    print(f"silos.{args.silo}.identity_key={public}")
+    return 0
+
+
 COMMANDS = {
     "run": _run,
     "onboard": _onboard,
@@ -299,6 +328,7 @@ COMMANDS = {
     "models": _models,
     "report": _report,
     "compare": _compare,
+    "keys": _keys,
 }
 
 

@@ -96,11 +96,28 @@ class RoundConfig:
 
 
 @dataclass
+class SecureGraphConfig:
+    """SecAgg+ (Bell et al., 2020): each silo pairs with `neighbors` others, not all."""
+
+    neighbors: int | None = None  # peers per silo on a random regular graph; None: every silo
+
+
+@dataclass
 class AggregationConfig:
     """How the server combines the silos' updates."""
 
-    # Pairwise masking (silo_pfl.secure_aggregation): the server sees only the sum of updates.
+    # Secure aggregation (silo_pfl.secure): the server learns only the sum of the updates.
     secure: bool = False
+    # Silos needed at every step of a secure round, and shares that recover a secret;
+    # None: ceil(2N/3) of the N silos. Must be a majority.
+    secure_threshold: int | None = None
+    secure_graph: SecureGraphConfig = field(default_factory=SecureGraphConfig)
+    # A file of every silo's public identity key, lines of "<silo> <base64>"; or list each one
+    # as silos.<name>.identity_key. Neither: the driver relays the keys the silos report.
+    identity_keys: str | None = None
+    # Under secure: bound every value of an update to [-clip, clip] before encoding; None: a
+    # value outside the fixed-point range is an error naming the silo.
+    clip: float | None = None
     # Reject a silo's update whose L2 norm (over every global key) exceeds this; None: no bound.
     max_update_norm: float | None = None
 
@@ -161,6 +178,10 @@ class SiloConfig:
     tracking_uri: str | None = None
     # Ray node labels this silo's actor needs, e.g. {silo: cleveland}; only such a node hosts it.
     node_label: dict[str, str] | None = None
+    # Where its Ed25519 identity lives on its node; None: ~/.silo_pfl/keys/<federation>/<silo>.
+    key_dir: str | None = None
+    # Its public identity key (base64), as `silo-pfl keys show` prints it on its node.
+    identity_key: str | None = None
 
 
 @dataclass
@@ -363,6 +384,17 @@ def check_ranges(cfg: FederationConfig) -> None:
                 "aggregation.max_update_norm: cannot be checked under aggregation.secure, where "
                 "the server sees only masked updates; set it to null or turn secure off"
             )
+    clip = cfg.aggregation.clip
+    if clip is not None:
+        _require(clip > 0, "aggregation.clip", "a number > 0, or null", clip)
+    neighbors = cfg.aggregation.secure_graph.neighbors
+    if neighbors is not None:
+        _require(
+            neighbors >= 2,
+            "aggregation.secure_graph.neighbors",
+            "an integer >= 2, or null",
+            neighbors,
+        )
     server = cfg.server
     if server.lr is not None:
         _require(server.lr > 0, "server.lr", "a number > 0, or null", server.lr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -22,7 +23,7 @@ class SiloInfo:
     input_shape: tuple[int, ...]
     num_classes: int
     node_id: str = ""
-    public_key: bytes = b""  # X25519, only under aggregation.secure
+    identity_key: bytes = b""  # its public Ed25519 identity, only under aggregation.secure
     pid: int = 0  # the silo's process, for operators (and fault tests)
     # Its training rows per class (counts only, for the run report's partition figure); empty
     # under aggregation.secure, where no per-silo statistic leaves the silo.
@@ -62,8 +63,9 @@ class SiloUpdate:
     round: int
     num_examples: int
     delta: dict[str, np.ndarray]
-    masked: np.ndarray | None = None  # uint64, see silo_pfl.secure_aggregation
+    masked: np.ndarray | None = None  # uint64, see silo_pfl.secure
     extras: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    attempt: int = 1  # the round's attempt it was made for
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,9 @@ class RoundReport:
     rejected: dict[str, str]  # silo -> why its update was rejected
     aggregated: bool  # False: no quorum; the global state did not change
     reason: str = ""  # why not aggregated
-    secure_seconds: float = 0.0  # summing and decoding the masked updates, under secure
+    # Under secure: the question the survivors answer before the sum can be unmasked.
+    unmask: Any = None
+    secure_seconds: float = 0.0  # unmasking, summing and decoding the masked updates
 
 
 @dataclass(frozen=True)

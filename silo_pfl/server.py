@@ -17,7 +17,11 @@ from silo_pfl.algorithms import build_algorithm
 from silo_pfl.data import silo_names
 from silo_pfl.messages import RoundReport, SiloUpdate
 from silo_pfl.run_dir import server_dir
-from silo_pfl.secure_aggregation import decode_mean, masked_sum, vector_length
+from silo_pfl.secure.aggregator import SecureAggregator, SecureRoundError
+from silo_pfl.secure.fixed_point import decode_mean, vector_length
+from silo_pfl.secure.identity import configured_keys
+from silo_pfl.secure.messages import Advertisement, Reveal, SealedShares
+from silo_pfl.secure.params import secure_params
 from silo_pfl.server_optimizers import ServerOptimizer
 from silo_pfl.settings import from_dict, split_rules
 from silo_pfl.silo import init_model
@@ -35,8 +39,9 @@ class Server:
     Before aggregating it checks every update; one from a silo not enrolled, for another round,
     sent twice, not matching the global keys, not finite or over aggregation.max_update_norm is
     rejected, naming the silo and the reason, and the round goes on without it if the accepted
-    ones still make a quorum (round.min_silos). Under aggregation.secure it receives only masked
-    vectors and learns only their sum, so every enrolled silo must send one.
+    ones still make a quorum (round.min_silos). Under aggregation.secure it runs the server's
+    side of the protocol (`SecureAggregator`): it receives only masked vectors, and learns only
+    the sum of the survivors' updates, once they have revealed the shares that unmask it.
     """
 
     def __init__(
@@ -62,9 +67,16 @@ class Server:
         }
         self.masked_shape = (vector_length(self.flat_shapes),)  # of every update under secure
         self.secure = self.cfg.aggregation.secure
-        self.enrolled = frozenset(silo_names(self.cfg.data))
-        # Config refuses a smaller quorum under secure aggregation, where every silo is needed.
+        names = silo_names(self.cfg.data)
+        self.enrolled = frozenset(names)
+        self.protocol: SecureAggregator | None = None
         self.quorum = self.cfg.round.min_silos or len(self.enrolled)
+        if self.secure:
+            params = secure_params(self.cfg, names)
+            self.protocol = SecureAggregator(params, configured_keys(self.cfg, names))
+            self.quorum = self.cfg.round.min_silos or params.threshold
+        # Under secure: the accepted masked vectors awaiting their reveals, and the rejected.
+        self._pending: tuple[int, dict[str, np.ndarray], dict[str, str]] | None = None
         self.max_norm = self.cfg.aggregation.max_update_norm
         self.dir = server_dir(self.cfg, run_id)
         self.round = 0  # the last round aggregated
@@ -80,8 +92,23 @@ class Server:
         """What the strategy sends every silo with the global keys (SCAFFOLD's control variate)."""
         return self.strategy.broadcast()
 
+    def _secure(self) -> SecureAggregator:
+        if self.protocol is None:
+            raise RuntimeError("server: aggregation.secure is off")
+        return self.protocol
+
+    def enroll(self, round_: int, attempt: int, adverts: list[Advertisement]) -> None:
+        """Secure aggregation, step 1: the attempt's enrolled silos, whose signed keys came."""
+        self._secure().enroll(round_, attempt, adverts)
+
+    def route(self, bundles: list[SealedShares]) -> dict[str, dict[str, bytes]]:
+        """Secure aggregation, step 2: each silo's inbox of sealed shares; fixes who masks."""
+        return self._secure().route(bundles)
+
     def _check_masked(self, update: SiloUpdate) -> None:
-        """Under secure aggregation only a masked vector of the right length is accepted."""
+        """Under secure aggregation only a masked vector of the right length is accepted, from
+        a silo that shared keys in this round's attempt."""
+        self._secure().check(update.silo, update.round, update.attempt)
         masked = update.masked
         if masked is None or update.delta or update.extras or update.num_examples:
             raise ValueError(
@@ -179,28 +206,53 @@ class Server:
         names = tuple(u.silo for u in accepted)
         missing = sorted(self.enrolled - set(names))
         if len(accepted) < self.quorum:
-            why = "every silo under aggregation.secure" if self.secure else "round.min_silos"
+            why = "aggregation.secure_threshold" if self.secure else "round.min_silos"
             reason = (
                 f"{len(accepted)} of {self.quorum} updates needed ({why}); none from "
                 f"{', '.join(missing)}"
             )
             return RoundReport(round_, names, rejected, False, reason)
+        if self.protocol is not None:
+            request = self.protocol.unmask_request(names)
+            self._pending = (round_, {u.silo: u.masked for u in accepted}, rejected)
+            return RoundReport(round_, names, rejected, False, "awaiting the reveals", request)
+        mean = weighted_mean(
+            [flatten(u.delta, u.extras) for u in accepted], [u.num_examples for u in accepted]
+        )
+        return self._apply(round_, names, rejected, mean)
+
+    def unmask(self, *reveals: Reveal) -> RoundReport:
+        """Secure aggregation, step 4: remove the masks from the pending round's sum with the
+        survivors' reveals, and apply its mean; with too few shares, nothing changes."""
+        if self._pending is None:
+            raise RuntimeError("server: unmask() without a pending secure round")
+        round_, vectors, rejected = self._pending
+        self._pending = None
+        names = tuple(sorted(vectors))
+        began = time.perf_counter()
+        try:
+            total = self._secure().unmask(vectors, list(reveals))
+        except SecureRoundError as exc:
+            log.warning("%s", exc)
+            return RoundReport(round_, names, rejected, False, str(exc))
+        mean = decode_mean(total, self.flat_shapes)
+        return self._apply(round_, names, rejected, mean, time.perf_counter() - began)
+
+    def _apply(
+        self,
+        round_: int,
+        names: tuple[str, ...],
+        rejected: dict[str, str],
+        mean: State,
+        secure_seconds: float = 0.0,
+    ) -> RoundReport:
+        """The round's mean update, through the strategy and the server optimizer."""
         self.round = round_
-        unmasking = 0.0
         if self.state:
-            if self.secure:
-                began = time.perf_counter()
-                mean = decode_mean(masked_sum([u.masked for u in accepted]), self.flat_shapes)
-                unmasking = time.perf_counter() - began
-            else:
-                mean = weighted_mean(
-                    [flatten(u.delta, u.extras) for u in accepted],
-                    [u.num_examples for u in accepted],
-                )
             delta, extras = unflatten(mean, self.strategy.extras)
-            aggregate = Aggregate(delta, extras, len(accepted) / len(self.enrolled))
+            aggregate = Aggregate(delta, extras, len(names) / len(self.enrolled))
             self.state = self.strategy.apply(self.state, aggregate, self.optimizer)
-        return RoundReport(round_, names, rejected, True, secure_seconds=unmasking)
+        return RoundReport(round_, names, rejected, True, secure_seconds=secure_seconds)
 
     def checkpoint(self, round_: int, driver: dict[str, Any]) -> None:
         """Checkpoint, atomically, the global keys and the round, with the driver's part of the

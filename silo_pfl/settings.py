@@ -126,9 +126,36 @@ def _check_model(cfg: FederationConfig) -> None:
     check_hidden(cfg.model.name, cfg.model.hidden)
 
 
+def _check_secure(cfg: FederationConfig, names: list[str]) -> None:
+    """Secure aggregation needs two silos, a majority threshold, a quorum no smaller, and either
+    every silo's identity key or none."""
+    from silo_pfl.secure.identity import configured_keys
+    from silo_pfl.secure.topology import default_threshold
+
+    if len(names) < 2:
+        raise ConfigError(
+            "aggregation.secure: needs at least 2 silos, so that no single update can be unmasked"
+        )
+    threshold = cfg.aggregation.secure_threshold
+    if threshold is not None and not len(names) // 2 < threshold <= len(names):
+        raise ConfigError(
+            f"aggregation.secure_threshold: got {threshold}, expected {len(names) // 2 + 1} to "
+            f"{len(names)} (a majority of the {len(names)} silos, so that no silo's two secrets "
+            "can both be recovered), or null for ceil(2N/3)"
+        )
+    threshold = threshold or default_threshold(len(names))
+    quorum = cfg.round.min_silos
+    if quorum is not None and quorum < threshold:
+        raise ConfigError(
+            f"round.min_silos: got {quorum}, but a secure round needs {threshold} silos "
+            "(aggregation.secure_threshold); raise it or set it to null"
+        )
+    configured_keys(cfg, names)
+
+
 def _check_silos(cfg: FederationConfig) -> None:
     """silos.<name> must name a silo of this federation; store URIs must be usable; secure
-    aggregation needs at least two silos, every one of them in each round."""
+    aggregation's settings must fit its silos."""
     from silo_pfl.tracking.uri import check_uri, resolve_uri
 
     names = silo_names(cfg.data)
@@ -138,15 +165,8 @@ def _check_silos(cfg: FederationConfig) -> None:
             f"round.min_silos: got {quorum}, expected 1 to {len(names)} (the number of silos), "
             "or null for every silo"
         )
-    if cfg.aggregation.secure and quorum is not None and quorum < len(names):
-        raise ConfigError(
-            f"round.min_silos: got {quorum}, but under aggregation.secure every silo's masked "
-            "update is needed (no dropout recovery yet); set it to null or turn secure off"
-        )
-    if cfg.aggregation.secure and len(names) < 2:
-        raise ConfigError(
-            "aggregation.secure: needs at least 2 silos, so that no single update can be unmasked"
-        )
+    if cfg.aggregation.secure:
+        _check_secure(cfg, names)
     every = all_silo_names(cfg.data)
     for silo, settings in cfg.silos.items():
         if silo not in every:

@@ -31,7 +31,7 @@ from silo_pfl.aggregation import flatten
 from silo_pfl.algorithms import build_algorithm
 from silo_pfl.algorithms.base import Phase
 from silo_pfl.config import FederationConfig
-from silo_pfl.data import Preprocessing, SiloData, load_silo_data
+from silo_pfl.data import Preprocessing, SiloData, load_silo_data, silo_names
 from silo_pfl.errors import FederationError
 from silo_pfl.messages import (
     EvalMetrics,
@@ -44,7 +44,11 @@ from silo_pfl.messages import (
 )
 from silo_pfl.models import BodyHeadModel, build_model
 from silo_pfl.run_dir import silo_dir
-from silo_pfl.secure_aggregation import Masker, vector_length
+from silo_pfl.secure import identity
+from silo_pfl.secure.client import SecureClient
+from silo_pfl.secure.fixed_point import vector_length
+from silo_pfl.secure.messages import Advertisement, Reveal, SealedShares, UnmaskRequest
+from silo_pfl.secure.params import secure_params
 from silo_pfl.seeding import derive_seed, rng_state, seed_everything, set_rng_state
 from silo_pfl.settings import from_dict, split_rules
 from silo_pfl.split import Split, compute_split
@@ -54,7 +58,6 @@ CHECKPOINTS = "checkpoints"
 # The selected personalized models: a checkpoint (its state_dict) for each round that kept one,
 # written once when kept; a round's checkpoint names its selected round.
 SELECTED = "selected"
-SECURE_KEY_FILE = "secure_aggregation.key"  # this silo's X25519 private key, mode 0600
 
 
 def init_model(
@@ -110,15 +113,17 @@ class Silo:
         self._selected: EvalMetrics | None = None
         self._selected_report: dict[str, float] = {}  # the algorithm's figures of that model
         self._exporters: dict[str, SiloExporter] = {}
-        self._masker: Masker | None = None
+        self._identity: Any = None  # its Ed25519 identity, under aggregation.secure
+        self._secure: SecureClient | None = None
+        self._secure_bytes = 0  # protocol messages sent since its last fit (keys, shares, reveals)
         self._evaluated: nn.Module | None = None  # the model the last evaluate() judged
         self.committed = 0  # the last round whose state this silo checkpointed
         self._dirty = False  # trained since that commit
         self._global_frozen = False  # adapt(): the silo's own model trains its local keys only
 
     def setup(self, resume: bool = False) -> SiloInfo:
-        """Load this silo's private data; report sizes only. A fresh run starts a fresh
-        directory; `resume` keeps it (and, under secure aggregation, the key pair in it)."""
+        """Load this silo's private data; report sizes only (and, under secure aggregation, the
+        public half of its identity). A fresh run starts a fresh directory; `resume` keeps it."""
         seed_everything(derive_seed(self.cfg.seed, "silo", self.name))
         torch.set_num_threads(self.cfg.train.torch_threads)
         data: SiloData = load_silo_data(self.cfg.data, self.name, self.cfg.seed)
@@ -133,7 +138,9 @@ class Silo:
                 shutil.rmtree(self.dir)
             self.dir.mkdir(parents=True)
         if self.cfg.aggregation.secure:
-            self._masker = self._secure_masker(resume)
+            self._identity = identity.load_or_create(identity.key_dir(self.cfg, self.name))
+            trusted = identity.configured_keys(self.cfg, silo_names(self.cfg.data))
+            identity.check_own(self.name, identity.public_bytes(self._identity), trusted)
         return SiloInfo(
             silo=self.name,
             num_train=data.num_train_total,
@@ -142,35 +149,21 @@ class Silo:
             num_test=len(data.y_test),
             input_shape=data.input_shape,
             num_classes=data.num_classes,
-            public_key=self._masker.public_key() if self._masker else b"",
+            identity_key=identity.public_bytes(self._identity) if self._identity else b"",
             pid=os.getpid(),
             label_counts=() if self.cfg.aggregation.secure else label_counts(data),
         )
-
-    def _secure_masker(self, resume: bool) -> Masker:
-        """This silo's key pair: made on a fresh start and kept in its directory, so that a
-        restarted or resumed silo pairs with its peers again as the same party."""
-        path = self.dir / SECURE_KEY_FILE
-        if resume:
-            if not path.is_file():
-                raise FederationError(f"silo {self.name}: its key {path} is missing; cannot resume")
-            return Masker(self.cfg.name, self.name, path.read_bytes())
-        masker = Masker(self.cfg.name, self.name)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(masker.private_bytes())
-        return masker
 
     def build(
         self,
         input_shape: tuple[int, ...],
         num_classes: int,
-        public_keys: dict[str, bytes] | None = None,
+        identity_keys: dict[str, bytes] | None = None,
     ) -> SplitInfo:
         """Build the federation's model (the classes of all silos) and this silo's split.
 
-        Under secure aggregation, `public_keys` (every silo's) give the keys shared with peers.
-        """
+        Under secure aggregation the silo trusts the identity keys its config lists, or else
+        `identity_keys`, the ones every silo reported, as the driver relays them."""
         if tuple(input_shape) != self.data.input_shape:
             raise ValueError(f"silo {self.name}: inputs {self.data.input_shape}, not {input_shape}")
         self.model = init_model(self.cfg, tuple(input_shape), num_classes)
@@ -180,8 +173,11 @@ class Silo:
         state = self.model.state_dict()
         shapes = {k: tuple(state[k].shape) for k in self.split.global_keys}
         sent = self.split.global_bytes * (1 + len(self.algorithm.Strategy.extras))
-        if self._masker is not None:
-            self._masker.pair_with(public_keys or {})
+        if self._identity is not None:
+            names = silo_names(self.cfg.data)
+            trusted = identity.configured_keys(self.cfg, names) or identity_keys or {}
+            params = secure_params(self.cfg, names)
+            self._secure = SecureClient(params, self.name, self._identity, trusted)
             like = {name: shapes for name in self.algorithm.Strategy.extras}
             sent = 8 * vector_length(flatten(shapes, like))
         if 0 not in checkpoint.rounds(self.dir / CHECKPOINTS):
@@ -197,14 +193,14 @@ class Silo:
         self,
         input_shape: tuple[int, ...],
         num_classes: int,
-        public_keys: dict[str, bytes],
+        identity_keys: dict[str, bytes],
         round_: int,
         exporters: dict[str, SiloExporter] | None = None,
     ) -> RejoinInfo:
         """After a restart: set up again from this silo's own directory, restore bit for bit
         the state it committed in `round_`, and take its exporters back."""
         info = self.setup(resume=True)
-        self.build(input_shape, num_classes, public_keys)
+        self.build(input_shape, num_classes, identity_keys)
         digest = self.restore(round_)
         self.attach(exporters or {})
         return RejoinInfo(self.name, round_, digest, info.pid)
@@ -298,10 +294,13 @@ class Silo:
         round_: int,
         attempt: int = 1,
         broadcast: dict[str, Any] | None = None,
+        inbox: dict[str, bytes] | None = None,
     ) -> tuple[SiloUpdate | None, FitMetrics]:
         """One round of local training from the last committed state, given the global keys and
         what the server's strategy broadcast; returns the delta of the global keys (and the
-        algorithm's extras) only. A silo whose training diverges sends no update, and says why."""
+        algorithm's extras) only. A silo whose training diverges sends no update, and says why.
+        Under secure aggregation the update is masked, with the shares in `inbox` (its peers'
+        sealed shares of this round)."""
         start = time.perf_counter()
         reference = self._begin(global_state)
         self.algorithm.begin_round(self, reference, broadcast or {})
@@ -323,21 +322,47 @@ class Silo:
         self.algorithm.after_fit(self, reference, round_)
         num_examples = len(self.train_xy[1])
         masking = 0.0
-        if self._masker is None:
+        if self._secure is None:
             update = SiloUpdate(self.name, round_, num_examples, payload, extras=extras)
             sent = sum(v.nbytes for v in flatten(payload, extras).values())
         else:
             began = time.perf_counter()
-            masked = self._masker.mask(flatten(payload, extras), num_examples, round_, attempt)
+            masked = self._secure.mask(
+                flatten(payload, extras), num_examples, round_, attempt, inbox or {}
+            )
             masking = time.perf_counter() - began
-            update = SiloUpdate(self.name, round_, 0, {}, masked=masked)
-            sent = masked.nbytes
+            update = SiloUpdate(self.name, round_, 0, {}, masked=masked, attempt=attempt)
+            sent, self._secure_bytes = masked.nbytes + self._secure_bytes, 0
         return update, dataclasses.replace(
             metrics,
             train_seconds=time.perf_counter() - start,
             bytes_sent=sent,
             secure_seconds=masking,
         )
+
+    def _protocol(self) -> SecureClient:
+        if self._secure is None:
+            raise FederationError(f"silo {self.name}: aggregation.secure is off")
+        return self._secure
+
+    def advertise(self, round_: int, attempt: int) -> Advertisement:
+        """Secure aggregation, step 1: this round's signed public keys."""
+        advert = self._protocol().advertise(round_, attempt)
+        self._secure_bytes += len(advert.cipher_key + advert.mask_key + advert.signature)
+        return advert
+
+    def share_keys(self, adverts: list[Advertisement]) -> SealedShares:
+        """Secure aggregation, step 2: check the round's peers, seal shares to them."""
+        shares = self._protocol().share_keys(adverts)
+        self._secure_bytes += sum(len(v) for v in shares.sealed.values())
+        return shares
+
+    def unmask(self, request: UnmaskRequest) -> Reveal:
+        """Secure aggregation, step 4: the shares the server needs to remove the masks (their
+        bytes count towards the next fit's bytes_sent)."""
+        reveal = self._protocol().unmask(request)
+        self._secure_bytes += sum(map(len, [*reveal.seeds.values(), *reveal.mask_keys.values()]))
+        return reveal
 
     def _begin(self, global_state: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Start a round from the last commit, with the round's global keys loaded."""

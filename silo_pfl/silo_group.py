@@ -31,6 +31,9 @@ API = frozenset(
         "attach",
         "export",
         "adapt",
+        "advertise",
+        "share_keys",
+        "unmask",
     }
 )
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from silo_pfl.config import to_dict
+from silo_pfl.messages import FitMetrics, RoundReport, SiloUpdate
 from silo_pfl.server import Server
 from silo_pfl.silo import Silo
 
@@ -21,19 +22,53 @@ def federation(
     config = to_dict(job(JOB, f"algorithm.name={algorithm}", quorum, *overrides))
     members = [Silo(config, name) for name in silos]
     infos = [silo.setup() for silo in members]
-    public = {i.silo: i.public_key for i in infos if i.public_key}
+    identities = {i.silo: i.identity_key for i in infos if i.identity_key}
     for silo in members:
-        silo.build(infos[0].input_shape, infos[0].num_classes, public)
+        silo.build(infos[0].input_shape, infos[0].num_classes, identities)
     return members, Server(config, infos[0].input_shape, infos[0].num_classes)
+
+
+def fit_all(
+    silos: list[Silo], server: Server, round_: int, attempt: int = 1, sent: list | None = None
+) -> list[tuple[SiloUpdate | None, FitMetrics]]:
+    """Every silo's fit on the server's state; under aggregation.secure, after the protocol's
+    first two steps (advertise, share keys), relayed here as the driver would. Everything the
+    silos hand out is appended to `sent`."""
+    sent = [] if sent is None else sent
+    start, broadcast = server.global_state(), server.broadcast()
+    inbox: dict[str, dict[str, bytes]] = {}
+    if server.protocol is not None:
+        adverts = [silo.advertise(round_, attempt) for silo in silos]
+        server.enroll(round_, attempt, adverts)
+        bundles = [silo.share_keys(adverts) for silo in silos]
+        sent += [*adverts, *bundles]
+        inbox = server.route(bundles)
+    fits = [silo.fit(start, round_, attempt, broadcast, inbox.get(silo.name)) for silo in silos]
+    sent += [part for fit in fits for part in fit]
+    return fits
+
+
+def aggregate(
+    silos: list[Silo], server: Server, updates: list[SiloUpdate], sent: list | None = None
+) -> RoundReport:
+    """The server's aggregation; under aggregation.secure, with the survivors' reveals (which
+    are appended to `sent`)."""
+    report = server.aggregate(*updates)
+    if report.unmask is None:
+        return report
+    by_name = {silo.name: silo for silo in silos}
+    reveals = [by_name[n].unmask(report.unmask) for n in report.unmask.survivors]
+    if sent is not None:
+        sent += reveals
+    return server.unmask(*reveals)
 
 
 def play_round(silos: list[Silo], server: Server, round_: int, commit: bool = False):
     """One round; with `commit`, each silo commits it (so the next fit starts from it; without,
     the next fit rolls back to the last commit). Returns the updates, the new global state and
     the evaluations."""
-    start, broadcast = server.global_state(), server.broadcast()
-    updates = [silo.fit(start, round_, 1, broadcast)[0] for silo in silos]
-    assert server.aggregate(*updates).aggregated
+    updates = [update for update, _ in fit_all(silos, server, round_)]
+    assert aggregate(silos, server, updates).aggregated
     state = server.global_state()
     evals = [silo.evaluate(state, round_) for silo in silos]
     if commit:

@@ -199,8 +199,30 @@ def test_min_silos_beyond_the_number_of_silos(tmp_path, capsys, quorum):
 @pytest.mark.parametrize(
     ("option", "key", "reason"),
     [
-        ("round.min_silos=3", "round.min_silos", "got 3, but under aggregation.secure every silo"),
+        ("round.min_silos=2", "round.min_silos", "got 2, but a secure round needs 3 silos"),
         ("aggregation.max_update_norm=1.0", "aggregation.max_update_norm", "cannot be checked"),
+        (
+            "aggregation.secure_threshold=2",
+            "aggregation.secure_threshold",
+            "got 2, expected 3 to 4 (a majority of the 4 silos",
+        ),
+        ("aggregation.secure_threshold=5", "aggregation.secure_threshold", "got 5, expected 3"),
+        (
+            "aggregation.secure_graph.neighbors=1",
+            "aggregation.secure_graph.neighbors",
+            "got 1, expected an integer >= 2",
+        ),
+        ("aggregation.clip=0", "aggregation.clip", "got 0"),
+        (
+            "silos.va.identity_key=bm90IGEga2V5",
+            "silos.cleveland.identity_key",
+            "missing; list every silo's public identity key",
+        ),
+        (
+            "aggregation.identity_keys=/nonexistent/keys.txt",
+            "aggregation.identity_keys",
+            "cannot read /nonexistent/keys.txt",
+        ),
     ],
 )
 def test_what_secure_aggregation_cannot_do_is_refused_at_load(

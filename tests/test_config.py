@@ -183,7 +183,12 @@ def test_config_prints_every_key_with_its_default_and_runs_as_a_job(tmp_path):
     assert printed["data"]["val_fraction"] == 0.2  # the data source's defaults
     assert printed["split"]["local"] == ["head"]  # the rules in force, not null
     assert set(printed["silos"]) == {"cleveland", "hungarian", "switzerland", "va"}
-    assert printed["silos"]["va"] == {"tracking_uri": None, "node_label": None}
+    assert printed["silos"]["va"] == {
+        "tracking_uri": None,
+        "node_label": None,
+        "key_dir": None,
+        "identity_key": None,
+    }
     again = tmp_path / "resolved.yaml"
     again.write_text(done.stdout)
     assert resolved_config(load_config(again)) == printed

@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from plain_federation import aggregate, fit_all
 
 from silo_pfl.config import to_dict
 from silo_pfl.messages import SiloUpdate
@@ -56,22 +57,18 @@ def test_nothing_a_silo_hands_out_holds_a_local_key(job, algorithm, model, sourc
     )
     handed_out = [silo.setup() for silo in silos]
     shape, classes = handed_out[0].input_shape, handed_out[0].num_classes
-    keys = {info.silo: info.public_key for info in handed_out if info.public_key}
+    keys = {info.silo: info.identity_key for info in handed_out if info.identity_key}
     handed_out += [silo.build(shape, classes, keys) for silo in silos]
     server = Server(config, shape, classes)
     local_keys = set(silos[0].split.local_keys)
     assert local_keys, "the algorithm under test keeps some keys local"
     global_state = server.global_state()
     for round_ in (1, 2):
-        updates = []
-        for silo in silos:
-            update, metrics = silo.fit(global_state, round_)
-            updates.append(update)
-            handed_out += [update, metrics]
+        updates = [update for update, _ in fit_all(silos, server, round_, sent=handed_out)]
         local_before = [
             {k: silo.model.state_dict()[k].clone() for k in local_keys} for silo in silos
         ]
-        assert server.aggregate(*updates).aggregated
+        assert aggregate(silos, server, updates, sent=handed_out).aggregated
         global_state = server.global_state()
         for silo, before in zip(silos, local_before, strict=True):
             handed_out.append(silo.evaluate(global_state, round_))

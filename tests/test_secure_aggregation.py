@@ -1,145 +1,403 @@
-"""Secure aggregation: real X25519/HKDF/ChaCha20 from `cryptography`; the server learns the sum."""
+"""Secure aggregation with real Ed25519, X25519, HKDF, AES-CTR and ChaCha20-Poly1305 from
+`cryptography`: the sum is the weighted mean, dropouts are recovered, a lying driver is caught,
+and what the server sees is indistinguishable from noise."""
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from plain_federation import aggregate, federation, fit_all
+from scipy import stats
+from secure_protocol import federation as protocol_federation
+from secure_protocol import run_round
 
 from silo_pfl.aggregation import weighted_mean
-from silo_pfl.config import to_dict
-from silo_pfl.errors import FederationError
+from silo_pfl.cli import main
+from silo_pfl.errors import FederationError, SiloPflError
 from silo_pfl.federation import Federation
 from silo_pfl.messages import SiloUpdate
-from silo_pfl.secure_aggregation import Masker, decode_mean, encode, masked_sum
-from silo_pfl.server import Server
-from silo_pfl.silo import Silo
+from silo_pfl.secure import identity, shamir
+from silo_pfl.secure.aggregator import SecureRoundError
+from silo_pfl.secure.fixed_point import decode_mean, encode, modular_sum
+from silo_pfl.secure.messages import Advertisement, UnmaskRequest, digest
+from silo_pfl.secure.prg import stream
+from silo_pfl.secure.topology import default_threshold, harary, topology
 
 SHAPES = {"body.fc1.weight": (32, 13), "body.fc1.bias": (32,), "head.bias": (2,)}
+HOSPITALS = ("cleveland", "hungarian", "switzerland", "va")
+HEART = "jobs/heart_disease.yaml"
 
 
-def _paired(names: list[str]) -> dict[str, Masker]:
-    maskers = {name: Masker("fed", name) for name in names}
-    keys = {name: m.public_key() for name, m in maskers.items()}
-    for masker in maskers.values():
-        masker.pair_with(keys)
-    return maskers
+def _payloads(names, seed: int = 0) -> dict[str, dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return {n: {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()} for n in names}
 
 
-def _payloads(count: int) -> list[dict[str, np.ndarray]]:
-    rng = np.random.default_rng(0)
-    return [
-        {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()} for _ in range(count)
-    ]
+def _weights(names, seed: int = 1) -> dict[str, int]:
+    rng = np.random.default_rng(seed)
+    return {n: int(rng.integers(1, 1000)) for n in names}
 
 
-def test_the_masked_sum_is_the_weighted_mean_and_no_single_vector_reveals_its_update():
-    names, weights = ["a", "b", "c"], [199, 30, 85]
-    maskers, payloads = _paired(names), _payloads(3)
-    vectors = [
-        maskers[n].mask(p, w, round_=1) for n, p, w in zip(names, payloads, weights, strict=True)
-    ]
-    mean = decode_mean(masked_sum(vectors), SHAPES)
-    expected = weighted_mean(payloads, weights)
+def _assert_mean_of(total, payloads, weights, names) -> None:
+    mean = decode_mean(total, SHAPES)
+    expected = weighted_mean([payloads[n] for n in names], [weights[n] for n in names])
     for key in SHAPES:
         np.testing.assert_allclose(mean[key], expected[key], rtol=0, atol=1e-6)
-    for vector, payload, weight in zip(vectors, payloads, weights, strict=True):
-        plain = encode(payload, weight)
-        assert np.abs(plain.view(np.int64)).max() < 2**40  # what an unmasked update looks like
-        assert np.mean(vector == plain) < 0.01
-        # Masked, every entry is uniform over 2^64: below 2^40 with probability 2^-23.
-        assert np.mean(np.abs(vector.view(np.int64)) < 2**40) < 0.01
-    # Without one silo's vector the masks do not cancel: the rest decode to noise.
-    partial = masked_sum(vectors[:2]).view(np.int64)
-    assert np.mean(np.abs(partial) < 2**40) < 0.01
 
 
-def test_masks_are_fresh_each_round_and_depend_on_the_peers_keys():
-    maskers, (payload,) = _paired(["a", "b"]), _payloads(1)
-    first = maskers["a"].mask(payload, 10, round_=1)
-    second = maskers["a"].mask(payload, 10, round_=2)
-    assert np.mean(first == second) < 0.01
-    other = _paired(["a", "b"])["a"].mask(payload, 10, round_=1)  # new key pairs
-    assert np.mean(first == other) < 0.01
+@pytest.mark.parametrize("count", [2, 3, 10, 25])
+@pytest.mark.parametrize("neighbors", [None, "log"], ids=["full-mesh", "secagg+"])
+def test_the_unmasked_sum_is_the_weighted_mean(count, neighbors):
+    k = None if neighbors is None else int(np.ceil(np.log2(count))) + 1
+    _, clients, server = protocol_federation(count, k)
+    payloads, weights = _payloads(clients, count), _weights(clients, count)
+    total, vectors = run_round(clients, server, payloads, weights)
+    _assert_mean_of(total, payloads, weights, list(clients))
+    if k is not None and k < count - 1:
+        assert {len(p) for p in server.topology.peers.values()} <= {k, k + 1}
+    # The masks alone do not cancel: the plain sum of the masked vectors is noise.
+    plain = modular_sum(list(vectors.values())).view(np.int64)
+    assert np.mean(np.abs(plain[:-1]) < 2**40) < 0.01
 
 
-def test_a_retried_round_masks_afresh_and_a_restarted_silo_masks_as_the_same_party():
-    maskers, payloads = _paired(["a", "b"]), _payloads(2)
-    first = [maskers[n].mask(p, 5, round_=3) for n, p in zip("ab", payloads, strict=True)]
-    retry = [
-        maskers[n].mask(p, 5, round_=3, attempt=2) for n, p in zip("ab", payloads, strict=True)
-    ]
-    assert all(np.mean(x == y) < 0.01 for x, y in zip(first, retry, strict=True))
-    for vectors in (first, retry):
-        mean = decode_mean(masked_sum(vectors), SHAPES)
-        np.testing.assert_allclose(
-            mean["head.bias"], weighted_mean(payloads, [5, 5])["head.bias"], atol=1e-6
-        )
-    # A silo restarted from its saved private key pairs again as the same party.
-    keys = {n: m.public_key() for n, m in maskers.items()}
-    again = Masker("fed", "a", maskers["a"].private_bytes())
-    assert again.public_key() == keys["a"]
-    again.pair_with(keys)
-    assert np.array_equal(again.mask(payloads[0], 5, round_=3), first[0])
+@pytest.mark.parametrize(
+    ("neighbors", "drops"),
+    [
+        (None, {"after_masking": ["s03"]}),
+        (None, {"after_masking": ["s03", "s07"]}),
+        (None, {"before_masking": ["s05"]}),
+        (None, {"before_sharing": ["s01"], "before_masking": ["s05"], "after_masking": ["s08"]}),
+        (6, {"before_masking": ["s02"], "after_masking": ["s09"]}),
+    ],
+    ids=["after-1", "after-2", "before-1", "every-step", "secagg+"],
+)
+def test_dropouts_are_recovered_and_the_survivors_sum_is_exact(neighbors, drops):
+    """A silo lost after sending its masked vector is in the sum (its self mask is rebuilt from
+    its peers' shares); one lost before is not (its pairwise masks are rebuilt from its mask
+    key's shares)."""
+    _, clients, server = protocol_federation(10, neighbors)
+    payloads, weights = _payloads(clients), _weights(clients)
+    total, vectors = run_round(clients, server, payloads, weights, **drops)
+    lost_early = set(drops.get("before_sharing", [])) | set(drops.get("before_masking", []))
+    assert set(vectors) == set(clients) - lost_early
+    _assert_mean_of(total, payloads, weights, sorted(vectors))
 
 
-def test_a_masker_refuses_a_missing_own_key_a_lone_silo_and_an_unpaired_mask():
-    masker, peer = Masker("fed", "a"), Masker("fed", "b")
-    with pytest.raises(FederationError, match="silo a: its own public key"):
-        masker.pair_with({"a": peer.public_key(), "b": peer.public_key()})
-    with pytest.raises(FederationError, match="at least 2 silos"):
-        masker.pair_with({"a": masker.public_key()})
-    with pytest.raises(FederationError, match="before pair_with"):
-        masker.mask(_payloads(1)[0], 1, round_=1)
+def test_below_the_threshold_a_round_fails_at_every_step_and_nothing_is_unmasked():
+    params, clients, server = protocol_federation(6)  # threshold ceil(12/3) = 4
+    assert params.threshold == default_threshold(6) == 4
+    payloads, weights = _payloads(clients), _weights(clients)
+    names = list(clients)
+    adverts = [clients[n].advertise(1, 1) for n in names]
+    with pytest.raises(SecureRoundError, match=r"3 silos at key advertisement, fewer than .*=4"):
+        server.enroll(1, 1, adverts[:3])
+    # Two silos lost after masking, one before: 3 of 6 reveal, 4 shares are needed.
+    with pytest.raises(SecureRoundError, match=r"shares of silo s0\d's .* arrived, 4 needed"):
+        run_round(
+            clients, server, payloads, weights, round_=2, before_masking=["s05"],
+            after_masking=["s01", "s02"],
+        )  # fmt: skip
+    _, clients, server = protocol_federation(6)
+    with pytest.raises(SecureRoundError, match="3 silos at masked input"):
+        run_round(clients, server, payloads, weights, before_masking=["s00", "s01", "s02"])
 
 
-def test_secure_silos_hand_the_server_only_masked_vectors(job):
-    cfg = job("jobs/heart_disease.yaml", "aggregation.secure=true", "algorithm.name=fedavg")
-    config = to_dict(cfg)
-    silos = [Silo(config, name) for name in ("cleveland", "hungarian", "switzerland", "va")]
-    infos = [silo.setup() for silo in silos]
-    keys = {info.silo: info.public_key for info in infos}
-    assert all(len(key) == 32 for key in keys.values())
-    for silo in silos:
-        silo.build(infos[0].input_shape, infos[0].num_classes, keys)
-    server = Server(config, infos[0].input_shape, infos[0].num_classes)
-    start = server.global_state()
-    updates = [silo.fit(start, 1)[0] for silo in silos]
-    for update in updates:
-        assert update.delta == {} and update.num_examples == 0
+def _lying_setup():
+    params, clients, server = protocol_federation(10)
+    adverts = [c.advertise(1, 1) for c in clients.values()]
+    server.enroll(1, 1, adverts)
+    return params, clients, server, adverts
+
+
+def test_a_driver_that_substitutes_a_key_is_caught_and_named():
+    params, clients, _, adverts = _lying_setup()
+    victim = clients["s00"]
+    driver_key = Ed25519PrivateKey.generate()
+    forged = dataclasses.replace(adverts[1], mask_key=adverts[0].mask_key)
+    with pytest.raises(FederationError, match="silo s01: its round keys are not signed by its"):
+        victim.share_keys([adverts[0], forged, *adverts[2:]])
+    resigned = dataclasses.replace(
+        forged, signature=driver_key.sign(forged.signed_bytes(params.federation))
+    )
+    with pytest.raises(FederationError, match="silo s01: its round keys are not signed by its"):
+        victim.share_keys([adverts[0], resigned, *adverts[2:]])
+    stranger = Advertisement("mallory", 1, 1, adverts[1].cipher_key, adverts[1].mask_key)
+    with pytest.raises(FederationError, match="silo mallory: not a silo of federation fed"):
+        victim.share_keys([*adverts, stranger])
+    altered_own = dataclasses.replace(adverts[0], cipher_key=adverts[1].cipher_key)
+    with pytest.raises(FederationError, match="silo s00: its round keys are not signed"):
+        victim.share_keys([altered_own, *adverts[1:]])
+
+
+def test_a_driver_that_shrinks_the_peer_set_is_caught():
+    _, clients, _, adverts = _lying_setup()
+    with pytest.raises(
+        FederationError,
+        match=r"silo s00: the round's peer set has 2 silos \(s00, s01\), fewer than "
+        r"aggregation.secure_threshold=7; refusing to share keys",
+    ):
+        clients["s00"].share_keys(adverts[:2])
+
+
+def test_a_replayed_round_is_refused_at_every_step():
+    _, clients, server, adverts = _lying_setup()
+    a = clients["s00"]
+    with pytest.raises(FederationError, match="silo s00: asked to advertise round 1 attempt 1"):
+        a.advertise(1, 1)
+    bundles = [c.share_keys(adverts) for c in clients.values()]
+    with pytest.raises(FederationError, match="silo s00: refuses to share keys twice"):
+        a.share_keys(adverts)
+    inbox = server.route(bundles)
+    payload = _payloads(["x"])["x"]
+    a.mask(payload, 5, 1, 1, inbox["s00"])
+    with pytest.raises(FederationError, match="refuses to mask round 1 attempt 1 twice"):
+        a.mask(payload, 7, 1, 1, inbox["s00"])
+    names = tuple(sorted(clients))
+    with pytest.raises(FederationError, match="asked for both secrets of s03"):
+        a.unmask(UnmaskRequest(1, 1, names, ("s03",)))
+    a.unmask(UnmaskRequest(1, 1, names, ()))
+    with pytest.raises(FederationError, match="refuses to unmask round 1 attempt 1 twice"):
+        a.unmask(UnmaskRequest(1, 1, names[:-1], names[-1:]))
+    # Round 1's keys offered again in round 2 are refused by the peers.
+    fresh = [c.advertise(2, 1) for c in clients.values()]
+    with pytest.raises(FederationError, match="silo s00: its keys are for round 1 attempt 1"):
+        clients["s01"].share_keys([adverts[0], *fresh[1:]])
+
+
+def test_a_retried_attempt_masks_afresh():
+    _, clients, server = protocol_federation(3)
+    payloads, weights = _payloads(clients), _weights(clients)
+    first, masked_first = run_round(clients, server, payloads, weights, attempt=1)
+    again, masked_again = run_round(clients, server, payloads, weights, attempt=2)
+    assert np.array_equal(first, again)  # the same sum, exactly
+    for name in clients:
+        assert np.mean(masked_first[name] == masked_again[name]) < 0.01
+
+
+def test_the_server_takes_one_masked_vector_per_silo_that_shared_keys():
+    _, clients, server, adverts = _lying_setup()
+    names = sorted(clients)
+    bundles = [clients[n].share_keys(adverts) for n in names[:-1]]  # s09 never shares
+    with pytest.raises(SecureRoundError, match="silo s00: shares not expected"):
+        server.route([bundles[0], *bundles])
+    server.route(bundles)
+    with pytest.raises(ValueError, match="silo s09: not among the silos that shared keys"):
+        server.check("s09", 1, 1)
+    with pytest.raises(ValueError, match="masked for round 1 attempt 2, not round 1 attempt 1"):
+        server.check("s00", 1, 2)
+
+
+def _chi_square_p(vector: np.ndarray) -> float:
+    counts = np.bincount(np.frombuffer(vector.tobytes(), dtype=np.uint8), minlength=256)
+    return float(stats.chisquare(counts).pvalue)
+
+
+def test_what_the_server_sees_is_indistinguishable_from_uniform():
+    """A masked vector alone, and the sum of all but one, against uniform bytes (chi-square)
+    and against the true update (correlation); the plain encoding fails both checks."""
+    _, clients, server = protocol_federation(4)
+    rng = np.random.default_rng(7)
+    shapes = {"w": (40_000,)}
+    payloads = {n: {"w": rng.normal(size=40_000)} for n in clients}
+    weights = dict.fromkeys(clients, 100)
+    adverts = [c.advertise(1, 1) for c in clients.values()]
+    server.enroll(1, 1, adverts)
+    inbox = server.route([c.share_keys(adverts) for c in clients.values()])
+    masked = {n: c.mask(payloads[n], 100, 1, 1, inbox[n]) for n, c in clients.items()}
+    plain = encode(payloads["s00"], 100, 4, "s00")
+    assert _chi_square_p(plain) < 1e-12  # sanity: the check sees structure when there is one
+    assert _chi_square_p(masked["s00"]) > 1e-4
+    partial = modular_sum([masked[n] for n in ("s00", "s01", "s02")])
+    assert _chi_square_p(partial) > 1e-4
+    truth = plain.view(np.int64)[:-1].astype(np.float64)
+    for seen in (masked["s00"], partial):
+        r = np.corrcoef(seen.view(np.int64)[:-1].astype(np.float64), truth)[0, 1]
+        assert abs(r) < 5 / np.sqrt(truth.size)  # 5 standard errors of a zero correlation
+    assert np.corrcoef(truth, truth)[0, 1] > 0.99
+    total = server.unmask(masked, [c.unmask(server.unmask_request(list(masked))) for c in
+                                   clients.values()])  # fmt: skip
+    _assert_weighted(total, payloads, weights, shapes)
+
+
+def _assert_weighted(total, payloads, weights, shapes) -> None:
+    mean = decode_mean(total, shapes)
+    expected = weighted_mean(list(payloads.values()), list(weights.values()))
+    np.testing.assert_allclose(mean["w"], expected["w"], rtol=0, atol=1e-6)
+
+
+def test_shamir_any_threshold_of_the_shares_recover_the_secret_and_fewer_do_not():
+    secret = bytes(range(32))
+    shares = shamir.split(secret, 4, [1, 2, 3, 4, 5, 6])
+    assert shamir.combine({x: shares[x] for x in (2, 3, 5, 6)}, 4) == secret
+    assert shamir.combine({x: shares[x] for x in (1, 4, 5, 6)}, 4) == secret
+    with pytest.raises(ValueError, match="3 shares, 4 needed"):
+        shamir.combine({x: shares[x] for x in (1, 2, 3)}, 4)
+    wrong = {x: shares[x] for x in (1, 2, 3)} | {4: (shares[4] + 1) % shamir.PRIME}
+    assert shamir.combine(wrong, 4) != secret  # three shares and a guess reveal nothing
+
+
+def test_secagg_plus_graph_is_regular_and_chosen_by_the_advertisements():
+    names = [f"s{i:02d}" for i in range(25)]
+    graph = harary(names, 6)
+    assert {len(v) for v in graph.values()} == {6}
+    assert all(a in graph[b] for a in names for b in graph[a])  # undirected
+    first = topology(names, b"a" * 32, 25, 17, 6)
+    second = topology(names, b"b" * 32, 25, 17, 6)
+    assert first.peers != second.peers
+    assert first.threshold == 5  # ceil(7 * 17 / 25): a majority of its 7 holders
+    assert topology(names, b"a" * 32, 25, 17, 6) == first
+    odd = harary(names, 5)  # 25 vertices, odd k: raised to 6
+    assert {len(v) for v in odd.values()} == {6}
+    adverts = [Advertisement(n, 1, 1, b"c", b"m", b"s") for n in names]
+    assert digest(adverts) != digest(
+        [*adverts[:-1], dataclasses.replace(adverts[-1], mask_key=b"x")]
+    )
+
+
+def test_a_value_outside_the_fixed_point_range_is_an_error_naming_the_silo_and_the_bound():
+    payload = {"w": np.array([1.0, 3e9])}
+    with pytest.raises(FederationError, match=r"silo va: .* value of 3e\+11 .* < 2.75e\+10 for 10"):
+        encode(payload, 100, 10, "va")
+    clipped = encode(payload, 100, 10, "va", clip=2.0)
+    assert decode_mean(clipped, {"w": (2,)})["w"].tolist() == [1.0, 2.0]
+    with pytest.raises(FederationError, match="silo va: a weighted update value of inf"):
+        encode({"w": np.array([np.nan])}, 1, 2, "va")
+
+
+def test_mask_streams_are_uniform_and_keyed():
+    a, b = stream(b"k" * 32, 100_000), stream(b"l" * 32, 100_000)
+    assert not np.array_equal(a, b) and np.array_equal(a, stream(b"k" * 32, 100_000))
+    assert _chi_square_p(a) > 1e-4
+
+
+def test_secure_silos_hand_the_server_only_masked_vectors_and_it_checks_them(job):
+    secure = ("aggregation.secure=true", "round.min_silos=3")
+    silos, server = federation(job, "fedavg", *secure, silos=HOSPITALS)
+    start = {k: v.copy() for k, v in server.global_state().items()}
+    fits = fit_all(silos, server, 1)
+    updates = [update for update, _ in fits]
+    for update, metrics in fits:
+        assert update.delta == {} and update.num_examples == 0 and not update.extras
         assert update.masked is not None and update.masked.dtype == np.uint64
-    # The server refuses a plain update outright while secure aggregation is on.
+        # Its masked vector, its round keys and its sealed shares: all it sent.
+        assert metrics.bytes_sent > update.masked.nbytes
     plain = SiloUpdate("va", 1, 85, {k: np.zeros_like(v) for k, v in start.items()})
     refused = server.aggregate(*updates[:3], plain)
     assert "silo va: aggregation.secure is on" in refused.rejected["va"]
-    assert not refused.aggregated and "none from va" in refused.reason
-    assert server.aggregate(*updates).aggregated
-    new_state = server.global_state()
-    # The same silos without masking, trained from the same start, give the same mean.
-    plain_cfg = job("jobs/heart_disease.yaml", "algorithm.name=fedavg")
-    plain_silos = [Silo(to_dict(plain_cfg), s.name) for s in silos]
-    for silo in plain_silos:
-        silo.setup()
-        silo.build(infos[0].input_shape, infos[0].num_classes)
-    plain_updates = [silo.fit(start, 1)[0] for silo in plain_silos]
+    assert refused.unmask is not None and refused.unmask.survivors == HOSPITALS[:3]
+    server.unmask(*[s.unmask(refused.unmask) for s in silos[:3]])  # unmasks round 1 (3 silos)
+    # va's vector of round 1, replayed in round 2 before any keys were shared, is refused.
+    late = dataclasses.replace(updates[3], round=2)
+    refused = server.aggregate(late).rejected["va"]
+    assert refused.endswith("masked for round 2 attempt 1, not round 1 attempt 1")
+    plain_silos, plain_server = federation(job, "fedavg", silos=HOSPITALS)
+    plain_fits = fit_all(plain_silos, plain_server, 1)
     expected = weighted_mean(
-        [u.delta for u in plain_updates], [u.num_examples for u in plain_updates]
+        [u.delta for u, _ in plain_fits[:3]], [u.num_examples for u, _ in plain_fits[:3]]
     )
-    for key, value in new_state.items():
+    for key, value in server.global_state().items():
         np.testing.assert_allclose(value, start[key] + expected[key], rtol=0, atol=1e-6)
+
+
+def test_a_whole_secure_round_on_the_silo_and_server_classes(job):
+    silos, server = federation(job, "fedavg", "aggregation.secure=true", silos=HOSPITALS)
+    report = aggregate(silos, server, [u for u, _ in fit_all(silos, server, 1)])
+    assert report.aggregated and report.accepted == HOSPITALS and report.secure_seconds > 0
+
+
+def _identities(tmp_path, names) -> tuple[dict[str, str], str]:
+    """A key directory per silo, and the operator's file of their public keys."""
+    dirs, lines = {}, []
+    for name in names:
+        folder = tmp_path / "keys" / name
+        key = identity.create(folder)
+        dirs[name] = str(folder)
+        lines.append(f"{name} {identity.encode_public(identity.public_bytes(key))}")
+    path = tmp_path / "identities.txt"
+    path.write_text("# distributed out of band\n" + "\n".join(lines) + "\n")
+    return dirs, str(path)
+
+
+def test_configured_identities_are_checked_by_each_silo_and_the_server(job, tmp_path):
+    dirs, keys_file = _identities(tmp_path, HOSPITALS)
+    options = [f"silos.{n}.key_dir={d}" for n, d in dirs.items()]
+    silos, server = federation(
+        job, "fedavg", "aggregation.secure=true", f"aggregation.identity_keys={keys_file}",
+        *options, silos=HOSPITALS,
+    )  # fmt: skip
+    report = aggregate(silos, server, [u for u, _ in fit_all(silos, server, 1)])
+    assert report.aggregated
+    # The driver cannot pass off keys of its own for va: every silo checks the listed key.
+    impostor = identity.create(tmp_path / "impostor")
+    silos[3]._identity = impostor
+    silos[3]._secure._identity = impostor
+    adverts = [s.advertise(2, 1) for s in silos]
+    with pytest.raises(FederationError, match="silo va: its round keys are not signed"):
+        server.enroll(2, 1, adverts)
+    with pytest.raises(FederationError, match="silo va: its round keys are not signed"):
+        silos[0].share_keys(adverts)
+    # A silo whose key directory holds another key refuses to start.
+    wrong = [*options[:3], f"silos.va.key_dir={tmp_path / 'impostor'}"]
+    with pytest.raises(SiloPflError, match="silo va: its identity key is not the one the config"):
+        federation(
+            job, "fedavg", "aggregation.secure=true", f"aggregation.identity_keys={keys_file}",
+            *wrong, silos=HOSPITALS,
+        )  # fmt: skip
+
+
+def test_keys_init_makes_a_key_once_and_show_prints_it(tmp_path, capsys):
+    where = ["--federation", "fed", "--silo", "va", "--key-dir", str(tmp_path / "va")]
+    assert main(["keys", "init", *where]) == 0
+    created = capsys.readouterr().out.splitlines()
+    assert created[1].startswith("silos.va.identity_key=")
+    assert (tmp_path / "va" / identity.PRIVATE_FILE).stat().st_mode & 0o777 == 0o600
+    assert main(["keys", "show", *where]) == 0
+    assert capsys.readouterr().out.splitlines() == created[1:]
+    assert main(["keys", "init", *where]) == 1
+    assert "an identity key exists already" in capsys.readouterr().err
+    missing = ["--federation", "fed", "--silo", "x", "--key-dir", str(tmp_path / "x")]
+    assert main(["keys", "show", *missing]) == 1
+    assert "no identity key; create it with silo-pfl keys init" in capsys.readouterr().err
 
 
 @pytest.mark.usefixtures("ray_local")
 def test_a_secure_federation_matches_the_plain_one(job):
-    """(That two secure runs with fresh keys agree bit for bit is shown by test_faults: a killed
-    and resumed secure run equals an uninterrupted one.)"""
+    """The masks cancel exactly: fresh keys every round, the same global state."""
     overrides = ("algorithm.name=fedavg", "rounds=3", "tracking.enabled=false")
     plain = Federation(job("jobs/heart_disease.yaml", *overrides)).run()
-    secure = [
-        Federation(job("jobs/heart_disease.yaml", *overrides, "aggregation.secure=true")).run()
-    ]
-    a, p = (np.load(r.global_state_path) for r in (*secure, plain))
+    secure = Federation(job("jobs/heart_disease.yaml", *overrides, "aggregation.secure=true")).run()
+    a, p = (np.load(r.global_state_path) for r in (secure, plain))
     for key in p.files:
         np.testing.assert_allclose(a[key], p[key], rtol=0, atol=1e-5)
-    assert secure[0].test_accuracies == plain.test_accuracies
+    assert secure.test_accuracies == plain.test_accuracies
     vector_bytes = 8 * (sum(p[k].size for k in p.files) + 1)  # every global value, then weight
-    assert {s.bytes_sent_per_round for s in secure[0].silos.values()} == {vector_bytes}
+    assert {s.bytes_sent_per_round for s in secure.silos.values()} == {vector_bytes}
+
+
+def test_identity_key_errors_name_the_silo_or_the_file(job, tmp_path):
+    _, keys_file = _identities(tmp_path, HOSPITALS)
+    text = Path(keys_file).read_text()
+    va_key = text.splitlines()[-1].split()[1]
+    bad = tmp_path / "bad.txt"
+    bad.write_text(text.replace(va_key, "not-base64!"))
+    with pytest.raises(SiloPflError, match=r"identity_keys \(.*bad.txt\), silo va: not an Ed25519"):
+        job(HEART, "aggregation.secure=true", f"aggregation.identity_keys={bad}")
+    bad.write_text(text + "mallory AAAA\n")
+    with pytest.raises(SiloPflError, match="bad.txt lists mallory, not a silo of this federation"):
+        job(HEART, "aggregation.secure=true", f"aggregation.identity_keys={bad}")
+    bad.write_text(text + "va\n")
+    with pytest.raises(SiloPflError, match="bad.txt line 6: expected one '<silo> <base64 key>'"):
+        job(HEART, "aggregation.secure=true", f"aggregation.identity_keys={bad}")
+    # silos.<name>.identity_key overrides the file's line for that silo.
+    cfg = job(
+        HEART, "aggregation.secure=true", f"aggregation.identity_keys={keys_file}",
+        "silos.va.identity_key=" + text.splitlines()[1].split()[1],
+    )  # fmt: skip
+    assert (
+        identity.configured_keys(cfg, list(HOSPITALS))["va"]
+        == identity.configured_keys(cfg, list(HOSPITALS))["cleveland"]
+    )

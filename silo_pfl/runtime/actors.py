@@ -20,6 +20,8 @@ from silo_pfl.errors import FederationError, SiloPflError, one_line
 from silo_pfl.messages import CallFailed, RoundReport, SiloUpdate
 from silo_pfl.runtime.metrics import ServerMetrics, SiloMetrics
 from silo_pfl.runtime.placement import actor_options, server_selector, silo_selector
+from silo_pfl.secure.aggregator import SecureRoundError
+from silo_pfl.secure.messages import Advertisement, Reveal, SealedShares
 from silo_pfl.server import Server
 from silo_pfl.silo_group import API, SiloGroup
 
@@ -64,28 +66,26 @@ class SiloHost:
             recorder.evaluate(result)
         return result
 
-    def fit_many(
+    def many(
         self,
+        method: str,
         names: Sequence[str],
-        global_state: dict[str, Any],
-        round_: int,
-        attempt: int,
-        broadcast: dict[str, Any],
+        each: int,
+        per_silo: Mapping[str, Any] | None,
+        *args: Any,
     ) -> Any:
-        """A round's fit of each of `names`, one after another: update and metrics of each."""
+        """`method` of each of `names`, one after another (called with num_returns=each *
+        len(names)): each silo's `each` answers, or its error `each` times. `per_silo` gives
+        each silo one more argument of its own, after `args`."""
         answers: list[Any] = []
         for name in names:
-            answer = self._guarded(name, "fit", global_state, round_, attempt, broadcast)
-            answers.extend((answer, answer) if isinstance(answer, CallFailed) else answer)
+            own = (per_silo[name],) if per_silo is not None else ()
+            answer = self._guarded(name, method, *args, *own)
+            if each == 1:
+                answers.append(answer)
+            else:
+                answers.extend((answer,) * each if isinstance(answer, CallFailed) else answer)
         return _returns(answers)
-
-    def evaluate_many(self, names: Sequence[str], global_state: dict[str, Any], round_: int) -> Any:
-        """A round's evaluation of each of `names` on the new global state."""
-        return _returns([self._guarded(n, "evaluate", global_state, round_) for n in names])
-
-    def commit_many(self, names: Sequence[str], round_: int, keep: dict[str, bool]) -> Any:
-        """Each of `names` commits `round_`, keeping its evaluated model if `keep` says so."""
-        return _returns([self._guarded(n, "commit", round_, keep[n]) for n in names])
 
     def _guarded(self, name: str, method: str, *args: Any) -> Any:
         """One silo's call in a call made for several: its error is its answer, not theirs."""
@@ -101,17 +101,25 @@ def _returns(values: list[Any]) -> Any:
 
 
 def call_many(
-    handles: Mapping[str, SiloHandle], method: str, *args: Any, each: int = 1
+    handles: Mapping[str, SiloHandle],
+    method: str,
+    *args: Any,
+    each: int = 1,
+    per_silo: Mapping[str, Any] | None = None,
 ) -> dict[str, list[Any]]:
-    """`<method>_many` on every worker of `handles`, one call for all its silos there; the refs
-    of each silo's `each` answers, which arrive when its worker's call ends."""
+    """`method` of every silo of `handles`, one call (`SiloHost.many`, named `<method>_many`)
+    per worker for all its silos there; the refs of each silo's `each` answers, which arrive
+    when its worker's call ends. `per_silo[name]` is an argument for that silo only."""
     by_host: dict[Any, tuple[Any, list[str]]] = {}
     for name, handle in handles.items():
         by_host.setdefault(handle.host._actor_id, (handle.host, []))[1].append(name)
     refs: dict[str, list[Any]] = {}
     for host, names in by_host.values():
         count = each * len(names)
-        out = getattr(host, f"{method}_many").options(num_returns=count).remote(names, *args)
+        own = {n: per_silo[n] for n in names} if per_silo is not None else None
+        out = host.many.options(num_returns=count, name=f"{method}_many").remote(
+            method, names, each, own, *args
+        )
         out = [out] if count == 1 else list(out)
         refs.update({name: out[i * each : (i + 1) * each] for i, name in enumerate(names)})
     return refs
@@ -187,10 +195,31 @@ class ServerHost:
     def aggregate(self, *updates: SiloUpdate) -> tuple[RoundReport, Any, Any]:
         """The round's report, and what the next step reads (call with num_returns=3): the
         global keys and the strategy's broadcast as they now are, aggregated or not."""
-        report = self.server.aggregate(*updates)
-        if self.metrics is not None:
+        return self._reported(self.server.aggregate(*updates))
+
+    def unmask(self, *reveals: Reveal) -> tuple[RoundReport, Any, Any]:
+        """Secure aggregation's last step; returns like `aggregate`."""
+        return self._reported(self.server.unmask(*reveals))
+
+    def _reported(self, report: RoundReport) -> tuple[RoundReport, Any, Any]:
+        if self.metrics is not None and report.unmask is None:
             self.metrics.aggregated(report)
         return report, self.server.global_state(), self.server.broadcast()
+
+    def enroll(self, round_: int, attempt: int, adverts: list[Advertisement]) -> str:
+        """Secure aggregation, step 1; '' or why the attempt cannot go on."""
+        try:
+            self.server.enroll(round_, attempt, adverts)
+        except SecureRoundError as exc:
+            return str(exc)
+        return ""
+
+    def route(self, bundles: list[SealedShares]) -> dict[str, dict[str, bytes]] | str:
+        """Secure aggregation, step 2: the silos' inboxes, or why the attempt cannot go on."""
+        try:
+            return self.server.route(bundles)
+        except SecureRoundError as exc:
+            return str(exc)
 
     def checkpoint(self, round_: int, driver: dict[str, Any]) -> None:
         self.server.checkpoint(round_, driver)

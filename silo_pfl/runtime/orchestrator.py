@@ -35,6 +35,7 @@ from silo_pfl.runtime.placement import (
 )
 from silo_pfl.runtime.rounds import Party, Rejoin, RoundRunner
 from silo_pfl.runtime.session import ray_session
+from silo_pfl.secure.identity import relayed
 from silo_pfl.selection import Selector
 
 GLOBAL_STATE_FILE = "global_state.npz"
@@ -105,9 +106,9 @@ class Orchestrator:
                 infos = self._each(actors, names, "setup", "silo set-up", resuming)
                 input_shape, num_classes = model_shape(infos)
                 built = server.build.remote(input_shape, num_classes)
-                public_keys = {i.silo: i.public_key for i in infos if i.public_key}
+                identity_keys = relayed(self.cfg, {i.silo: i.identity_key for i in infos})
                 split: SplitInfo = self._each(
-                    actors, names, "build", "silo model", input_shape, num_classes, public_keys
+                    actors, names, "build", "silo model", input_shape, num_classes, identity_keys
                 )[0]
                 get(built, "the server's model", self.timeout)
                 silos = {n: actors[n] for n in names}
@@ -122,7 +123,7 @@ class Orchestrator:
                 else:
                     self._checkpoint(server, 0, parties, selector, history)
                 exporting = attach_exporters(self.callbacks, infos, actors, self.timeout)
-                rejoin = Rejoin(input_shape, num_classes, public_keys, exporting)
+                rejoin = Rejoin(input_shape, num_classes, identity_keys, exporting)
                 runner = RoundRunner(self.cfg, server, parties, rejoin, selector, metrics)
                 for round_ in range(len(history) + 1, self.cfg.rounds + 1):
                     self._emit("on_round_start", round_)

@@ -27,7 +27,8 @@ from silo_pfl.config import FederationConfig
 from silo_pfl.errors import FederationError, one_line
 from silo_pfl.messages import CallFailed, EvalMetrics, FitMetrics, RejoinInfo, RoundReport
 from silo_pfl.results import RoundSummary
-from silo_pfl.runtime.actors import call_many, get, task_error_cause
+from silo_pfl.runtime.actors import call_many, task_error_cause
+from silo_pfl.runtime.aggregation_steps import PlainSteps, SecureSteps
 from silo_pfl.runtime.metrics import DriverMetrics, NoMetrics
 from silo_pfl.selection import Selector
 
@@ -52,7 +53,7 @@ class Rejoin:
 
     input_shape: tuple[int, ...]
     num_classes: int
-    public_keys: dict[str, bytes] = field(default_factory=dict)
+    identity_keys: dict[str, bytes] = field(default_factory=dict)  # under aggregation.secure
     exporters: dict[str, dict[str, Any]] = field(default_factory=dict)  # silo -> its exporters
 
 
@@ -123,6 +124,8 @@ class RoundRunner:
         self.metrics = metrics or NoMetrics()
         # The server's global keys and broadcast as its last aggregation left them (refs).
         self.inputs: tuple[Any, Any] | None = None
+        steps = SecureSteps if cfg.aggregation.secure else PlainSteps
+        self.steps = steps(server, gather, self.timeout)
 
     def run(self, round_: int) -> RoundSummary:
         """Run `round_` until an attempt has a quorum; fail, naming who was missing, if none."""
@@ -154,7 +157,7 @@ class RoundRunner:
                 n: self.parties[n].actor.rejoin.remote(
                     args.input_shape,
                     args.num_classes,
-                    args.public_keys,
+                    args.identity_keys,
                     self.parties[n].committed,
                     args.exporters.get(n, {}),
                 )
@@ -187,8 +190,23 @@ class RoundRunner:
         if self.inputs is None:
             self.inputs = (self.server.global_state.remote(), self.server.broadcast.remote())
         global_ref, broadcast_ref = self.inputs
-        fit_refs = call_many(live, "fit", global_ref, round_, attempt, broadcast_ref, each=2)
+        prepared = self.steps.prepare(live, round_, attempt)
+        self._mark_dead(prepared.died)
+        if prepared.failure:
+            return prepared.failure + _reasons(prepared.absent)
+        fitting = live if prepared.inbox is None else {n: live[n] for n in prepared.inbox}
+        fit_refs = call_many(
+            fitting,
+            "fit",
+            global_ref,
+            round_,
+            attempt,
+            broadcast_ref,
+            each=2,
+            per_silo=prepared.inbox,
+        )
         fits, absent, died = gather({n: m for n, (_, m) in fit_refs.items()}, self.timeout)
+        absent.update(prepared.absent)
         absent.update({n: "not running (restart pending)" for n in self.parties if n not in live})
         sent: dict[str, FitMetrics] = {}
         for name, metrics in fits.items():
@@ -196,11 +214,10 @@ class RoundRunner:
                 absent[name] = metrics.withheld
             else:
                 sent[name] = metrics
-        report_ref, *inputs = self.server.aggregate.options(num_returns=3).remote(
-            *[fit_refs[n][0] for n in sent]
-        )
-        report: RoundReport = get(report_ref, f"round {round_}: aggregation", self.timeout)
-        self.inputs = (inputs[0], inputs[1])
+        aggregated = self.steps.aggregate(live, [fit_refs[n][0] for n in sent], round_)
+        report = aggregated.report
+        self.inputs = aggregated.inputs
+        died |= aggregated.died
         self._record_fits(fits, absent, died, report)
         absent.update(report.rejected)
         self._mark_dead(died)

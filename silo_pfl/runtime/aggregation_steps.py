@@ -1,0 +1,94 @@
+"""How a round's updates reach the server's sum: in the clear, or by secure aggregation.
+
+Plain: the silos fit, the server aggregates. Secure (silo_pfl.secure): before the fit the
+silos advertise signed keys and share sealed secrets, relayed through the server, which fixes
+who may mask; after the fit the survivors reveal the shares that unmask the sum. The driver
+only relays: every message is signed or sealed between silos, or is a share the server may see.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from silo_pfl.messages import RoundReport
+from silo_pfl.runtime.actors import call_many, get
+
+log = logging.getLogger("silo_pfl.rounds")
+
+
+@dataclass
+class Prepared:
+    """What a round's fit starts from: each fitting silo's own input (None: every live silo
+    fits, with none), who was lost on the way, and why the attempt cannot go on, if so."""
+
+    inbox: dict[str, Any] | None = None
+    absent: dict[str, str] = field(default_factory=dict)
+    died: set[str] = field(default_factory=set)
+    failure: str = ""
+
+
+@dataclass
+class Aggregated:
+    """The server's report, the refs of its global keys and broadcast, and who was lost."""
+
+    report: RoundReport
+    inputs: tuple[Any, Any]
+    absent: dict[str, str] = field(default_factory=dict)
+    died: set[str] = field(default_factory=set)
+
+
+class PlainSteps:
+    """Updates in the clear: nothing before the fit, one call to aggregate."""
+
+    def __init__(self, server: Any, gather: Any, timeout: float) -> None:
+        self.server, self.gather, self.timeout = server, gather, timeout
+
+    def prepare(self, live: dict[str, Any], round_: int, attempt: int) -> Prepared:
+        return Prepared()
+
+    def aggregate(self, live: dict[str, Any], updates: list[Any], round_: int) -> Aggregated:
+        report_ref, *inputs = self.server.aggregate.options(num_returns=3).remote(*updates)
+        report = get(report_ref, f"round {round_}: aggregation", self.timeout)
+        return Aggregated(report, (inputs[0], inputs[1]))
+
+
+class SecureSteps(PlainSteps):
+    """Bonawitz et al.'s four steps around the fit: advertise, share keys, (mask), unmask."""
+
+    def prepare(self, live: dict[str, Any], round_: int, attempt: int) -> Prepared:
+        refs = call_many(live, "advertise", round_, attempt)
+        adverts, absent, died = self.gather({n: r for n, (r,) in refs.items()}, self.timeout)
+        what = f"round {round_}: secure enrolment"
+        failure = get(
+            self.server.enroll.remote(round_, attempt, list(adverts.values())), what, self.timeout
+        )
+        if failure:
+            return Prepared({}, absent, died, failure)
+        enrolled = {n: live[n] for n in adverts}
+        refs = call_many(enrolled, "share_keys", list(adverts.values()))
+        bundles, lost, gone = self.gather({n: r for n, (r,) in refs.items()}, self.timeout)
+        absent.update({n: f"could not share keys: {r}" for n, r in lost.items()})
+        routed = get(
+            self.server.route.remote(list(bundles.values())),
+            f"round {round_}: routing shares",
+            self.timeout,
+        )
+        if isinstance(routed, str):
+            return Prepared({}, absent, died | gone, routed)
+        return Prepared(routed, absent, died | gone)
+
+    def aggregate(self, live: dict[str, Any], updates: list[Any], round_: int) -> Aggregated:
+        first = super().aggregate(live, updates, round_)
+        request = first.report.unmask
+        if request is None:
+            return first
+        survivors = {n: live[n] for n in request.survivors}
+        refs = call_many(survivors, "unmask", request)
+        reveals, absent, died = self.gather({n: r for n, (r,) in refs.items()}, self.timeout)
+        for name, reason in sorted(absent.items()):
+            log.warning("round %d: silo %s revealed no shares: %s", round_, name, reason)
+        report_ref, *inputs = self.server.unmask.options(num_returns=3).remote(*reveals.values())
+        report = get(report_ref, f"round {round_}: unmasking", self.timeout)
+        return Aggregated(report, (inputs[0], inputs[1]), {}, died)

@@ -1,0 +1,78 @@
+"""The fixed-point encoding of a weighted update as integers modulo 2^64, and its decoding."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from silo_pfl.errors import FederationError
+
+FRACTION_BITS = 24  # a value v is sent as round(v * 2^24) modulo 2^64
+SCALE = float(1 << FRACTION_BITS)
+SUM_BITS = 62  # the sum over every silo stays below 2^62 in magnitude: it never wraps
+
+
+def bound(parties: int) -> float:
+    """The largest |weight * value| one of `parties` silos may send."""
+    return 2.0 ** (SUM_BITS - FRACTION_BITS) / parties
+
+
+def encode(
+    payload: Mapping[str, np.ndarray],
+    weight: int,
+    parties: int,
+    silo: str,
+    clip: float | None = None,
+) -> np.ndarray:
+    """weight * payload (keys in sorted order, flattened) in fixed point, then the weight, as
+    uint64. `clip` first bounds each value to [-clip, clip]. A value outside the encodable range
+    (see `bound`) is an error naming the silo, never a silent wrap."""
+    flat = np.concatenate(
+        [np.asarray(payload[k], dtype=np.float64).ravel() for k in sorted(payload)] + [np.zeros(0)]
+    )
+    if clip is not None:
+        np.clip(flat, -clip, clip, out=flat)
+    flat *= weight
+    limit = bound(parties)
+    if flat.size and not np.all(np.abs(flat) < limit):
+        worst = float(np.max(np.abs(np.nan_to_num(flat, nan=np.inf))))
+        raise FederationError(
+            f"silo {silo}: a weighted update value of {worst:.3g} is outside secure aggregation's "
+            f"fixed-point range (|num_examples x value| < {limit:.3g} for {parties} silos); set "
+            "aggregation.clip, or lower train.lr"
+        )
+    flat *= SCALE
+    fixed = np.rint(flat, out=flat).astype(np.int64)
+    return np.append(fixed, np.int64(weight)).view(np.uint64)
+
+
+def vector_length(shapes: Mapping[str, tuple[int, ...]]) -> int:
+    """Entries in one masked vector: every value, then the weight."""
+    return sum(int(np.prod(shape, dtype=np.int64)) for shape in shapes.values()) + 1
+
+
+def modular_sum(vectors: Sequence[np.ndarray]) -> np.ndarray:
+    """The sum of vectors modulo 2^64 (uint64 addition wraps)."""
+    total = vectors[0].copy()
+    for vector in vectors[1:]:
+        total += vector
+    return total
+
+
+def decode_mean(total: np.ndarray, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """From the unmasked sum of the silos' vectors, sum(w_i * x_i) / sum(w_i) per key (float64)."""
+    signed = total.view(np.int64)
+    weight = int(signed[-1])
+    if weight < 1:
+        raise ValueError(f"secure aggregation: the weights sum to {weight}, expected >= 1")
+    flat = signed[:-1].astype(np.float64)
+    flat /= SCALE * weight
+    mean, start = {}, 0
+    for key in sorted(shapes):
+        size = int(np.prod(shapes[key], dtype=np.int64))
+        mean[key] = flat[start : start + size].reshape(shapes[key])
+        start += size
+    if start != flat.size:
+        raise ValueError(f"secure aggregation: {flat.size} values for {start} expected")
+    return mean

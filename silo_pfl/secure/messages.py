@@ -1,0 +1,64 @@
+"""What the secure-aggregation protocol's steps send, each bound to its round and attempt."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Advertisement:
+    """Step 1: a silo's two fresh X25519 public keys for one round, signed by its identity."""
+
+    silo: str
+    round: int
+    attempt: int
+    cipher_key: bytes  # seals the shares it sends and receives
+    mask_key: bytes  # agrees the pairwise masks
+    signature: bytes = b""
+
+    def signed_bytes(self, federation: str) -> bytes:
+        head = f"silo_pfl secagg advertise|{federation}|{self.silo}|{self.round}|{self.attempt}|"
+        return head.encode() + self.cipher_key + self.mask_key
+
+
+def digest(adverts: Sequence[Advertisement]) -> bytes:
+    """A hash of every advertisement of a round, signatures included: orders SecAgg+'s graph."""
+    h = hashlib.sha256()
+    for advert in sorted(adverts, key=lambda a: a.silo):
+        for part in (advert.silo.encode(), advert.cipher_key, advert.mask_key, advert.signature):
+            h.update(len(part).to_bytes(4, "big") + part)
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class SealedShares:
+    """Step 2: a silo's shares of its self-mask seed and mask key, sealed to each holder."""
+
+    silo: str
+    round: int
+    attempt: int
+    sealed: dict[str, bytes]  # holder -> AEAD ciphertext
+
+
+@dataclass(frozen=True)
+class UnmaskRequest:
+    """Step 4: whose masked vectors arrived (survivors) and who dropped after step 2."""
+
+    round: int
+    attempt: int
+    survivors: tuple[str, ...]
+    dropped: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Reveal:
+    """Step 4's answer: the shares a survivor holds, of survivors' self-mask seeds and of the
+    dropped silos' mask keys (never both for one silo)."""
+
+    silo: str
+    round: int
+    attempt: int
+    seeds: dict[str, bytes]  # survivor -> share of its self-mask seed
+    mask_keys: dict[str, bytes]  # dropped silo -> share of its mask key

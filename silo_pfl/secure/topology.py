@@ -1,0 +1,75 @@
+"""Who pairs with whom in one round, and how many shares recover a secret.
+
+Full mesh: every enrolled silo pairs with every other, and a secret is recovered from
+aggregation.secure_threshold shares. SecAgg+ (aggregation.secure_graph.neighbors=k): each
+silo pairs only with its k neighbours on a Harary graph H(k, n) whose vertex order is a hash
+of the round's signed key advertisements, so no coordinator can choose it; a secret is shared
+among the silo and its neighbours, and recovered from a proportional share of them (always a
+majority, so that no one can obtain both of a silo's secrets).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+def default_threshold(silos: int) -> int:
+    """ceil(2N/3): a majority that tolerates a third of the silos dropping."""
+    return math.ceil(2 * silos / 3)
+
+
+def harary(order: Sequence[str], k: int) -> dict[str, frozenset[str]]:
+    """The k-regular Harary graph on `order` (a ring, each joined to its k/2 nearest on either
+    side, and across for an odd k); k is raised by one if k and the count are both odd."""
+    n = len(order)
+    if k >= n - 1:
+        return {a: frozenset(order) - {a} for a in order}
+    if k % 2 and n % 2:
+        k += 1
+    edges: dict[str, set[str]] = {a: set() for a in order}
+    for i, a in enumerate(order):
+        for step in range(1, k // 2 + 1):
+            b = order[(i + step) % n]
+            edges[a].add(b)
+            edges[b].add(a)
+        if k % 2:
+            b = order[(i + n // 2) % n]
+            edges[a].add(b)
+            edges[b].add(a)
+    return {a: frozenset(b) for a, b in edges.items()}
+
+
+@dataclass(frozen=True)
+class Topology:
+    """One round's pairing: each enrolled silo's peers and the share threshold of its secrets."""
+
+    enrolled: tuple[str, ...]
+    peers: dict[str, frozenset[str]]
+    threshold: int  # shares that recover one silo's secret
+    survivors: int  # silos needed at every step (aggregation.secure_threshold)
+
+    def holders(self, silo: str) -> frozenset[str]:
+        """Who holds a share of `silo`'s secrets: itself and its peers."""
+        return self.peers[silo] | {silo}
+
+
+def topology(
+    enrolled: Sequence[str],
+    digest: bytes,
+    federation_size: int,
+    threshold: int,
+    neighbors: int | None,
+) -> Topology:
+    """The round's topology over `enrolled`; `digest` (of the advertisements) orders the graph."""
+    names = tuple(sorted(enrolled))
+    if neighbors is None or neighbors >= len(names) - 1:
+        peers = {a: frozenset(names) - {a} for a in names}
+        return Topology(names, peers, threshold, threshold)
+    order = sorted(names, key=lambda a: hashlib.sha256(digest + a.encode()).digest())
+    peers = harary(order, neighbors)
+    holders = len(next(iter(peers.values()))) + 1
+    share_threshold = max(holders // 2 + 1, math.ceil(holders * threshold / federation_size))
+    return Topology(names, peers, min(share_threshold, holders), threshold)

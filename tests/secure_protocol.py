@@ -1,0 +1,55 @@
+"""Run the secure-aggregation protocol in one process, with silos that drop at a chosen step."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from silo_pfl.secure import identity
+from silo_pfl.secure.aggregator import SecureAggregator
+from silo_pfl.secure.client import SecureClient
+from silo_pfl.secure.params import SecureParams
+from silo_pfl.secure.topology import default_threshold
+
+
+def federation(
+    count: int, neighbors: int | None = None, threshold: int | None = None
+) -> tuple[SecureParams, dict[str, SecureClient], SecureAggregator]:
+    """`count` silos with fresh identities, each trusting the others' public keys."""
+    names = [f"s{i:02d}" for i in range(count)]
+    params = SecureParams("fed", tuple(names), threshold or default_threshold(count), neighbors)
+    keys = {name: Ed25519PrivateKey.generate() for name in names}
+    trusted = {name: identity.public_bytes(key) for name, key in keys.items()}
+    clients = {name: SecureClient(params, name, keys[name], trusted) for name in names}
+    return params, clients, SecureAggregator(params, trusted)
+
+
+def run_round(
+    clients: Mapping[str, SecureClient],
+    server: SecureAggregator,
+    payloads: Mapping[str, dict[str, np.ndarray]],
+    weights: Mapping[str, int],
+    round_: int = 1,
+    attempt: int = 1,
+    before_sharing: Sequence[str] = (),
+    before_masking: Sequence[str] = (),
+    after_masking: Sequence[str] = (),
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """One round; silos named in a drop list stop before that step. Returns the unmasked sum
+    and every masked vector the server received."""
+    adverts = [c.advertise(round_, attempt) for c in clients.values()]
+    server.enroll(round_, attempt, adverts)
+    sharing = [n for n in clients if n not in before_sharing]
+    bundles = [clients[n].share_keys(adverts) for n in sharing]
+    inbox = server.route(bundles)
+    masking = [n for n in sharing if n not in before_masking]
+    vectors = {
+        n: clients[n].mask(payloads[n], weights[n], round_, attempt, inbox[n]) for n in masking
+    }
+    for name in masking:
+        server.check(name, round_, attempt)
+    request = server.unmask_request(list(vectors))
+    reveals = [clients[n].unmask(request) for n in masking if n not in after_masking]
+    return server.unmask(vectors, reveals), vectors
