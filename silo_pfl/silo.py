@@ -115,7 +115,7 @@ class Silo:
         self._exporters: dict[str, SiloExporter] = {}
         self._identity: Any = None  # its Ed25519 identity, under aggregation.secure
         self._secure: SecureClient | None = None
-        self._secure_bytes = 0  # protocol messages sent since its last fit (keys, shares, reveals)
+        self._secure_bytes = 0  # its round keys and sealed shares, sent before this attempt's fit
         self._evaluated: nn.Module | None = None  # the model the last evaluate() judged
         self.committed = 0  # the last round whose state this silo checkpointed
         self._dirty = False  # trained since that commit
@@ -315,7 +315,10 @@ class Silo:
                 "If it persists, lower train.lr or the local epochs"
             )
             seconds = time.perf_counter() - start
-            return None, dataclasses.replace(metrics, train_seconds=seconds, withheld=reason)
+            sent, self._secure_bytes = self._secure_bytes, 0
+            return None, dataclasses.replace(
+                metrics, train_seconds=seconds, withheld=reason, bytes_sent=sent
+            )
         delta = {k: (state[k] - reference[k]).numpy() for k in self.split.global_keys}
         extras = self.algorithm.update_extras(self, reference)
         payload = self.split.outgoing(delta, extras)
@@ -358,11 +361,9 @@ class Silo:
         return shares
 
     def unmask(self, request: UnmaskRequest) -> Reveal:
-        """Secure aggregation, step 4: the shares the server needs to remove the masks (their
-        bytes count towards the next fit's bytes_sent)."""
-        reveal = self._protocol().unmask(request)
-        self._secure_bytes += sum(map(len, [*reveal.seeds.values(), *reveal.mask_keys.values()]))
-        return reveal
+        """Secure aggregation, step 4: the shares the server needs to remove the masks (after
+        the fit, so not in its bytes_sent: 66 bytes a share)."""
+        return self._protocol().unmask(request)
 
     def _begin(self, global_state: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Start a round from the last commit, with the round's global keys loaded."""

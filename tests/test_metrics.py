@@ -215,8 +215,13 @@ def test_prometheus_scrapes_every_metric_of_a_run_with_its_tags(tmp_path, ray_tm
         assert all(v > 0 for v in values(name).values()), (name, values(name))
     per_round = result["silos"]["silo_0"]["bytes_sent_per_round"]
     sent = values("silo_pfl_silo_bytes_sent")
-    # silo_0 sent in every attempt (4); silo_1 withheld one (3)
-    assert sent == {"silo_0": 4 * per_round, "silo_1": 3 * per_round}
+    # Every attempt (4), each silo sent its signed round keys and its sealed shares to the other;
+    # silo_0 sent its masked vector every time, silo_1 withheld one.
+    keys_and_shares = 32 + 32 + 64 + (2 * 66 + 16) * (len(SILOS) - 1)
+    assert sent == {
+        "silo_0": 4 * (per_round + keys_and_shares),
+        "silo_1": 3 * per_round + 4 * keys_and_shares,
+    }
     straggler = found["silo_pfl_straggler_seconds"]
     assert all(float(s["value"][1]) >= 0 for s in straggler)
     left_out = {
