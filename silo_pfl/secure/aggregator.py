@@ -13,10 +13,9 @@ from silo_pfl.errors import FederationError
 from silo_pfl.secure import shamir
 from silo_pfl.secure.agreement import mask_key
 from silo_pfl.secure.client import verify
-from silo_pfl.secure.fixed_point import modular_sum
 from silo_pfl.secure.messages import Advertisement, Reveal, SealedShares, UnmaskRequest, digest
 from silo_pfl.secure.params import SecureParams
-from silo_pfl.secure.prg import apply_stream
+from silo_pfl.secure.prg import apply_streams
 from silo_pfl.secure.topology import Topology, topology
 
 
@@ -141,12 +140,12 @@ class SecureAggregator:
         request, plan = self.request, self.topology
         if request is None or plan is None or set(vectors) != set(request.survivors):
             raise SecureRoundError(f"round {self.round}: unmask without its request")
-        seeds, keys = self._recover(reveals)
-        total = modular_sum([vectors[name] for name in request.survivors])
-        for seed in seeds.values():
-            apply_stream(total, seed, -1)
+        seeds, keys_of_dropped = self._recover(reveals)
+        first, *others = (vectors[name] for name in request.survivors)
+        total = first.copy()
+        keys = [(seed, -1) for seed in seeds.values()]
         survivors = set(request.survivors)
-        for gone, raw in keys.items():
+        for gone, raw in keys_of_dropped.items():
             private = X25519PrivateKey.from_private_bytes(raw)
             for peer in sorted(plan.peers[gone] & survivors):
                 key = mask_key(
@@ -158,5 +157,6 @@ class SecureAggregator:
                     gone,
                     peer,
                 )
-                apply_stream(total, key, -1 if peer < gone else +1)
+                keys.append((key, -1 if peer < gone else +1))
+        apply_streams(total, keys, plus=others)
         return total

@@ -31,7 +31,7 @@ from silo_pfl.secure.messages import (
     digest,
 )
 from silo_pfl.secure.params import SecureParams
-from silo_pfl.secure.prg import apply_stream
+from silo_pfl.secure.prg import apply_streams
 from silo_pfl.secure.topology import Topology, topology
 
 
@@ -223,7 +223,7 @@ class SecureClient:
             )
         state.masked = True
         vector = encode(payload, weight, len(self.params.silos), self.silo, self.params.clip)
-        apply_stream(vector, state.seed, +1)
+        keys = [(state.seed, +1)]
         for peer in state.paired:
             key = mask_key(
                 state.mask,
@@ -234,7 +234,8 @@ class SecureClient:
                 self.silo,
                 peer,
             )
-            apply_stream(vector, key, +1 if self.silo < peer else -1)
+            keys.append((key, +1 if self.silo < peer else -1))
+        apply_streams(vector, keys)
         return vector
 
     def unmask(self, request: UnmaskRequest) -> Reveal:

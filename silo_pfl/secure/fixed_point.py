@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -33,31 +33,26 @@ def encode(
     )
     if clip is not None:
         np.clip(flat, -clip, clip, out=flat)
-    flat *= weight
+    flat *= weight * SCALE
     limit = bound(parties)
-    if flat.size and not np.all(np.abs(flat) < limit):
-        worst = float(np.max(np.abs(np.nan_to_num(flat, nan=np.inf))))
+    scaled_limit = limit * SCALE
+    if flat.size and not (-scaled_limit < float(flat.min()) and float(flat.max()) < scaled_limit):
+        worst = float(np.max(np.abs(np.nan_to_num(flat, nan=np.inf)))) / SCALE
         raise FederationError(
             f"silo {silo}: a weighted update value of {worst:.3g} is outside secure aggregation's "
             f"fixed-point range (|num_examples x value| < {limit:.3g} for {parties} silos); set "
             "aggregation.clip, or lower train.lr"
         )
-    flat *= SCALE
-    fixed = np.rint(flat, out=flat).astype(np.int64)
-    return np.append(fixed, np.int64(weight)).view(np.uint64)
+    encoded = np.empty(flat.size + 1, dtype=np.int64)
+    np.rint(flat, out=flat)
+    encoded[:-1] = flat
+    encoded[-1] = weight
+    return encoded.view(np.uint64)
 
 
 def vector_length(shapes: Mapping[str, tuple[int, ...]]) -> int:
     """Entries in one masked vector: every value, then the weight."""
     return sum(int(np.prod(shape, dtype=np.int64)) for shape in shapes.values()) + 1
-
-
-def modular_sum(vectors: Sequence[np.ndarray]) -> np.ndarray:
-    """The sum of vectors modulo 2^64 (uint64 addition wraps)."""
-    total = vectors[0].copy()
-    for vector in vectors[1:]:
-        total += vector
-    return total
 
 
 def decode_mean(total: np.ndarray, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
