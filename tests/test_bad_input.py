@@ -310,7 +310,7 @@ DATA_CASES = [
     ),
     pytest.param(
         _cells(7, -1, "2"),
-        "hungarian.csv: label column 'label', data row 7 (line 8): 2 is not a class index; "
+        "hungarian.csv: label column 'label', data row 7 (line 8): not a class index; "
         "labels must be integers 0..1 (data.num_classes=2)",
         id="label-out-of-range",
     ),

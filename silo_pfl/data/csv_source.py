@@ -169,13 +169,12 @@ class _Table:
             value = float("nan")
         if not math.isfinite(value) and column == self.label_column:
             raise self.error(
-                f"label column {column!r}, data row {row} (line {line}): {cell.strip()!r} is not "
-                f"a class index; {self._allowed()}"
+                f"label column {column!r}, data row {row} (line {line}): not a class index; "
+                f"{self._allowed()}"
             )
         if not math.isfinite(value):
             raise self.error(
-                f"column {column!r}, data row {row} (line {line}): {cell.strip()!r} is not a "
-                "finite number"
+                f"column {column!r}, data row {row} (line {line}): not a finite number"
             )
         return value
 
@@ -187,7 +186,7 @@ class _Table:
             row = int(np.flatnonzero(bad)[0]) + 1
             raise self.error(
                 f"label column {self.label_column!r}, data row {row} (line {lines[row - 1]}): "
-                f"{values[row - 1]:g} is not a class index; {self._allowed()}"
+                f"not a class index; {self._allowed()}"
             )
         return values.astype(np.int64)
 
