@@ -31,7 +31,7 @@ from silo_pfl.aggregation import flatten
 from silo_pfl.algorithms import build_algorithm
 from silo_pfl.algorithms.base import Phase
 from silo_pfl.config import FederationConfig
-from silo_pfl.data import Preprocessing, SiloData, load_silo_data, silo_names
+from silo_pfl.data import Preprocessing, SiloData, input_example, load_silo_data, silo_names
 from silo_pfl.errors import FederationError
 from silo_pfl.messages import (
     EvalMetrics,
@@ -83,7 +83,7 @@ class PersonalizedModel:
     num_classes: int
     preprocessing: Preprocessing
     raw_columns: tuple[str, ...]  # the raw layout the model answers on (see data.raw_encoder)
-    example: np.ndarray  # one raw row: the column-wise lower median of the silo's test rows
+    example: np.ndarray  # a synthetic raw row from the schema (data.input_example), no real value
     outcome: SiloOutcome
 
 
@@ -469,9 +469,6 @@ class Silo:
 
     def personalized(self) -> PersonalizedModel:
         """The selected personalized model, with what it takes to answer on raw rows."""
-        raw = self.data.x_test_raw
-        if raw is None or not len(raw):
-            raise RuntimeError(f"silo {self.name}: its data source gives no raw test rows")
         return PersonalizedModel(
             silo=self.name,
             config=self.cfg,
@@ -480,7 +477,7 @@ class Silo:
             num_classes=self.num_classes,
             preprocessing=self.data.preprocessing,
             raw_columns=self.data.raw_columns,
-            example=np.quantile(raw, 0.5, axis=0, method="lower")[None, :],
+            example=input_example(self.cfg.data.source, self.data.raw_columns),
             outcome=self.outcome(),
         )
 

@@ -113,6 +113,13 @@ def load_silo_data(cfg: DataConfig, silo: str, seed: int) -> SiloData:
     )
 
 
+def input_example(source: str, raw_columns: tuple[str, ...]) -> np.ndarray:
+    """A served model's input example, made from the schema alone, never from a row: a source's
+    own `example_row` (valid codes for categorical columns), else zeros (1, columns)."""
+    made = getattr(SOURCES[source], "example_row", None)
+    return made() if made is not None else np.zeros((1, len(raw_columns)))
+
+
 def raw_encoder(source: str) -> Callable[[np.ndarray], np.ndarray]:
     """The source's map from raw rows (SiloData.raw_columns) to inputs before Preprocessing."""
     if source not in SOURCES:

@@ -95,6 +95,12 @@ def read_complete_rows(silo: str) -> tuple[np.ndarray, np.ndarray]:
     return table[:, :-1], (table[:, -1] > 0).astype(np.int64)
 
 
+def example_row() -> np.ndarray:
+    """A synthetic raw row for a served model's signature: 0 in every numeric column (no
+    patient is 0 years old) and each categorical column's first code."""
+    return np.array([[CATEGORIES[n][0] if n in CATEGORIES else 0.0 for n in RAW_COLUMNS]])
+
+
 def encode_raw(rows: np.ndarray) -> np.ndarray:
     """Map raw rows (n, 10) in RAW_COLUMNS order to the 13 FEATURE_NAMES columns (float64)."""
     rows = np.asarray(rows, dtype=np.float64)

@@ -16,6 +16,7 @@ from typing import Any
 import ray
 
 from silo_pfl.config import FederationConfig
+from silo_pfl.config_views import actor_view
 from silo_pfl.errors import FederationError, SiloPflError, one_line
 from silo_pfl.messages import CallFailed, RoundReport, SiloUpdate
 from silo_pfl.runtime.metrics import ServerMetrics, SiloMetrics
@@ -239,7 +240,8 @@ def start_silos(
     metric_tags: dict[str, str] | None = None,
 ) -> dict[str, SiloHandle]:
     """Start a worker per group of silos (see runtime.packing), on a node carrying their label
-    if they have one; return a handle per silo. With `metric_tags` they record live metrics."""
+    if they have one; return a handle per silo. Each worker is given only its silos' view of
+    `config` (config_views.actor_view). With `metric_tags` they record live metrics."""
     handles: dict[str, SiloHandle] = {}
     for names in groups:
         options: dict[str, Any] = {
@@ -247,9 +249,9 @@ def start_silos(
             "max_restarts": SILO_MAX_RESTARTS,
         }
         options.update(actor_options(silo_selector(cfg, names[0])))
-        host = (
-            ray.remote(SiloHost).options(**options).remote(config, list(names), run_id, metric_tags)
-        )
+        view = actor_view(config, names)
+        host = ray.remote(SiloHost).options(**options)
+        host = host.remote(view, list(names), run_id, metric_tags)
         who = f"silo {names[0]}" if len(names) == 1 else f"the worker of silos {', '.join(names)}"
         _named(host, who)
         handles.update({name: SiloHandle(host, name) for name in names})
@@ -278,7 +280,8 @@ def start_server(
     `build` gives it its model once the silos' shapes are known."""
     options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
     options.update(actor_options(server_selector(cfg), cfg.ray.placement == "per_node"))
-    actor = ray.remote(ServerHost).options(**options).remote(config, run_id, metric_tags)
+    view = actor_view(config, ())
+    actor = ray.remote(ServerHost).options(**options).remote(view, run_id, metric_tags)
     return _named(actor, "the server")
 
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig, to_dict
+from silo_pfl.config_views import logged_view
 from silo_pfl.errors import one_line
 from silo_pfl.messages import SiloInfo, SplitInfo, model_shape
 from silo_pfl.results import FederationResult, RoundSummary
@@ -51,14 +52,15 @@ FINAL_METRICS = ("mean_test_accuracy", "worst_test_accuracy", "std_test_accuracy
 
 
 def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-    """Nested config -> {"train.lr": "0.05", ...}; store URIs without passwords."""
+    """Nested config (its config_views.logged_view) -> {"train.lr": "0.05", ...}; data.paths
+    only as the names of the silos that have one."""
     flat: dict[str, str] = {}
     for key, value in config.items():
         name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
+        if name == "data.paths" and isinstance(value, Mapping):
+            flat[name] = ",".join(value)
+        elif isinstance(value, Mapping) and value:
             flat.update(flatten(value, f"{name}."))
-        elif name == "tracking.uri" or name.endswith(".tracking_uri"):
-            flat[name] = redact(str(value))
         else:
             flat[name] = str(value)[:MAX_PARAM_LENGTH]
     return flat
@@ -185,7 +187,7 @@ class MlflowTracker(Callback):
             tags.update({registry.RUN_KIND: registry.ONBOARD_RUN, TRAINED_RUN: self.trained_run})
         run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
         self.run_id = run.info.run_id
-        resolved = to_dict(config)
+        resolved = logged_view(to_dict(config))
         params = [Param(k, v) for k, v in flatten(resolved).items()]
         for start in range(0, len(params), MAX_PARAMS_PER_BATCH):
             batch = params[start : start + MAX_PARAMS_PER_BATCH]

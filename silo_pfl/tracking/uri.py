@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from silo_pfl.errors import ConfigError
 
@@ -68,10 +68,21 @@ def artifact_dir(uri: str, experiment: str) -> Path | None:
     return None if path is None else path.resolve().parent / ARTIFACTS_DIR / experiment
 
 
+# Query parameters whose values are secrets (e.g. ?token=..., ?sslpassword=..., &sig=...).
+SECRET_QUERY = re.compile(r"(token|password|passwd|secret|key|sig|signature|auth|credential)", re.I)
+
+
 def redact(uri: str) -> str:
-    """The URI without a password, for params, results and messages."""
+    """The URI without its password or secret query values, for params, results and messages."""
     parts = urlsplit(uri)
-    if parts.password is None:
-        return uri
-    netloc = re.sub(r":[^:@]*@", ":***@", parts.netloc, count=1)
-    return urlunsplit(parts._replace(netloc=netloc))
+    redacted = uri
+    if parts.password is not None:
+        netloc = re.sub(r":[^:@]*@", ":***@", parts.netloc, count=1)
+        redacted = redacted.replace(parts.netloc, netloc, 1)
+    query = "&".join(
+        f"{name}=***" if sep and SECRET_QUERY.search(name) else f"{name}{sep}{value}"
+        for name, sep, value in (item.partition("=") for item in parts.query.split("&"))
+    )
+    if query != parts.query:
+        redacted = redacted.replace(f"?{parts.query}", f"?{query}", 1)
+    return redacted
