@@ -373,11 +373,15 @@ def test_keys_init_makes_a_key_once_and_show_prints_it(tmp_path, capsys):
 
 
 @pytest.mark.usefixtures("ray_local")
-def test_a_secure_federation_matches_the_plain_one(job):
-    """The masks cancel exactly: fresh keys every round, the same global state."""
+@pytest.mark.parametrize(
+    "graph", [[], ["aggregation.secure_graph.neighbors=2"]], ids=["mesh", "k2"]
+)
+def test_a_secure_federation_matches_the_plain_one(job, graph):
+    """The masks cancel exactly: fresh keys every round, the same global state; also when each
+    hospital pairs with only 2 of the 3 others (SecAgg+)."""
     overrides = ("algorithm.name=fedavg", "rounds=3", "tracking.enabled=false")
-    plain = Federation(job("jobs/heart_disease.yaml", *overrides)).run()
-    secure = Federation(job("jobs/heart_disease.yaml", *overrides, "aggregation.secure=true")).run()
+    plain = Federation(job(HEART, *overrides)).run()
+    secure = Federation(job(HEART, *overrides, "aggregation.secure=true", *graph)).run()
     a, p = (np.load(r.global_state_path) for r in (secure, plain))
     for key in p.files:
         np.testing.assert_allclose(a[key], p[key], rtol=0, atol=1e-5)
