@@ -98,6 +98,12 @@ def _parser() -> argparse.ArgumentParser:
         help="MLflow store; default $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db",
     )
     models.add_argument("--all", action="store_true", help="every version, not only aliased ones")
+    models.add_argument(
+        "--local",
+        metavar="DIR",
+        help="list instead the models kept in silos' own directories under DIR (e.g. a node's "
+        "output_dir; privacy.central_models=global_only or none)",
+    )
     _debug(models)
     report = commands.add_parser(
         "report", help="a tracked run's HTML report with figures, also logged to the run"
@@ -180,9 +186,14 @@ def _run(args: argparse.Namespace) -> int:
         print_results_line(result.to_dict())
     tracked = result.extras.get("mlflow")
     if tracked:
+        models = (
+            f"silo-pfl models --federation {config.name}"
+            if config.privacy.central_models == "full"
+            else f"kept by each silo (silo-pfl models --local {config.output_dir})"
+        )
         print(
             f"mlflow: run {tracked['run_id']} in experiment {tracked['experiment']} at "
-            f"{tracked['tracking_uri']}; models: silo-pfl models --federation {config.name}"
+            f"{tracked['tracking_uri']}; models: {models}"
         )
     print(f"run {result.run_id}: {result.run_dir}")
     return 0
@@ -279,9 +290,12 @@ def _stop(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from silo_pfl.tracking.listing import models_table
+    from silo_pfl.tracking.listing import local_models_table, models_table
 
-    print(models_table(args.tracking_uri, args.federation, args.all))
+    if args.local:
+        print(local_models_table(args.local, args.federation))
+    else:
+        print(models_table(args.tracking_uri, args.federation, args.all))
     return 0
 
 

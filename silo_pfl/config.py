@@ -152,6 +152,21 @@ class TrackingConfig:
     report: bool = True
 
 
+CENTRAL_MODELS = ("full", "global_only", "none")
+
+
+@dataclass
+class PrivacyConfig:
+    """What reaches the central store (tracking.uri); see the README's privacy section."""
+
+    # full: each silo's personalized model (its local layers and normalisation statistics
+    # included) is registered there, unless silos.<name>.tracking_uri names the silo's own store;
+    # global_only: only the global layers (the run's global_model artifact); each silo's model
+    # goes to its own store, or stays in its directory on its node (silo-pfl models --local);
+    # none: no model and no per-silo statistic; the central run keeps params and metrics.
+    central_models: str = "full"
+
+
 @dataclass
 class MetricsConfig:
     """Live metrics (ray.util.metrics) through Ray's metrics endpoint, for Prometheus/Grafana."""
@@ -221,6 +236,7 @@ class FederationConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     silos: dict[str, SiloConfig] = field(default_factory=dict)  # silo name -> its settings
     # Python modules every process (driver, silos, server) imports before reading the rest of
@@ -384,6 +400,12 @@ def check_ranges(cfg: FederationConfig) -> None:
                 "aggregation.max_update_norm: cannot be checked under aggregation.secure, where "
                 "the server sees only masked updates; set it to null or turn secure off"
             )
+    _require(
+        cfg.privacy.central_models in CENTRAL_MODELS,
+        "privacy.central_models",
+        f"one of {', '.join(CENTRAL_MODELS)}",
+        cfg.privacy.central_models,
+    )
     clip = cfg.aggregation.clip
     if clip is not None:
         _require(clip > 0, "aggregation.clip", "a number > 0, or null", clip)

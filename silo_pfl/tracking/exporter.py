@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -172,18 +173,15 @@ def _known_packages(requirements: list[str]) -> Iterator[None]:
         cache._PACKAGES_TO_MODULES = None
 
 
-def write_model(
-    model: PersonalizedModel, model_id: str, run_id: str, location: str, uri: str
-) -> None:
-    """Save the silo's pyfunc model and upload its files to a logged model's artifact location.
+def save_pyfunc(model: PersonalizedModel, path: Path, mlflow_model: Any = None) -> None:
+    """Save the silo's pyfunc model (signature, synthetic input example, pinned requirements)
+    to the directory `path`.
 
     Requirements are given, not inferred, and the input example is not re-run: inferring and
     re-running would cost seconds per silo.
     """
     import mlflow.pyfunc
     import pandas as pd
-    from mlflow.models import Model
-    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
     from silo_pfl.tracking.pyfunc import STATE_ARTIFACT, SiloPyfunc, signature
 
@@ -200,8 +198,8 @@ def write_model(
         algorithm=dataclasses.asdict(cfg)["algorithm"],
     )
     requirements = _requirements()
-    with tempfile.TemporaryDirectory() as tmp, _known_packages(requirements):
-        path = Path(tmp) / MODEL_NAME
+    outcome = model.outcome
+    with _known_packages(requirements):
         mlflow.pyfunc.save_model(
             path,
             python_model=python_model,
@@ -209,8 +207,57 @@ def write_model(
             signature=signature(model.raw_columns),
             input_example=pd.DataFrame(model.example, columns=list(model.raw_columns)),
             pip_requirements=requirements,
-            mlflow_model=Model(
-                artifact_path=location, run_id=run_id, model_uuid=model_id, model_id=model_id
-            ),
+            mlflow_model=mlflow_model,
+            metadata={
+                registry.FEDERATION: cfg.name,
+                registry.SILO: model.silo,
+                registry.ALGORITHM: cfg.algorithm["name"],
+                registry.ROUND: outcome.selected_round,
+                registry.VAL_ACCURACY: outcome.val_accuracy,
+                registry.TEST_ACCURACY: outcome.test_accuracy,
+            },
         )
+
+
+def write_model(
+    model: PersonalizedModel, model_id: str, run_id: str, location: str, uri: str
+) -> None:
+    """Save the silo's pyfunc model and upload its files to a logged model's artifact location."""
+    from mlflow.models import Model
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / MODEL_NAME
+        saved_as = Model(
+            artifact_path=location, run_id=run_id, model_uuid=model_id, model_id=model_id
+        )
+        save_pyfunc(model, path, saved_as)
         get_artifact_repository(location, tracking_uri=uri).log_artifacts(str(path))
+
+
+# A kept-local model's directory, in the silo's: <output_dir>/<name>/<run_id>/silos/<silo>/model
+LOCAL_MODEL_DIR = "model"
+
+
+@dataclass(frozen=True)
+class LocalExporter:
+    """Under privacy.central_models=global_only or none, for a silo without a store of its own:
+    its model is saved as an MLflow model in its own directory, on its node, and goes nowhere
+    else (`silo-pfl models --local DIR` lists such models; `mlflow models serve -m PATH` serves
+    one)."""
+
+    def check(self, silo: str) -> None:
+        import silo_pfl.tracking.pyfunc  # noqa: F401  (MLflow, pandas: see the module docstring)
+
+    def export(self, model: PersonalizedModel) -> dict[str, str]:
+        directory = model.state_path.parent.parent / LOCAL_MODEL_DIR
+        if directory.exists():
+            shutil.rmtree(directory)
+        save_pyfunc(model, directory)
+        outcome = model.outcome
+        return {
+            "model_uri": str(directory),
+            registry.ROUND: str(outcome.selected_round),
+            registry.VAL_ACCURACY: repr(outcome.val_accuracy),
+            registry.TEST_ACCURACY: repr(outcome.test_accuracy),
+        }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from silo_pfl.tracking.registry import (
@@ -12,6 +13,7 @@ from silo_pfl.tracking.registry import (
     FOUNDER,
     JOINED,
     LATEST,
+    ROUND,
     SILO,
     TEST_ACCURACY,
     VAL_ACCURACY,
@@ -98,11 +100,49 @@ def format_table(rows: list[ModelRow]) -> str:
                 r.serve_uri,
             )
         )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header) + 1)]
+    return _fixed_width(lines)
+
+
+def _fixed_width(lines: list[tuple[str, ...]]) -> str:
+    """Rows of cells as left-aligned columns two spaces apart."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     return "\n".join(
         "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
         for line in lines
     )
+
+
+def local_models_table(directory: str, federation: str | None = None) -> str:
+    """The `silo-pfl models --local DIR` output: the models kept in silos' own directories
+    (privacy.central_models=global_only or none) under DIR, e.g. a node's output_dir."""
+    import yaml
+
+    from silo_pfl.errors import SiloPflError
+    from silo_pfl.tracking.exporter import LOCAL_MODEL_DIR
+
+    root = Path(directory).expanduser()
+    if not root.is_dir():
+        raise SiloPflError(f"--local {directory}: not a directory")
+    lines = [("federation", "silo", "run", "round", "algorithm", "val acc", "test acc", "serve")]
+    for spec in sorted(root.glob(f"**/silos/*/{LOCAL_MODEL_DIR}/MLmodel")):
+        meta = (yaml.safe_load(spec.read_text()) or {}).get("metadata") or {}
+        if FEDERATION not in meta or (federation is not None and meta[FEDERATION] != federation):
+            continue
+        lines.append(
+            (
+                str(meta[FEDERATION]),
+                str(meta.get(SILO, "")),
+                spec.parents[3].name,
+                str(meta.get(ROUND, "")),
+                str(meta.get(ALGORITHM, "")),
+                f"{tag_value(meta, VAL_ACCURACY):.3f}",
+                f"{tag_value(meta, TEST_ACCURACY):.3f}",
+                f"mlflow models serve -m {spec.parent}",
+            )
+        )
+    if len(lines) == 1:
+        return f"no silo models kept locally under {root}"
+    return _fixed_width(lines)
 
 
 def models_table(uri: str | None, federation: str | None, every_version: bool) -> str:

@@ -29,7 +29,7 @@ from silo_pfl.messages import SiloInfo, SplitInfo, model_shape
 from silo_pfl.results import FederationResult, RoundSummary
 from silo_pfl.settings import split_rules
 from silo_pfl.tracking import registry
-from silo_pfl.tracking.exporter import MODEL_NAME, MlflowExporter
+from silo_pfl.tracking.exporter import MODEL_NAME, LocalExporter, MlflowExporter
 from silo_pfl.tracking.store import check_artifact_dir, check_store, ensure_experiment, open_client
 from silo_pfl.tracking.trained_run import FEDERATION_FILE, federation_record
 from silo_pfl.tracking.uri import artifact_dir, redact
@@ -124,6 +124,7 @@ class MlflowTracker(Callback):
         self.receipts: dict[str, dict[str, str]] = {}
         self.split: SplitInfo | None = None
         self.own_stores = {s: c.tracking_uri for s, c in cfg.silos.items() if c.tracking_uri}
+        self.central = cfg.privacy.central_models  # what of the models the central store gets
         self.buffered: dict[str, list[Metric]] = {}
         self.flushed_at = time.monotonic()
         self.logged: dict[str, Any] = {}  # silo -> the logged model it writes its files into
@@ -195,7 +196,7 @@ class MlflowTracker(Callback):
         if self.joined == registry.FOUNDER:
             record = federation_record(resolved, *model_shape(silos))
             self.client.log_text(self.run_id, record, FEDERATION_FILE)
-        partition = partition_record(silos)
+        partition = partition_record(silos) if self.central == "full" else None
         if partition is not None:
             self.client.log_text(self.run_id, partition, PARTITION_FILE)
         for info in silos:
@@ -208,14 +209,21 @@ class MlflowTracker(Callback):
                     "node_id": info.node_id,
                     registry.ALGORITHM: algorithm,
                     registry.JOINED: self.joined,
-                    "model_store": "silo" if info.silo in self.own_stores else "central",
+                    "model_store": self._model_store(info.silo),
                 },
             )
             self.children[info.silo] = child.info.run_id
 
-    def exporters(self, silos: Sequence[SiloInfo]) -> dict[str, MlflowExporter]:
-        """Per silo: a logged model in its child run to write into, or its own store."""
-        exporters = {}
+    def _model_store(self, silo: str) -> str:
+        """Where the silo's model goes: its own store, the central one, or its own directory."""
+        if silo in self.own_stores:
+            return "silo"
+        return "central" if self.central == "full" else "local"
+
+    def exporters(self, silos: Sequence[SiloInfo]) -> dict[str, MlflowExporter | LocalExporter]:
+        """Per silo: its own store; else, under privacy.central_models=full, a logged model in
+        its child run to write into; else its own directory (LocalExporter)."""
+        exporters: dict[str, MlflowExporter | LocalExporter] = {}
         name, algorithm = self.cfg.name, self.cfg.algorithm["name"]
         for info in silos:
             own = self.own_stores.get(info.silo)
@@ -223,6 +231,9 @@ class MlflowTracker(Callback):
                 key = f"silos.{info.silo}.tracking_uri"
                 exporter = MlflowExporter(own, key, name, self.run_id, joined=self.joined)
                 exporters[info.silo] = exporter
+                continue
+            if self.cfg.privacy.central_models != "full":
+                exporters[info.silo] = LocalExporter()
                 continue
             child = self.children[info.silo]
             logged = self.client.create_logged_model(
@@ -346,7 +357,7 @@ class MlflowTracker(Callback):
 
     def _log_artifacts(self, result: FederationResult) -> None:
         """The global model (server's keys), the split summary and the result, on the parent."""
-        if result.global_state_path:
+        if result.global_state_path and self.central != "none":
             self.client.log_artifact(self.run_id, result.global_state_path, "global_model")
         split = self.split
         summary = {
