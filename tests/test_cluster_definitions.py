@@ -383,6 +383,7 @@ def test_rayjob_runs_a_federation_on_the_cluster(raycluster, rayjob):
     assert argv[:4] == ["python", "-m", "silo_pfl", "run"]
     assert (ROOT / argv[4]).is_file()
     assert "ray.placement=per_node" in argv
+    assert "privacy.central_models=global_only" in argv  # a real deployment's models stay home
     runtime_env = yaml.safe_load(spec["runtimeEnvYAML"])
     # working_dir is the repository inside the image; Ray checks a local path exists, so it is
     # validated apart: absolute, and the rest of the runtime_env through Ray's own parser.
