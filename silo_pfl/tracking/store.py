@@ -7,6 +7,7 @@ file. A SQLite store's new experiment keeps its artifacts in <db dir>/mlartifact
 
 from __future__ import annotations
 
+import base64
 import functools
 import logging
 import os
@@ -55,10 +56,17 @@ def _check_sqlite(uri: str, key: str) -> None:
 
 
 def _check_server(uri: str, key: str) -> None:
-    if urlsplit(uri).scheme not in ("http", "https"):
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https"):
         return
+    # urllib takes no user:password@ in a URL: the credentials go in a header, as MLflow's do.
+    host = parts._replace(netloc=parts.netloc.rpartition("@")[2], query="", fragment="")
+    request = urllib.request.Request(host.geturl().rstrip("/") + "/health")
+    if parts.username is not None:
+        user = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+        request.add_header("Authorization", "Basic " + base64.b64encode(user.encode()).decode())
     try:
-        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=HEALTH_TIMEOUT_SECONDS).close()
+        urllib.request.urlopen(request, timeout=HEALTH_TIMEOUT_SECONDS).close()
     except urllib.error.HTTPError:
         return  # something answers; the store calls below tell whether it is MLflow
     except (OSError, ValueError) as exc:
