@@ -46,6 +46,7 @@ from common import job_parser
 
 from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig
+from silo_pfl.errors import one_line
 from silo_pfl.federation import Federation
 from silo_pfl.messages import SiloInfo, SplitInfo
 from silo_pfl.results import FederationResult, RoundSummary
@@ -110,7 +111,7 @@ def count_actors() -> tuple[str, dict[str, int]]:
             counts[row.class_name] = counts.get(row.class_name, 0) + 1
         return "ray.util.state.list_actors", counts
     except Exception as exc:  # any failure: fall back to the GCS table
-        state_api_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        state_api_error = f"{type(exc).__name__}: {one_line(exc)[:120]}"
     from ray._private import state
 
     counts = {}

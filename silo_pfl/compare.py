@@ -32,7 +32,7 @@ from typing import Any
 
 from silo_pfl.compare_runs import Cache, Record, Run, execute, init_worker, make_run
 from silo_pfl.compare_spec import JobSpec, RowSpec, Spec, load_spec, parse_spec
-from silo_pfl.errors import ConfigError, one_line
+from silo_pfl.errors import ConfigError, typed_line
 
 __all__ = ["choose_candidate", "compare", "load_spec", "mean_val_accuracy", "parse_spec"]
 
@@ -232,7 +232,7 @@ def compare(
                 try:
                     answer = future.result()
                 except Exception as exc:  # the worker process died (e.g. out of memory)
-                    answer = {"error": f"{type(exc).__name__}: {one_line(exc)}"}
+                    answer = {"error": typed_line(exc)}
                 counts["computed"] += 1
                 if "error" in answer:
                     records[run.key] = Record(None, answer["error"], commit=commit)

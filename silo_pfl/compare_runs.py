@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from silo_pfl.compare_spec import JobSpec, RowSpec
-from silo_pfl.errors import ConfigError, one_line
+from silo_pfl.errors import ConfigError, typed_line
 
 CACHE_VERSION = 1
 # Config keys that cannot change a run's results: where it writes, MLflow, which Ray, where
@@ -262,7 +262,7 @@ def execute(config: str, overrides: Sequence[str]) -> dict[str, Any]:
     except (KeyboardInterrupt, SystemExit):  # SIGTERM from the parent: during the run (its
         _exit_worker(130)  # actors are gone by now) or during ray.init (Ray's own handler)
     except Exception as exc:
-        return {"error": f"{type(exc).__name__}: {one_line(exc)}"}
+        return {"error": typed_line(exc)}
     for path_key in ("run_dir", "global_state_path"):
         result.pop(path_key, None)
     return {"result": result, "elapsed_seconds": time.perf_counter() - start}

@@ -1,5 +1,5 @@
 """The config's structure: dataclasses merged with YAML and `key=value` overrides, with the
-checks that need nothing but the values (ranges, choices listed here).
+checks that need nothing but the values (ranges, choices).
 
 Sections whose shape depends on a registry (data.*, algorithm.<name>.*) are plain mappings here;
 `silo_pfl.settings` types and checks them against the registries. This module imports neither.
@@ -19,6 +19,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from silo_pfl.errors import ConfigError, one_line
+from silo_pfl.selection import MODES as SELECTION_MODES
 
 
 @dataclass
@@ -75,7 +76,7 @@ class TrainConfig:
 class EvalConfig:
     """How each silo's personalized model is chosen and reported."""
 
-    # best_mean_val: one round for all silos | best_val: each silo its own round | last
+    # one of silo_pfl.selection.MODES, each described there
     selection: str = "best_mean_val"
 
 
@@ -370,9 +371,9 @@ def check_ranges(cfg: FederationConfig) -> None:
     _require(t.optimizer in ("sgd", "adam"), "train.optimizer", "one of sgd, adam", t.optimizer)
     _require(t.torch_threads >= 1, "train.torch_threads", "an integer >= 1", t.torch_threads)
     _require(
-        cfg.eval.selection in ("best_mean_val", "best_val", "last"),
+        cfg.eval.selection in SELECTION_MODES,
         "eval.selection",
-        "one of best_mean_val, best_val, last",
+        "one of " + ", ".join(SELECTION_MODES),
         cfg.eval.selection,
     )
     _require(bool(cfg.name.strip()), "name", "a non-empty federation name", cfg.name)

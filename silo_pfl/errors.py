@@ -21,3 +21,8 @@ def one_line(exc: BaseException) -> str:
     """The first line of an exception's message, or its type."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def typed_line(exc: BaseException) -> str:
+    """An exception as "TypeName: first line" (see one_line), as failures are reported."""
+    return f"{type(exc).__name__}: {one_line(exc)}"

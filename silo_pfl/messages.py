@@ -17,7 +17,6 @@ class SiloInfo:
 
     silo: str
     num_train: int  # training rows before the validation hold-out
-    num_fit: int  # rows it trains on (and its aggregation weight)
     num_val: int
     num_test: int
     input_shape: tuple[int, ...]

@@ -8,11 +8,15 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from silo_pfl.messages import SiloInfo, SiloOutcome
+from silo_pfl.messages import SiloInfo, SiloOutcome, SplitInfo
+
+if TYPE_CHECKING:
+    from silo_pfl.config import FederationConfig
+    from silo_pfl.run_dir import RunDir
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,24 @@ class FederationResult:
     server_node_id: str = ""  # the Ray node the server actor ran on
     # What callbacks add (e.g. "mlflow": where the run and models are); top-level keys in JSON.
     extras: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(
+        cls, cfg: FederationConfig, run_dir: RunDir, split: SplitInfo, **more: Any
+    ) -> FederationResult:
+        """A run's result: the config's name, algorithm, rounds and seed, the split's parameter
+        counts and the run's directory; `more` sets the rest."""
+        return cls(
+            name=cfg.name,
+            algorithm=cfg.algorithm["name"],
+            rounds=cfg.rounds,
+            seed=cfg.seed,
+            global_parameters=split.global_parameters,
+            local_parameters=split.local_parameters,
+            run_id=run_dir.run_id,
+            run_dir=str(run_dir.path.resolve()),
+            **more,
+        )
 
     @property
     def test_accuracies(self) -> list[float]:

@@ -22,7 +22,7 @@ from silo_pfl.config import (
     to_dict,
 )
 from silo_pfl.data import all_silo_names, data_config, silo_names
-from silo_pfl.errors import ConfigError, one_line
+from silo_pfl.errors import ConfigError, typed_line
 from silo_pfl.models import MODEL_NAMES, build_model, check_adapters, check_hidden
 from silo_pfl.server_optimizers import resolve_server_optimizer
 from silo_pfl.split import compute_split, parse_rules
@@ -110,8 +110,8 @@ def _import_plugins(modules: list[str]) -> None:
             importlib.import_module(module)
         except Exception as exc:
             raise ConfigError(
-                f"plugins[{index}]: cannot import {module!r} ({type(exc).__name__}: "
-                f"{one_line(exc)}); expected an importable module name, e.g. my_team.algorithms"
+                f"plugins[{index}]: cannot import {module!r} ({typed_line(exc)}); expected an "
+                "importable module name, e.g. my_team.algorithms"
             ) from None
 
 

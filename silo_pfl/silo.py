@@ -144,7 +144,6 @@ class Silo:
         return SiloInfo(
             silo=self.name,
             num_train=data.num_train_total,
-            num_fit=len(data.y_train),
             num_val=len(data.y_val),
             num_test=len(data.y_test),
             input_shape=data.input_shape,

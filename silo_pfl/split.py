@@ -130,14 +130,6 @@ class Split:
                 )
         return payload
 
-    def summary(self) -> str:
-        """One log line: parameter counts and bytes sent per round."""
-        return (
-            f"split: {len(self.global_keys)} global keys ({self.global_parameters} parameters), "
-            f"{len(self.local_keys)} local keys ({self.local_parameters} parameters); "
-            f"{self.global_bytes} bytes sent per silo per round"
-        )
-
 
 def compute_split(model: BodyHeadModel, rules: Sequence[str]) -> Split:
     """Decide, for every state_dict key (buffers included), whether it is global or local."""

@@ -10,7 +10,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from silo_pfl.algorithms.base import Algorithm, NoParams, Phase
 from silo_pfl.config import TrainConfig
-from silo_pfl.errors import ConfigError
+from silo_pfl.errors import ConfigError, one_line
 
 ALGORITHMS: dict[str, type[Algorithm]] = {}
 
@@ -42,7 +42,7 @@ def _params(name: str, values: Any) -> object:
         sub = getattr(exc, "full_key", "")
         key = f"algorithm.{name}.{sub}" if sub else f"algorithm.{name}"
         allowed = ", ".join(f.name for f in dataclasses.fields(cls.Params)) or "none"
-        reason = str(exc).splitlines()[0]
+        reason = one_line(exc)
         if "not in" in reason or "not a" in reason:
             reason = f"unknown option of {name}; its options: {allowed}"
         raise ConfigError(f"{key}: {reason}") from None

@@ -30,6 +30,17 @@ class Preprocessing:
         return ((x - np.asarray(self.mean)) / np.asarray(self.std)).astype(np.float32)
 
 
+def fit_preprocessing(names: tuple[str, ...], features: np.ndarray, ddof: int = 0) -> Preprocessing:
+    """Mean and std (with `ddof`) of a silo's training rows; a constant feature, or too few rows
+    for a std, keeps std 1."""
+    std = features.std(axis=0, ddof=ddof) if len(features) > ddof else np.zeros(features.shape[1])
+    return Preprocessing(
+        feature_names=names,
+        mean=tuple(float(v) for v in features.mean(axis=0)),
+        std=tuple(float(v) for v in np.where(std > 0, std, 1.0)),
+    )
+
+
 @dataclass(frozen=True)
 class SiloData:
     """A silo's private data, already split. Inputs are float32, labels int64 class indices."""

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from silo_pfl.config import DataConfig
-from silo_pfl.data.base import Preprocessing, SiloData, assemble
+from silo_pfl.data.base import SiloData, assemble, fit_preprocessing
 from silo_pfl.data.partitioners import holdout
 from silo_pfl.errors import ConfigError, DataError
 from silo_pfl.seeding import numpy_rng
@@ -210,16 +210,6 @@ def node_path(silo: str, path: str | Path) -> Path:
             "silo's node; set it where the node's `ray start` runs"
         )
     return Path(expanded)
-
-
-def fit_preprocessing(names: tuple[str, ...], features: np.ndarray) -> Preprocessing:
-    """Mean and std (ddof=0) of training rows; constant features keep std 1."""
-    std = features.std(axis=0)
-    return Preprocessing(
-        feature_names=names,
-        mean=tuple(float(v) for v in features.mean(axis=0)),
-        std=tuple(float(v) for v in np.where(std > 0, std, 1.0)),
-    )
 
 
 def load(cfg: Params, silo: str, seed: int) -> SiloData:

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from silo_pfl.config import DataConfig
-from silo_pfl.data.base import Preprocessing, SiloData, assemble
+from silo_pfl.data.base import SiloData, assemble, fit_preprocessing
 from silo_pfl.errors import DataError, one_line
 
 SILOS = ("cleveland", "hungarian", "switzerland", "va")
@@ -136,17 +136,6 @@ def flamby_split(silo: str) -> tuple[np.ndarray, np.ndarray]:
         ) from None
 
 
-def fit_preprocessing(features: np.ndarray) -> Preprocessing:
-    """Mean and std (ddof=1) of encoded training rows; constant features keep std 1."""
-    std = features.std(axis=0, ddof=1) if len(features) > 1 else np.zeros(features.shape[1])
-    std = np.where(std > 0, std, 1.0)
-    return Preprocessing(
-        feature_names=FEATURE_NAMES,
-        mean=tuple(float(v) for v in features.mean(axis=0)),
-        std=tuple(float(v) for v in std),
-    )
-
-
 def load(cfg: Params, silo: str, seed: int) -> SiloData:
     """The hospital's FLamby train/test rows, normalised, with validation rows from train."""
     raw, labels = read_complete_rows(silo)
@@ -157,7 +146,7 @@ def load(cfg: Params, silo: str, seed: int) -> SiloData:
             f"{data_file(silo)}; rebuild it with python -m silo_pfl.data.heart_disease_split"
         )
     encoded = encode_raw(raw)
-    preprocessing = fit_preprocessing(encoded[train])
+    preprocessing = fit_preprocessing(FEATURE_NAMES, encoded[train], ddof=1)  # as FLamby
     return assemble(
         silo,
         preprocessing.apply(encoded),

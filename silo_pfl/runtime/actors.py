@@ -17,7 +17,7 @@ import ray
 
 from silo_pfl.config import FederationConfig
 from silo_pfl.config_views import actor_view
-from silo_pfl.errors import FederationError, SiloPflError, one_line
+from silo_pfl.errors import FederationError, SiloPflError, typed_line
 from silo_pfl.messages import CallFailed, RoundReport, SiloUpdate
 from silo_pfl.runtime.metrics import ServerMetrics, SiloMetrics
 from silo_pfl.runtime.placement import actor_options, server_selector, silo_selector
@@ -93,7 +93,7 @@ class SiloHost:
         try:
             return self.call(name, method, *args)
         except Exception as exc:
-            return CallFailed(f"{type(exc).__name__}: {one_line(exc)}")
+            return CallFailed(typed_line(exc))
 
 
 def _returns(values: list[Any]) -> Any:
@@ -318,8 +318,7 @@ def get(refs: Any, what: str, timeout: float | None = None, names: Sequence[str]
         raise FederationError(f"{what}: no answer within {timeout:g} s{late}") from None
     except ray.exceptions.RayActorError as exc:
         who = _ROLES.get(getattr(exc, "actor_id", None) or "", "an actor")
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise FederationError(f"{what}: {who} died ({type(exc).__name__}: {first})") from exc
+        raise FederationError(f"{what}: {who} died ({typed_line(exc)})") from exc
 
 
 def _collect_the_rest(refs: Any) -> None:

@@ -109,18 +109,13 @@ class Onboarding:
             finally:
                 stop(list(actors.values()))
             outcome = outcomes[0]
-            result = FederationResult(
-                name=self.cfg.name,
-                algorithm=self.cfg.algorithm["name"],
-                rounds=self.cfg.rounds,
-                seed=self.cfg.seed,
+            result = FederationResult.of(
+                self.cfg,
+                self.run_dir,
+                split,
                 wall_seconds=time.perf_counter() - start,
-                global_parameters=split.global_parameters,
-                local_parameters=split.local_parameters,
                 silos={name: SiloResult.of(info, outcome, bytes_sent_per_round=0, joined=ONBOARD)},
                 history=history,
-                run_id=run_id,
-                run_dir=str(self.run_dir.path.resolve()),
                 extras={
                     "onboard": self._report(outcome, outcomes[1] if len(outcomes) > 1 else None),
                     **{k: v for callback in self.callbacks for k, v in callback.extras().items()},

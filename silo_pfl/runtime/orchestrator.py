@@ -140,14 +140,11 @@ class Orchestrator:
                 metrics.settle()
             finally:
                 stop(list(actors.values()))
-            result = FederationResult(
-                name=self.cfg.name,
-                algorithm=self.cfg.algorithm["name"],
-                rounds=self.cfg.rounds,
-                seed=self.cfg.seed,
+            result = FederationResult.of(
+                self.cfg,
+                self.run_dir,
+                split,
                 wall_seconds=time.perf_counter() - start,
-                global_parameters=split.global_parameters,
-                local_parameters=split.local_parameters,
                 silos={
                     info.silo: SiloResult.of(
                         info,
@@ -161,8 +158,6 @@ class Orchestrator:
                 history=history,
                 global_state_path=state_path,
                 server_node_id=server_node,
-                run_id=run_id,
-                run_dir=str(self.run_dir.path.resolve()),
                 extras={k: v for callback in self.callbacks for k, v in callback.extras().items()},
             )
             self._emit("on_end", result)

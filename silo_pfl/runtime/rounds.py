@@ -24,7 +24,7 @@ import numpy as np
 import ray
 
 from silo_pfl.config import FederationConfig
-from silo_pfl.errors import FederationError, one_line
+from silo_pfl.errors import FederationError, typed_line
 from silo_pfl.messages import CallFailed, EvalMetrics, FitMetrics, RejoinInfo, RoundReport
 from silo_pfl.results import RoundSummary
 from silo_pfl.runtime.actors import call_many, task_error_cause
@@ -82,7 +82,7 @@ def gather(refs: dict[str, Any], timeout: float) -> tuple[dict[str, Any], dict[s
             absent[name] = f"its process died ({type(exc).__name__})"
         except ray.exceptions.RayTaskError as exc:
             cause = task_error_cause(exc)
-            absent[name] = f"failed: {type(cause).__name__}: {one_line(cause)}"
+            absent[name] = f"failed: {typed_line(cause)}"
         else:
             if isinstance(answer, CallFailed):
                 absent[name] = f"failed: {answer.error}"

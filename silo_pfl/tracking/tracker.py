@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig, to_dict
 from silo_pfl.config_views import logged_view
-from silo_pfl.errors import one_line
+from silo_pfl.errors import typed_line
 from silo_pfl.messages import SiloInfo, SplitInfo, model_shape
 from silo_pfl.results import FederationResult, RoundSummary
 from silo_pfl.settings import split_rules
@@ -350,7 +350,7 @@ class MlflowTracker(Callback):
                 report.publish(self.client, self.run_id, out)
         except Exception as exc:
             print(
-                f"warning: run {self.run_id}: no run report: {type(exc).__name__}: {one_line(exc)}",
+                f"warning: run {self.run_id}: no run report: {typed_line(exc)}",
                 file=sys.stderr,
                 flush=True,
             )
