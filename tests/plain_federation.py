@@ -15,11 +15,12 @@ JOB = "jobs/heart_disease.yaml"
 
 
 def federation(
-    job, algorithm: str, *overrides: str, silos: tuple[str, ...] = SILOS
+    job, algorithm: str, *overrides: str, silos: tuple[str, ...] = SILOS, path: str = JOB
 ) -> tuple[list[Silo], Server]:
-    """Those silos of the heart-disease job, set up and built, and their server."""
+    """Those silos of the job at `path` (by default the heart-disease job), set up and built,
+    and their server."""
     quorum = f"round.min_silos={len(silos)}"
-    config = to_dict(job(JOB, f"algorithm.name={algorithm}", quorum, *overrides))
+    config = to_dict(job(path, f"algorithm.name={algorithm}", quorum, *overrides))
     members = [Silo(config, name) for name in silos]
     infos = [silo.setup() for silo in members]
     identities = {i.silo: i.identity_key for i in infos if i.identity_key}

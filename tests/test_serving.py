@@ -1,4 +1,6 @@
-"""A silo's registered model behind a real `mlflow models serve`, answering on raw rows."""
+"""A silo's registered model behind a real `mlflow models serve`, answering on raw rows: a
+heart-disease hospital's MLP and a digits silo's CNN (tests/test_csv_federation.py serves a CSV
+silo's)."""
 
 from __future__ import annotations
 
@@ -6,20 +8,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from serving import predict, served
 
 from silo_pfl.config import to_dict
 from silo_pfl.server import Server
 from silo_pfl.settings import load_config
-from silo_pfl.silo import Silo
+from silo_pfl.silo import Silo, init_model
 from silo_pfl.tracking.exporter import MlflowExporter
 
 
-def _registered_silo(tmp_path: Path, store: str, silo: str) -> Silo:
-    """Train one hospital for two rounds with the plain classes and register its model."""
-    cfg = load_config(
-        "jobs/heart_disease.yaml", [f"output_dir={tmp_path / 'runs'}", "round.min_silos=1"]
-    )
+def _registered_silo(
+    tmp_path: Path, store: str, silo: str, job: str = "jobs/heart_disease.yaml", *overrides: str
+) -> Silo:
+    """Train one silo for two rounds with the plain classes and register its model."""
+    cfg = load_config(job, [f"output_dir={tmp_path / 'runs'}", "round.min_silos=1", *overrides])
     node = Silo(to_dict(cfg), silo)
     info = node.setup()
     node.build(info.input_shape, info.num_classes)
@@ -44,3 +47,30 @@ def test_mlflow_models_serve_answers_raw_rows_with_the_reported_accuracy(tmp_pat
     assert predictions.shape == silo.data.y_test.shape
     accuracy = float(np.mean(predictions == silo.data.y_test))
     assert accuracy == pytest.approx(silo.outcome().test_accuracy, abs=0.005)
+
+
+def test_a_digits_silos_served_model_predicts_as_its_selected_model_on_raw_pixels(
+    tmp_path, mlflow_store
+):
+    """FedBN on feature-shifted digits: the served CNN keeps the silo's own BatchNorm statistics
+    and answers on the silo's own (shifted) images, pixel_0..pixel_63, as the model it selected
+    does on its test inputs."""
+    silo = _registered_silo(
+        tmp_path, mlflow_store, "silo_3", "jobs/digits_feature_shift.yaml", "data.num_silos=4"
+    )
+    assert silo.data.raw_columns == tuple(f"pixel_{i}" for i in range(64))
+    assert any(".running_mean" in key for key in silo.split.local_keys)
+    model = init_model(silo.cfg, silo.data.input_shape, silo.num_classes)
+    model.load_state_dict(torch.load(silo.selected_path, weights_only=True))
+    model.eval()
+    with torch.no_grad():
+        local = model(silo.test_xy[0]).argmax(dim=1).numpy()
+    accuracy = float(np.mean(local == silo.data.y_test))
+    assert accuracy == silo.outcome().test_accuracy > 0.5  # ten classes: chance is 0.1
+
+    with served(
+        "models:/digits_feature_shift-silo_3@champion", mlflow_store, tmp_path / "s.log"
+    ) as url:
+        predictions = predict(url, silo.data.raw_columns, silo.data.x_test_raw.tolist())
+    assert predictions.shape == silo.data.y_test.shape
+    np.testing.assert_array_equal(predictions, local)

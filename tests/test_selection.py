@@ -1,0 +1,156 @@
+"""Model selection (selection.Selector): which round's model each silo keeps, from validation
+metrics only. Plain class, no Ray; the config's check of eval.selection against the modes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from silo_pfl.errors import ConfigError
+from silo_pfl.messages import EvalMetrics
+from silo_pfl.selection import MODES, Selector
+from silo_pfl.settings import load_config
+
+JOB = "jobs/heart_disease.yaml"
+NAN = math.nan
+
+
+def ev(silo: str, round_: int, val_acc: float, val_loss: float, test_acc: float, test_loss=0.5):
+    return EvalMetrics(silo, round_, val_acc, val_loss, test_acc, test_loss)
+
+
+def kept_rounds(mode: str, rounds: list[list[EvalMetrics]]) -> dict[str, int]:
+    """Drive a Selector as the round runner does (each round's evaluations in silo order, the
+    chosen silos keep that round's model); each silo's kept round at the end."""
+    selector, kept = Selector(mode), {}
+    for evals in rounds:
+        chosen = selector.choose(evals)
+        assert set(chosen) <= {e.silo for e in evals}
+        kept.update({e.silo: e.round for e in evals if e.silo in chosen})
+    return kept
+
+
+# Per silo, its validation accuracy peaks in one round and its test accuracy in another.
+DISAGREEING = [
+    [ev("a", 1, 0.60, 0.70, test_acc=0.95), ev("b", 1, 0.50, 0.80, test_acc=0.40)],
+    [ev("a", 2, 0.80, 0.50, test_acc=0.55), ev("b", 2, 0.40, 0.90, test_acc=0.99)],
+    [ev("a", 3, 0.70, 0.40, test_acc=0.99), ev("b", 3, 0.90, 0.30, test_acc=0.45)],
+    [ev("a", 4, 0.65, 0.45, test_acc=0.97), ev("b", 4, 0.85, 0.35, test_acc=0.98)],
+]
+
+
+def test_best_val_keeps_each_silos_best_validation_round_not_its_best_test_round():
+    assert kept_rounds("best_val", DISAGREEING) == {"a": 2, "b": 3}
+
+
+def test_best_val_decides_round_by_round_which_silos_keep_their_model():
+    selector = Selector("best_val")
+    assert selector.choose(DISAGREEING[0]) == ["a", "b"]  # the first round is always kept
+    assert selector.choose(DISAGREEING[1]) == ["a"]
+    assert selector.choose(DISAGREEING[2]) == ["b"]
+    assert selector.choose(DISAGREEING[3]) == []
+
+
+def test_best_val_ties_go_to_the_lower_validation_loss_then_to_the_earlier_round():
+    rounds = [
+        [ev("lower_loss_later", 1, 0.75, 0.60, 0.5), ev("same_loss", 1, 0.75, 0.40, 0.5)],
+        # Same accuracy: a lower loss wins even though its test accuracy is worse.
+        [ev("lower_loss_later", 2, 0.75, 0.30, 0.1), ev("same_loss", 2, 0.75, 0.40, 0.9)],
+        # Same accuracy, higher loss: not kept; same accuracy and loss: the earlier round stays.
+        [ev("lower_loss_later", 3, 0.75, 0.35, 0.9), ev("same_loss", 3, 0.75, 0.40, 0.9)],
+    ]
+    assert kept_rounds("best_val", rounds) == {"lower_loss_later": 2, "same_loss": 1}
+
+
+def test_a_lower_loss_never_beats_a_higher_accuracy():
+    rounds = [[ev("a", 1, 0.80, 0.90, 0.5)], [ev("a", 2, 0.79, 0.01, 0.9)]]
+    assert kept_rounds("best_val", rounds) == {"a": 1}
+    assert kept_rounds("best_mean_val", rounds) == {"a": 1}
+
+
+def test_last_keeps_every_silos_latest_round_whatever_its_metrics():
+    selector = Selector("last")
+    for evals in DISAGREEING:
+        assert selector.choose(evals) == ["a", "b"]
+    assert kept_rounds("last", DISAGREEING) == {"a": 4, "b": 4}
+
+
+def test_best_mean_val_keeps_one_round_for_all_silos_on_mean_validation_accuracy():
+    # Mean validation accuracy by round: 0.55, 0.60, 0.80, 0.75; mean test accuracy is best in
+    # round 4 (0.975) and worst in round 3 (0.72).
+    assert kept_rounds("best_mean_val", DISAGREEING) == {"a": 3, "b": 3}
+    selector = Selector("best_mean_val")
+    assert [selector.choose(evals) for evals in DISAGREEING] == [
+        ["a", "b"],
+        ["a", "b"],
+        ["a", "b"],
+        [],
+    ]
+
+
+def test_best_mean_val_ties_go_to_the_lower_mean_loss_then_to_the_earlier_round():
+    # Values exact in binary, so that the means tie exactly.
+    rounds = [
+        [ev("a", 1, 0.875, 0.5, 0.5), ev("b", 1, 0.625, 0.5, 0.5)],  # mean 0.75, loss 0.5
+        [ev("a", 2, 0.625, 0.25, 0.1), ev("b", 2, 0.875, 0.375, 0.1)],  # 0.75, 0.3125: kept
+        [ev("a", 3, 0.75, 0.3125, 0.9), ev("b", 3, 0.75, 0.3125, 0.9)],  # 0.75, 0.3125: a tie
+    ]
+    assert kept_rounds("best_mean_val", rounds) == {"a": 2, "b": 2}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_test_metrics_never_change_a_choice(mode):
+    """The same validation figures with other test figures (even missing ones) give the same
+    choices, round by round."""
+
+    def with_test(evals: list[EvalMetrics], acc: float, loss: float) -> list[EvalMetrics]:
+        return [ev(e.silo, e.round, e.val_accuracy, e.val_loss, acc, loss) for e in evals]
+
+    variants = [
+        DISAGREEING,
+        [with_test(evals, 1.0 - 0.2 * i, 0.1 * i) for i, evals in enumerate(DISAGREEING)],
+        [with_test(evals, NAN, NAN) for evals in DISAGREEING],
+    ]
+    choices = []
+    for rounds in variants:
+        selector = Selector(mode)
+        choices.append([selector.choose(evals) for evals in rounds])
+    assert choices[0] == choices[1] == choices[2]
+
+
+def test_a_silo_without_validation_rows_falls_back_to_its_last_round():
+    rounds = [
+        [ev("a", r, acc, 0.5, 0.9), ev("no_val", r, NAN, NAN, 0.9)]
+        for r, acc in ((1, 0.9), (2, 0.5), (3, 0.6))
+    ]
+    assert kept_rounds("best_val", rounds) == {"a": 1, "no_val": 3}
+    # best_mean_val: the mean is over the silos with validation rows; with none, the last round.
+    assert kept_rounds("best_mean_val", rounds) == {"a": 1, "no_val": 1}
+    alone = [[e for e in evals if e.silo == "no_val"] for evals in rounds]
+    assert kept_rounds("best_mean_val", alone) == {"no_val": 3}
+
+
+def test_best_val_a_silo_left_out_of_a_round_keeps_its_earlier_choice():
+    rounds = [
+        [ev("a", 1, 0.6, 0.5, 0.5), ev("b", 1, 0.6, 0.5, 0.5)],
+        [ev("b", 2, 0.7, 0.5, 0.5)],  # a did not evaluate round 2
+        [ev("a", 3, 0.5, 0.5, 0.9), ev("b", 3, 0.5, 0.5, 0.9)],
+    ]
+    assert kept_rounds("best_val", rounds) == {"a": 1, "b": 2}
+
+
+def test_an_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="unknown selection mode 'best_test'"):
+        Selector("best_test")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_config_accepts_every_mode_the_selector_has(mode):
+    assert load_config(JOB, [f"eval.selection={mode}"]).eval.selection == mode
+
+
+def test_the_configs_error_for_a_bad_mode_lists_exactly_the_selectors_modes():
+    with pytest.raises(ConfigError) as info:
+        load_config(JOB, ["eval.selection=latest"])
+    assert str(info.value) == f"eval.selection: got 'latest', expected one of {', '.join(MODES)}"
