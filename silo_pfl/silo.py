@@ -266,6 +266,13 @@ class Silo:
             param.requires_grad_(chosen is None or name in chosen)
             if param.requires_grad:
                 params.append(param)
+        # A frozen key stays frozen whole: its buffers too (BatchNorm's running statistics,
+        # which the forward passes in train mode would otherwise move).
+        frozen = {
+            name: buffer.clone()
+            for name, buffer in model.named_buffers()
+            if chosen is not None and name not in chosen
+        }
         try:
             if not params or phase.epochs == 0:
                 return float("nan")
@@ -286,6 +293,10 @@ class Silo:
         finally:
             for param in model.parameters():
                 param.requires_grad_(True)
+            buffers = dict(model.named_buffers())
+            with torch.no_grad():
+                for name, value in frozen.items():
+                    buffers[name].copy_(value)
 
     def fit(
         self,

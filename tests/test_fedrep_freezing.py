@@ -2,7 +2,7 @@
 the local keys with the global ones (the body) frozen, then the body epochs train the global
 keys with the local ones (the head) frozen. Each phase is observed alone by setting the other's
 epochs to 0, and together by comparing with the head phase alone. On a body with BatchNorm its
-parameters stay frozen, but its running statistics move: a known bug, marked xfail below."""
+running statistics stay frozen with its parameters."""
 
 from __future__ import annotations
 
@@ -94,12 +94,6 @@ def test_the_head_epochs_leave_a_batchnorm_bodys_parameters_bit_identical(job):
     assert unchanged(before, after, parameters(silo, silo.split.local_keys)) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: Silo.train freezes a phase's other keys by requires_grad only, and "
-    "training.train_epochs puts the whole model in train mode, so the frozen body's BatchNorm "
-    "running statistics (global keys) still move during the head epochs and are sent",
-)
 def test_the_head_epochs_leave_a_batchnorm_bodys_statistics_bit_identical(job):
     silo, before, after, update = fit_one_round(job, 1, 0, *BATCHNORM, where=DIGITS)
     buffers = [k for k in silo.split.global_keys if k not in parameters(silo, [k])]

@@ -2,7 +2,7 @@
 for a BatchNorm model): the fine-tuned copy a silo is judged and served by differs from the
 round's model in exactly the parameters `trainable` names; the others stay bit-identical. (A bad
 value's one-line ConfigError is in tests/test_config.py.) The frozen keys' BatchNorm running
-statistics still move: a known bug, marked xfail below."""
+statistics stay as they were."""
 
 from __future__ import annotations
 
@@ -79,12 +79,6 @@ def test_finetuning_the_local_keys_leaves_a_batchnorm_bodys_parameters_bit_ident
     assert trained & names == {"head.weight", "head.bias"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: Silo.train freezes the keys trainable leaves out by requires_grad only, and "
-    "training.train_epochs puts the whole copy in train mode, so fine-tuning the local keys "
-    "moves the global BatchNorm running statistics of the model the silo is judged and served by",
-)
 def test_finetuning_the_local_keys_leaves_every_global_key_bit_identical(job):
     silo, start, judged = finetuned_batchnorm_cnn(job)
     moved = [k for k in silo.split.global_keys if not torch.equal(judged[k], start[k])]
