@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from silo_pfl.algorithms import register
 from silo_pfl.algorithms.base import Algorithm
+from silo_pfl.algorithms.scaffold import Scaffold
 from silo_pfl.strategy import ServerStrategy
 
 
@@ -20,3 +21,16 @@ class MedianFedAvg(Algorithm):
 
     name = "median_fedavg"
     Strategy = MedianStrategy
+
+
+@register
+class LeakyScaffold(Scaffold):
+    """SCAFFOLD with a bug: its control-variate extra also carries a local key's values."""
+
+    name = "leaky_scaffold"
+
+    def update_extras(self, silo, reference):
+        extras = super().update_extras(silo, reference)
+        local = silo.split.local_keys[0]
+        leaked = silo.model.state_dict()[local].numpy()
+        return {name: {**values, local: leaked} for name, values in extras.items()}

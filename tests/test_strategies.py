@@ -124,12 +124,14 @@ def test_scaffold_under_secure_aggregation_matches_the_plain_run(job):
 
 
 def test_an_extra_holding_a_local_key_never_leaves_the_silo(job):
-    silos, _ = federation(job, "fedper", silos=HOSPITALS)
-    split = silos[0].split
-    delta = {k: np.zeros(1) for k in split.global_keys}
-    leaky = {"control_variate": {**delta, split.local_keys[0]: np.zeros(1)}}
-    with pytest.raises(PrivacyError, match="refusing to send local keys in control_variate"):
-        split.outgoing(delta, leaky)
+    """On the production path: an algorithm whose extra carries a local key makes the silo's
+    fit fail, before anything is returned."""
+    silos, server = federation(
+        job, "leaky_scaffold", "plugins=[tests.strategy_plugins]", "split.local=[head]",
+        silos=HOSPITALS,
+    )  # fmt: skip
+    with pytest.raises(PrivacyError, match="refusing to send local keys in control_variate: head"):
+        silos[0].fit(server.global_state(), 1, 1, server.broadcast())
 
 
 @pytest.mark.parametrize(
