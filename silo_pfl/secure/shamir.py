@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import secrets
 from collections.abc import Mapping, Sequence
 
@@ -24,8 +25,10 @@ def split(secret: bytes, threshold: int, xs: Sequence[int]) -> dict[int, int]:
     return shares
 
 
-def lagrange_at_zero(xs: Sequence[int]) -> list[int]:
-    """The weights that turn the values at `xs` of a polynomial into its value at 0."""
+@functools.lru_cache(maxsize=64)
+def lagrange_at_zero(xs: tuple[int, ...]) -> tuple[int, ...]:
+    """The weights that turn the values at `xs` of a polynomial into its value at 0 (cached:
+    under a full mesh every secret of a round is recovered from the same points)."""
     weights = []
     for i, xi in enumerate(xs):
         numerator, denominator = 1, 1
@@ -34,14 +37,14 @@ def lagrange_at_zero(xs: Sequence[int]) -> list[int]:
                 numerator = numerator * xj % PRIME
                 denominator = denominator * (xj - xi) % PRIME
         weights.append(numerator * pow(denominator, -1, PRIME) % PRIME)
-    return weights
+    return tuple(weights)
 
 
 def combine(shares: Mapping[int, int], threshold: int) -> bytes:
     """The 32-byte secret from at least `threshold` shares (the first `threshold` by x)."""
     if len(shares) < threshold:
         raise ValueError(f"{len(shares)} shares, {threshold} needed")
-    xs = sorted(shares)[:threshold]
+    xs = tuple(sorted(shares)[:threshold])
     value = sum(w * shares[x] for w, x in zip(lagrange_at_zero(xs), xs, strict=True)) % PRIME
     if value >= 1 << 256:
         raise ValueError("the shares do not recover a 32-byte secret")
