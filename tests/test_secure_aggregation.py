@@ -218,13 +218,13 @@ def test_what_the_server_sees_is_indistinguishable_from_uniform():
     masked = {n: c.mask(payloads[n], 100, 1, 1, inbox[n]) for n, c in clients.items()}
     plain = encode(payloads["s00"], 100, 4, "s00")
     assert _chi_square_p(plain) < 1e-12  # sanity: the check sees structure when there is one
-    assert _chi_square_p(masked["s00"]) > 1e-4
+    assert _chi_square_p(masked["s00"]) > 1e-6
     partial = modular_sum([masked[n] for n in ("s00", "s01", "s02")])
-    assert _chi_square_p(partial) > 1e-4
+    assert _chi_square_p(partial) > 1e-6
     truth = plain.view(np.int64)[:-1].astype(np.float64)
     for seen in (masked["s00"], partial):
         r = np.corrcoef(seen.view(np.int64)[:-1].astype(np.float64), truth)[0, 1]
-        assert abs(r) < 5 / np.sqrt(truth.size)  # 5 standard errors of a zero correlation
+        assert abs(r) < 6 / np.sqrt(truth.size)  # 6 standard errors of a zero correlation
     assert np.corrcoef(truth, truth)[0, 1] > 0.99
     total = server.unmask(masked, [c.unmask(server.unmask_request(list(masked))) for c in
                                    clients.values()])  # fmt: skip
@@ -279,7 +279,7 @@ def test_a_value_outside_the_fixed_point_range_is_an_error_naming_the_silo_and_t
 def test_mask_streams_are_uniform_and_keyed():
     a, b = stream(b"k" * 32, 100_000), stream(b"l" * 32, 100_000)
     assert not np.array_equal(a, b) and np.array_equal(a, stream(b"k" * 32, 100_000))
-    assert _chi_square_p(a) > 1e-4
+    assert _chi_square_p(a) > 1e-6
 
 
 def test_secure_silos_hand_the_server_only_masked_vectors_and_it_checks_them(job):
