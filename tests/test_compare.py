@@ -174,7 +174,9 @@ def test_the_shipped_spec_covers_every_registered_algorithm():
     from silo_pfl.algorithms import ALGORITHMS
 
     spec = load_spec(ROOT / "jobs" / "compare" / "all.yaml")
-    assert {row.algorithm for row in spec.rows.values()} == set(ALGORITHMS)
+    # The package's own algorithms (tests' plugins may have registered more in this process).
+    shipped = {name for name, cls in ALGORITHMS.items() if cls.__module__.startswith("silo_pfl.")}
+    assert {row.algorithm for row in spec.rows.values()} == shipped
     assert spec.rows["fedper_adapters"].overrides == (
         "model.adapter_dim=8",
         "split.local=[adapters]",
