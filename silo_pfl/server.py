@@ -66,12 +66,11 @@ class Server:
             k: v.shape for k, v in flatten(self.state, self._extras_of(self.state)).items()
         }
         self.masked_shape = (vector_length(self.flat_shapes),)  # of every update under secure
-        self.secure = self.cfg.aggregation.secure
         names = silo_names(self.cfg.data)
         self.enrolled = frozenset(names)
         self.protocol: SecureAggregator | None = None
         self.quorum = self.cfg.round.min_silos or len(self.enrolled)
-        if self.secure:
+        if self.cfg.aggregation.secure:
             params = secure_params(self.cfg, names)
             self.protocol = SecureAggregator(params, configured_keys(self.cfg, names))
             self.quorum = self.cfg.round.min_silos or params.threshold
@@ -137,7 +136,7 @@ class Server:
             raise ValueError(f"update from silo {update.silo}: a second update this round")
 
     def _check(self, update: SiloUpdate) -> None:
-        if self.secure:
+        if self.protocol is not None:
             self._check_masked(update)
             return
         if update.masked is not None:
@@ -206,7 +205,7 @@ class Server:
         names = tuple(u.silo for u in accepted)
         missing = sorted(self.enrolled - set(names))
         if len(accepted) < self.quorum:
-            why = "aggregation.secure_threshold" if self.secure else "round.min_silos"
+            why = "aggregation.secure_threshold" if self.protocol else "round.min_silos"
             reason = (
                 f"{len(accepted)} of {self.quorum} updates needed ({why}); none from "
                 f"{', '.join(missing)}"

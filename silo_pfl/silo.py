@@ -114,6 +114,7 @@ class Silo:
         self._selected_report: dict[str, float] = {}  # the algorithm's figures of that model
         self._exporters: dict[str, SiloExporter] = {}
         self._identity: Any = None  # its Ed25519 identity, under aggregation.secure
+        self._trusted: dict[str, bytes] | None = None  # every silo's identity, as the config lists
         self._secure: SecureClient | None = None
         self._secure_bytes = 0  # its round keys and sealed shares, sent before this attempt's fit
         self._evaluated: nn.Module | None = None  # the model the last evaluate() judged
@@ -139,8 +140,8 @@ class Silo:
             self.dir.mkdir(parents=True)
         if self.cfg.aggregation.secure:
             self._identity = identity.load_or_create(identity.key_dir(self.cfg, self.name))
-            trusted = identity.configured_keys(self.cfg, silo_names(self.cfg.data))
-            identity.check_own(self.name, identity.public_bytes(self._identity), trusted)
+            self._trusted = identity.configured_keys(self.cfg, silo_names(self.cfg.data))
+            identity.check_own(self.name, identity.public_bytes(self._identity), self._trusted)
         return SiloInfo(
             silo=self.name,
             num_train=data.num_train_total,
@@ -173,9 +174,8 @@ class Silo:
         shapes = {k: tuple(state[k].shape) for k in self.split.global_keys}
         sent = self.split.global_bytes * (1 + len(self.algorithm.Strategy.extras))
         if self._identity is not None:
-            names = silo_names(self.cfg.data)
-            trusted = identity.configured_keys(self.cfg, names) or identity_keys or {}
-            params = secure_params(self.cfg, names)
+            trusted = self._trusted or identity_keys or {}
+            params = secure_params(self.cfg, silo_names(self.cfg.data))
             self._secure = SecureClient(params, self.name, self._identity, trusted)
             like = {name: shapes for name in self.algorithm.Strategy.extras}
             sent = 8 * vector_length(flatten(shapes, like))

@@ -31,11 +31,10 @@ class Prepared:
 
 @dataclass
 class Aggregated:
-    """The server's report, the refs of its global keys and broadcast, and who was lost."""
+    """The server's report, the refs of its global keys and broadcast, and whose process died."""
 
     report: RoundReport
     inputs: tuple[Any, Any]
-    absent: dict[str, str] = field(default_factory=dict)
     died: set[str] = field(default_factory=set)
 
 
@@ -91,4 +90,4 @@ class SecureSteps(PlainSteps):
             log.warning("round %d: silo %s revealed no shares: %s", round_, name, reason)
         report_ref, *inputs = self.server.unmask.options(num_returns=3).remote(*reveals.values())
         report = get(report_ref, f"round {round_}: unmasking", self.timeout)
-        return Aggregated(report, (inputs[0], inputs[1]), {}, died)
+        return Aggregated(report, (inputs[0], inputs[1]), died)
