@@ -436,6 +436,8 @@ class Silo:
         personalized model; then its state is checkpointed in its own directory."""
         if self._last is None or self._last.round != round_:
             raise RuntimeError(f"silo {self.name}: commit({round_}) without evaluate({round_})")
+        if not isinstance(keep, bool):
+            raise TypeError(f"silo {self.name}: commit's keep is a bool, not {type(keep).__name__}")
         if keep:
             assert self._evaluated is not None
             self._selected = self._last

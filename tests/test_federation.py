@@ -204,3 +204,33 @@ def test_diverged_training_is_one_clear_error_naming_the_silo(tmp_path, capsys):
     assert "updates needed (round.min_silos); none from " in err
     assert ", va: training diverged (body." in err, "silos with one reason are named together"
     assert "lower train.lr" in err
+
+
+@pytest.mark.parametrize("mode", ["best_val", "best_mean_val"])
+def test_each_silo_keeps_the_round_its_validation_chose_through_ray(job, mode):
+    """The round runner tells each silo, through its worker, whether to keep this round's model:
+    the selected model is the validation-best round of the history, not the last one."""
+    result = Federation(
+        job(
+            "jobs/heart_disease.yaml",
+            "tracking.enabled=false",
+            "algorithm.name=fedavg",
+            "rounds=6",
+            "train.lr=0.5",
+            f"eval.selection={mode}",
+        )
+    ).run()
+    val = {silo: [s.silos[silo]["val_accuracy"] for s in result.history] for silo in result.silos}
+    test = {silo: [s.silos[silo]["test_accuracy"] for s in result.history] for silo in result.silos}
+    if mode == "best_val":
+        best = {silo: max(v) for silo, v in val.items()}
+        assert any(v[-1] < best[silo] for silo, v in val.items()), "every last round is best"
+        for silo, outcome in result.silos.items():
+            assert val[silo][outcome.selected_round - 1] == best[silo] == outcome.val_accuracy
+    else:
+        means = [s.mean_val_accuracy for s in result.history]
+        assert means[-1] < max(means), "the last round is the best: the test shows nothing"
+        rounds = {outcome.selected_round for outcome in result.silos.values()}
+        assert len(rounds) == 1 and means[rounds.pop() - 1] == max(means)
+    for silo, outcome in result.silos.items():
+        assert outcome.test_accuracy == test[silo][outcome.selected_round - 1]

@@ -234,7 +234,7 @@ class RoundRunner:
         ordered = [evals[n] for n in sorted(evals)]
         chosen = set(self.selector.choose(ordered))
         keep = {n: n in chosen for n in evals}
-        commit_refs = call_many({n: live[n] for n in evals}, "commit", round_, keep)
+        commit_refs = call_many({n: live[n] for n in evals}, "commit", round_, per_silo=keep)
         done, failed, died = gather({n: r for n, (r,) in commit_refs.items()}, self.timeout)
         absent.update({n: f"evaluated, but could not commit: {r}" for n, r in failed.items()})
         self._mark_dead(died)
