@@ -19,8 +19,10 @@ from typing import Any
 
 from silo_pfl.config import FederationConfig
 from silo_pfl.messages import EvalMetrics, FitMetrics, RoundReport
+from silo_pfl.runtime import scrapes
 
 RUN_TAGS = ("federation", "run_id", "algorithm")
+SCRAPE_POLL_S = 0.05  # how often a lingering run looks for the scrape it waits for
 SILO_TAGS = (*RUN_TAGS, "silo")
 
 
@@ -157,6 +159,14 @@ class ServerMetrics:
             _set("silo_pfl_secure_unmask_seconds", report.secure_seconds, self.tags)
 
 
+def local_metrics_port() -> int:
+    """The metrics export port of this process's Ray node."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    return next(int(n["MetricsExportPort"]) for n in ray.nodes() if n["NodeID"] == here)
+
+
 def export_interval_s() -> float:
     """How often this process's figures reach its node's metrics agent (Ray floors it at 1 s)."""
     import ray
@@ -171,6 +181,9 @@ class DriverMetrics:
     def __init__(self, tags: Mapping[str, str], linger_s: float) -> None:
         self.tags, self.linger_s = dict(tags), linger_s  # linger_s: 0 on a cluster
         self.last = time.monotonic()
+        self.port: int | None = None  # the local metrics endpoint's, once known
+        self.watched_since = 0.0  # when the run first looked at its connections
+        self.scraped = False  # a scrape of it was seen during the run (or cannot be told)
 
     def fits(self, train_seconds: Mapping[str, float]) -> None:
         """The fits that arrived: the slowest one's wait beyond the median."""
@@ -189,6 +202,18 @@ class DriverMetrics:
         _set("silo_pfl_round_seconds", seconds, self.tags)
         _set("silo_pfl_silos_alive", alive, self.tags)
         self.last = time.monotonic()
+        self._look()
+
+    def _look(self) -> dict[str, bool] | None:
+        """On a local Ray: the scrape connections of its metrics endpoint now; remembers that
+        one was seen (or that none can be seen: no /proc)."""
+        if self.linger_s <= 0:
+            return None
+        if self.port is None:
+            self.port, self.watched_since = local_metrics_port(), time.monotonic()
+        seen = scrapes.connections(self.port)
+        self.scraped = self.scraped or seen is None or bool(seen)
+        return seen
 
     def _wait(self, seconds: float) -> None:
         time.sleep(max(0.0, self.last + seconds - time.monotonic()))
@@ -200,10 +225,29 @@ class DriverMetrics:
         self._wait(export_interval_s())
 
     def linger(self) -> None:
-        """Before the driver leaves Ray: its own last figures exported and, on a local Ray,
-        metrics.linger_s more for Prometheus to scrape them before the endpoint goes away. The
-        run's end (callbacks' on_end: MLflow, the report) runs before this, inside that time."""
-        self._wait(export_interval_s() + self.linger_s)
+        """Before the driver leaves Ray: its own last figures exported and, on a local Ray, the
+        first scrape that starts after that has ended, or metrics.linger_s has passed.
+
+        Nothing waits when nothing scrapes: no connection to the endpoint was seen during the
+        run (the kernel lists a closed one for a minute), watched from round 1 for at least two
+        linger times, in which a Prometheus scraping every linger_s finds and scrapes it. Where
+        connections cannot be seen (no /proc), the whole linger_s is waited. The run's end
+        (callbacks' on_end: MLflow, the report) runs before this, inside that time.
+        """
+        interval = export_interval_s()
+        self._wait(interval)
+        if self.linger_s <= 0:
+            return
+        before = self._look()
+        watched = time.monotonic() - self.watched_since
+        if not self.scraped and watched >= 2 * self.linger_s:
+            return
+        deadline = self.last + interval + self.linger_s
+        while time.monotonic() < deadline:
+            now = scrapes.connections(self.port) if self.port is not None else None
+            if before is not None and now is not None and scrapes.finished_since(before, now):
+                return
+            time.sleep(SCRAPE_POLL_S)
 
 
 class NoMetrics(DriverMetrics):
