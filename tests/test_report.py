@@ -110,6 +110,17 @@ def test_every_tracked_run_ends_with_its_report(runs):
         assert len(counts) == 2 and sum(counts) == silo.num_train - silo.num_val, hospital
 
 
+def test_the_report_a_run_writes_as_it_ends_equals_the_one_read_back_from_the_store(runs, tmp_path):
+    """The tracker writes the report from the run itself, without reading the store back; the
+    same report, byte for byte, comes from what the store holds."""
+    for result in (runs.fedper, runs.fedavg):
+        out = tmp_path / Runs.run_id(result)
+        assert main(report(runs, Runs.run_id(result), out, "--no-log")) == 0
+        written = Path(result.run_dir) / "report"
+        for name in (*FIGURES, "report.html"):
+            assert (written / name).read_bytes() == (out / name).read_bytes(), name
+
+
 def test_report_against_fedavg_shows_each_silos_gain(runs, tmp_path, capsys):
     run_id, against = Runs.run_id(runs.fedper), Runs.run_id(runs.fedavg)
     out = tmp_path / "out"

@@ -1,14 +1,15 @@
 """The run report: an HTML page with PNG figures of one tracked federation run, read from its
-MLflow store (data.py), drawn with matplotlib (figures.py), laid out (html.py), and logged to
-the run's artifacts under report/. The tracker builds it at the end of a run (tracking.report);
-`silo-pfl report RUN_ID` builds it on demand (command.py)."""
+MLflow store or taken from the run as it ends (data.py), drawn with matplotlib (figures.py),
+laid out (html.py), and logged to the run's artifacts under report/. The tracker writes it at
+the end of a run from the run itself (tracking.report); `silo-pfl report RUN_ID` builds it on
+demand from the store (command.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from silo_pfl.report.data import check_against, read_run
+from silo_pfl.report.data import RunData, check_against, read_run
 from silo_pfl.report.figures import FILES, draw
 from silo_pfl.report.html import render
 
@@ -22,12 +23,17 @@ REPORT_FILE = "report.html"
 def build(
     client: MlflowClient, run_id: str, out: Path, against_id: str | None = None, where: str = ""
 ) -> Path:
-    """Write report.html and its figures into `out` (created; older figures replaced)."""
+    """Read the run (and the run to compare with) from the store, then `write` its report."""
     run = read_run(client, run_id, "RUN_ID", where)
     against = None
     if against_id:
         against = read_run(client, against_id, "--against", where)
         check_against(run, against)
+    return write(run, out, against)
+
+
+def write(run: RunData, out: Path, against: RunData | None = None) -> Path:
+    """Write report.html and its figures into `out` (created; older figures replaced)."""
     out.mkdir(parents=True, exist_ok=True)
     for name in (*FILES, REPORT_FILE):
         (out / name).unlink(missing_ok=True)

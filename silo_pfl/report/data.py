@@ -1,4 +1,5 @@
-"""A tracked federation run read back from its MLflow store into plain data for the report.
+"""A tracked federation run read back from its MLflow store into plain data for the report
+(`read_run`), or the same data from the run itself as it ends (`from_result`).
 
 Per silo, from its child run: validation and test accuracy and bytes sent per round (step =
 round), and its selected model's round and accuracies. From the parent run: its tags, params
@@ -23,6 +24,8 @@ from silo_pfl.tracking.tracker import PARENT_RUN_TAG, PARTITION_FILE
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
+
+    from silo_pfl.results import FederationResult
 
 SPLIT_FILE = "split.json"
 SERIES = ("val_accuracy", "test_accuracy", "bytes_sent")
@@ -148,6 +151,45 @@ def read_run(client: MlflowClient, run_id: str, key: str = "RUN_ID", where: str 
         silos={s.name: s for s in sorted(series, key=lambda s: silo_order(s.name))},
         split=_artifact_json(client, run_id, SPLIT_FILE) or {},
         partition=None if partition is None else dict(partition["silos"]),
+    )
+
+
+def from_result(
+    result: FederationResult,
+    run_id: str,
+    secure: bool,
+    split: dict[str, Any],
+    partition: dict[str, list[int]] | None,
+) -> RunData:
+    """What `read_run` reads back of a run, from the run itself as it ends: its history holds
+    every figure its silos' child runs log, round by round. `split` is split.json's content."""
+    series = []
+    for name, outcome in result.silos.items():
+        rounds = tuple(s.round for s in result.history if name in s.silos)
+        figures = {s.round: s.silos[name] for s in result.history if name in s.silos}
+        series.append(
+            SiloSeries(
+                name=name,
+                rounds=rounds,
+                val_accuracy=tuple(float(figures[r]["val_accuracy"]) for r in rounds),
+                test_accuracy=tuple(float(figures[r]["test_accuracy"]) for r in rounds),
+                bytes_sent={r: float(figures[r]["bytes_sent"]) for r in rounds},
+                selected_round=int(outcome.selected_round),
+                selected_val_accuracy=float(outcome.val_accuracy),
+                selected_test_accuracy=float(outcome.test_accuracy),
+            )
+        )
+    return RunData(
+        run_id=run_id,
+        federation=result.name,
+        algorithm=result.algorithm,
+        seed=str(result.seed),
+        rounds=int(result.rounds),
+        wall_seconds=float(result.wall_seconds),
+        secure=secure,
+        silos={s.name: s for s in sorted(series, key=lambda s: silo_order(s.name))},
+        split=split,
+        partition=partition,
     )
 
 

@@ -129,6 +129,7 @@ class MlflowTracker(Callback):
         self.flushed_at = time.monotonic()
         self.logged: dict[str, Any] = {}  # silo -> the logged model it writes its files into
         self.restarts: dict[str, int] = {}  # silo -> times it restarted, as recorded
+        self.partition: dict[str, list[int]] | None = None  # partition.json's, when logged
         # matplotlib's import and first figure, while the rounds run, for the report at the end
         self.warming = threading.Thread(target=_warm_up, name="report-warm-up", daemon=True)
 
@@ -175,6 +176,8 @@ class MlflowTracker(Callback):
         self.split = split
         if self.cfg.tracking.report:
             self.warming.start()
+        partition = partition_record(silos) if self.central == "full" else None
+        self.partition = None if partition is None else json.loads(partition)["silos"]
         if self.run_id:
             self._reopen()
             return
@@ -196,7 +199,6 @@ class MlflowTracker(Callback):
         if self.joined == registry.FOUNDER:
             record = federation_record(resolved, *model_shape(silos))
             self.client.log_text(self.run_id, record, FEDERATION_FILE)
-        partition = partition_record(silos) if self.central == "full" else None
         if partition is not None:
             self.client.log_text(self.run_id, partition, PARTITION_FILE)
         for info in silos:
@@ -340,13 +342,21 @@ class MlflowTracker(Callback):
         """The run report on the parent run (and in the run's directory, when it has one). A
         report that fails is one warning line: the run itself has finished."""
         from silo_pfl import report
+        from silo_pfl.report.data import from_result
 
         if self.warming.is_alive():
             self.warming.join()
         try:
+            run = from_result(
+                result,
+                self.run_id,
+                self.cfg.aggregation.secure,
+                self._split_summary(result),
+                self.partition,
+            )
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(result.run_dir) / "report" if result.run_dir else Path(tmp)
-                report.build(self.client, self.run_id, out, where=redact(self.uri))
+                report.write(run, out)
                 report.publish(self.client, self.run_id, out)
         except Exception as exc:
             print(
@@ -359,20 +369,24 @@ class MlflowTracker(Callback):
         """The global model (server's keys), the split summary and the result, on the parent."""
         if result.global_state_path and self.central != "none":
             self.client.log_artifact(self.run_id, result.global_state_path, "global_model")
-        split = self.split
-        summary = {
-            "rules": split_rules(self.cfg),
-            "global_parameters": result.global_parameters,
-            "local_parameters": result.local_parameters,
-            "bytes_sent_per_round": split.bytes_sent_per_round if split else None,
-            "model_bytes": split.model_bytes if split else None,
-        }
+        summary = self._split_summary(result)
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "split.json").write_text(json.dumps(summary, indent=2))
             (Path(tmp) / "result.json").write_text(
                 json.dumps(result.to_dict(), indent=2, default=str)
             )
             self.client.log_artifacts(self.run_id, tmp)
+
+    def _split_summary(self, result: FederationResult) -> dict[str, Any]:
+        """The content of split.json: the split's rules and what it keeps home and sends."""
+        split = self.split
+        return {
+            "rules": split_rules(self.cfg),
+            "global_parameters": result.global_parameters,
+            "local_parameters": result.local_parameters,
+            "bytes_sent_per_round": split.bytes_sent_per_round if split else None,
+            "model_bytes": split.model_bytes if split else None,
+        }
 
     def _finish(self, status: str) -> None:
         for run_id in [*self.children.values(), self.run_id]:
