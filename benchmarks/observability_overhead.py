@@ -5,9 +5,11 @@
 
 Each run is the CLI in a fresh process (`silo-pfl run JOB --quiet`), tracked in a temporary
 SQLite store, timed from its start to its exit: what a user waits for. The "on" side has
-metrics.enabled=true and tracking.report=true: a local Ray with its dashboard, a 1 s export
-interval, every figure recorded in the actors and on the driver, the linger for a last scrape,
-and the HTML report with its figures logged to the run. The "off" side has both false. The
+metrics.enabled=true and tracking.report=true: a 1 s export interval for every process of the
+local Ray, the service-discovery file, every figure recorded in the actors and on the driver,
+the check for a last scrape (no Prometheus scrapes here, so the run does not wait for one: see
+the README's "Timing"), and the HTML report with its figures logged to the run. The "off" side
+has both false. The
 order alternates (off/on, on/off, ...); the figure to read is the median of the pair ratios,
 which one pair disturbed by other work on the machine cannot move.
 """
