@@ -45,6 +45,9 @@ class Callback:
     def on_end(self, result: FederationResult) -> None:
         """After the last round, with the final result."""
 
+    def on_closed(self) -> None:
+        """Last, once the run has left Ray: what on_end started in the background ends here."""
+
     def state(self) -> dict[str, Any]:
         """What this callback needs to go on after a resume (checkpointed with every round)."""
         return {}

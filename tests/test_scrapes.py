@@ -60,18 +60,22 @@ def _scrape(port: int) -> None:
 @pytest.mark.usefixtures("ray_local")
 def test_a_local_run_lingers_until_the_next_scrape_and_not_when_nothing_scrapes():
     port, exported = local_metrics_port(), export_interval_s() + 1.0
-    # Nothing scrapes, watched for longer than two linger times: no wait at all.
+    _scrape(port)  # a closed connection the kernel still lists when the runs below start
+    # Nothing scrapes during the run, watched for longer than two linger times: no wait at all.
     idle = DriverMetrics(TAGS, linger_s=5.0)
     idle.round(1, 0.1, 1)
+    assert idle.stale and not idle.scraped
     idle.watched_since -= 10.0
     idle.last -= exported  # its last figures have reached the agent
     began = time.monotonic()
     idle.linger()
     assert time.monotonic() - began < 2.5
     # A scraper: the run waits for the first scrape after its figures, not the whole linger.
-    _scrape(port)
     watched = DriverMetrics(TAGS, linger_s=5.0)
     watched.round(1, 0.1, 1)
+    assert not watched.scraped
+    _scrape(port)
+    watched.round(2, 0.1, 1)
     assert watched.scraped
     watched.last -= exported
     later = threading.Timer(1.5, _scrape, args=(port,))

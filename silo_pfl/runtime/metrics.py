@@ -183,6 +183,9 @@ class DriverMetrics:
         self.last = time.monotonic()
         self.port: int | None = None  # the local metrics endpoint's, once known
         self.watched_since = 0.0  # when the run first looked at its connections
+        # What the first look found: the kernel's leftovers of an earlier process on that port
+        # (closed connections stay listed for a minute), not scrapes of this run.
+        self.stale: frozenset[str] = frozenset()
         self.scraped = False  # a scrape of it was seen during the run (or cannot be told)
 
     def fits(self, train_seconds: Mapping[str, float]) -> None:
@@ -206,13 +209,17 @@ class DriverMetrics:
 
     def _look(self) -> dict[str, bool] | None:
         """On a local Ray: the scrape connections of its metrics endpoint now; remembers that
-        one was seen (or that none can be seen: no /proc)."""
+        one was seen (or that none can be seen: no /proc). Closed connections already listed at
+        the first look (round 1) do not count."""
         if self.linger_s <= 0:
             return None
-        if self.port is None:
+        first = self.port is None
+        if first:
             self.port, self.watched_since = local_metrics_port(), time.monotonic()
         seen = scrapes.connections(self.port)
-        self.scraped = self.scraped or seen is None or bool(seen)
+        if first and seen is not None:
+            self.stale = frozenset(peer for peer, open_ in seen.items() if not open_)
+        self.scraped = self.scraped or seen is None or bool(set(seen) - self.stale)
         return seen
 
     def _wait(self, seconds: float) -> None:

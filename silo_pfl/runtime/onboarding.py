@@ -122,6 +122,7 @@ class Onboarding:
                 },
             )
         self._emit("on_end", result)
+        self._emit("on_closed")
         result.write_json(self.run_dir.path / RESULT_FILE)
         return result
 

@@ -162,6 +162,7 @@ class Orchestrator:
             )
             self._emit("on_end", result)
             metrics.linger()
+        self._emit("on_closed")
         result.write_json(self.run_dir.path / RESULT_FILE)
         return result
 

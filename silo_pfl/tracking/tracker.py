@@ -132,6 +132,7 @@ class MlflowTracker(Callback):
         self.partition: dict[str, list[int]] | None = None  # partition.json's, when logged
         # matplotlib's import and first figure, while the rounds run, for the report at the end
         self.warming = threading.Thread(target=_warm_up, name="report-warm-up", daemon=True)
+        self.reporting: threading.Thread | None = None  # the report, from on_end to on_closed
 
     def _log(self, run_id: str, metrics: list[Metric]) -> None:
         """Buffer metrics; every FLUSH_SECONDS each run's buffer goes out as one batch."""
@@ -335,8 +336,21 @@ class MlflowTracker(Callback):
         self._flush()
         self._log_artifacts(result)
         if self.cfg.tracking.report:
-            self._report(result)
-        self._finish(RunStatus.to_string(RunStatus.FINISHED))
+            self.reporting = threading.Thread(
+                target=self._report, args=(result,), name="run-report", daemon=True
+            )
+            self.reporting.start()
+        else:
+            self._finish(RunStatus.to_string(RunStatus.FINISHED))
+
+    def on_closed(self) -> None:
+        """The report, drawn while Ray shut down, is logged: the run is FINISHED."""
+        from mlflow.entities import RunStatus
+
+        if self.reporting is not None:
+            self.reporting.join()
+            self.reporting = None
+            self._finish(RunStatus.to_string(RunStatus.FINISHED))
 
     def _report(self, result: FederationResult) -> None:
         """The run report on the parent run (and in the run's directory, when it has one). A
@@ -395,6 +409,10 @@ class MlflowTracker(Callback):
 
     def abort(self, killed: bool = False) -> None:
         """Mark the runs KILLED (interrupted) or FAILED (an error); never raises over either."""
+        if self.reporting is not None:
+            with contextlib.suppress(Exception):
+                self.reporting.join()
+            self.reporting = None
         if not self.run_id:
             return
         from mlflow.entities import RunStatus
