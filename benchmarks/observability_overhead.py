@@ -9,9 +9,8 @@ metrics.enabled=true and tracking.report=true: a 1 s export interval for every p
 local Ray, the service-discovery file, every figure recorded in the actors and on the driver,
 the check for a last scrape (no Prometheus scrapes here, so the run does not wait for one: see
 the README's "Timing"), and the HTML report with its figures logged to the run. The "off" side
-has both false. The
-order alternates (off/on, on/off, ...); the figure to read is the median of the pair ratios,
-which one pair disturbed by other work on the machine cannot move.
+has both false. The order alternates (off/on, on/off, ...); the figure to read is the median of
+the pair ratios, which one pair disturbed by other work on the machine cannot move.
 """
 
 from __future__ import annotations

@@ -165,8 +165,8 @@ def from_result(
     every figure its silos' child runs log, round by round. `split` is split.json's content."""
     series = []
     for name, outcome in result.silos.items():
-        rounds = tuple(s.round for s in result.history if name in s.silos)
         figures = {s.round: s.silos[name] for s in result.history if name in s.silos}
+        rounds = tuple(figures)
         series.append(
             SiloSeries(
                 name=name,

@@ -22,8 +22,8 @@ from silo_pfl.messages import EvalMetrics, FitMetrics, RoundReport
 from silo_pfl.runtime import scrapes
 
 RUN_TAGS = ("federation", "run_id", "algorithm")
-SCRAPE_POLL_S = 0.05  # how often a lingering run looks for the scrape it waits for
 SILO_TAGS = (*RUN_TAGS, "silo")
+SCRAPE_POLL_S = 0.05  # how often a lingering run looks for the scrape it waits for
 
 
 @dataclass(frozen=True)
@@ -205,7 +205,8 @@ class DriverMetrics:
         _set("silo_pfl_round_seconds", seconds, self.tags)
         _set("silo_pfl_silos_alive", alive, self.tags)
         self.last = time.monotonic()
-        self._look()
+        if not self.scraped:
+            self._look()
 
     def _look(self) -> dict[str, bool] | None:
         """On a local Ray: the scrape connections of its metrics endpoint now; remembers that
@@ -246,13 +247,15 @@ class DriverMetrics:
         if self.linger_s <= 0:
             return
         before = self._look()
+        if before is None:
+            self._wait(interval + self.linger_s)
+            return
         watched = time.monotonic() - self.watched_since
         if not self.scraped and watched >= 2 * self.linger_s:
             return
         deadline = self.last + interval + self.linger_s
         while time.monotonic() < deadline:
-            now = scrapes.connections(self.port) if self.port is not None else None
-            if before is not None and now is not None and scrapes.finished_since(before, now):
+            if scrapes.finished_since(before, scrapes.connections(self.port) or {}):
                 return
             time.sleep(SCRAPE_POLL_S)
 

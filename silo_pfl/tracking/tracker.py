@@ -66,13 +66,11 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     return flat
 
 
-def partition_record(silos: Sequence[SiloInfo]) -> str | None:
-    """The text of `partition.json`: each silo's training rows per class, as the silos counted
-    them; None when no silo reported counts (aggregation.secure)."""
+def partition_counts(silos: Sequence[SiloInfo]) -> dict[str, list[int]] | None:
+    """What `partition.json` holds under "silos": each silo's training rows per class, as the
+    silos counted them; None when no silo reported counts (aggregation.secure)."""
     counts = {info.silo: list(info.label_counts) for info in silos if info.label_counts}
-    if not counts:
-        return None
-    return json.dumps({"silos": counts}, indent=2)
+    return counts or None
 
 
 def _warm_up() -> None:
@@ -177,8 +175,7 @@ class MlflowTracker(Callback):
         self.split = split
         if self.cfg.tracking.report:
             self.warming.start()
-        partition = partition_record(silos) if self.central == "full" else None
-        self.partition = None if partition is None else json.loads(partition)["silos"]
+        self.partition = partition_counts(silos) if self.central == "full" else None
         if self.run_id:
             self._reopen()
             return
@@ -200,8 +197,9 @@ class MlflowTracker(Callback):
         if self.joined == registry.FOUNDER:
             record = federation_record(resolved, *model_shape(silos))
             self.client.log_text(self.run_id, record, FEDERATION_FILE)
-        if partition is not None:
-            self.client.log_text(self.run_id, partition, PARTITION_FILE)
+        if self.partition is not None:
+            record = json.dumps({"silos": self.partition}, indent=2)
+            self.client.log_text(self.run_id, record, PARTITION_FILE)
         for info in silos:
             child = self.client.create_run(
                 self.experiment_id,
