@@ -14,7 +14,12 @@ import urllib.request
 import pytest
 
 from silo_pfl.runtime import scrapes
-from silo_pfl.runtime.metrics import DriverMetrics, export_interval_s, local_metrics_port
+from silo_pfl.runtime.metrics import (
+    LOOK_EVERY_S,
+    DriverMetrics,
+    export_interval_s,
+    local_metrics_port,
+)
 
 TAGS = {"federation": "f", "run_id": "scrapes", "algorithm": "fedavg"}
 
@@ -63,8 +68,12 @@ def test_a_local_run_lingers_until_the_next_scrape_and_not_when_nothing_scrapes(
     _scrape(port)  # a closed connection the kernel still lists when the runs below start
     # Nothing scrapes during the run, watched for longer than two linger times: no wait at all.
     idle = DriverMetrics(TAGS, linger_s=5.0)
-    idle.round(1, 0.1, 1)
+    idle.watch()  # as a run does once Ray is up, before its first round
+    assert idle.port == port and idle.watched_since > 0
     assert idle.stale and not idle.scraped
+    idle.looked -= LOOK_EVERY_S
+    idle.round(1, 0.1, 1)
+    assert not idle.scraped  # the leftover seen at the first look is not a scrape
     idle.watched_since -= 10.0
     idle.last -= exported  # its last figures have reached the agent
     began = time.monotonic()
@@ -76,6 +85,9 @@ def test_a_local_run_lingers_until_the_next_scrape_and_not_when_nothing_scrapes(
     assert not watched.scraped
     _scrape(port)
     watched.round(2, 0.1, 1)
+    assert not watched.scraped  # the rounds look only every LOOK_EVERY_S
+    watched.looked -= LOOK_EVERY_S
+    watched.round(3, 0.1, 1)
     assert watched.scraped
     watched.last -= exported
     later = threading.Timer(1.5, _scrape, args=(port,))

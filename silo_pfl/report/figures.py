@@ -56,17 +56,6 @@ def _save(fig: MplFigure, path: Path) -> None:
     fig.savefig(path, format="png", dpi=DPI, metadata={"Software": None})
 
 
-def warm_up() -> None:
-    """Import matplotlib and draw a figure with text, off the report's critical path: the
-    tracker runs this in a thread while the rounds run (about a second at the end, otherwise)."""
-    import io
-
-    with _defaults():
-        fig = _figure(1, 1)
-        fig.suptitle("warm-up")
-        fig.savefig(io.BytesIO(), format="png", dpi=DPI)
-
-
 def _grid(n: int) -> tuple[int, int]:
     cols = min(COLUMNS, n)
     return math.ceil(n / cols), cols

@@ -24,6 +24,9 @@ from silo_pfl.runtime import scrapes
 RUN_TAGS = ("federation", "run_id", "algorithm")
 SILO_TAGS = (*RUN_TAGS, "silo")
 SCRAPE_POLL_S = 0.05  # how often a lingering run looks for the scrape it waits for
+# How often the rounds look at the endpoint's connections (a look reads the kernel's tables: a
+# few ms). A scrape stays listed for a minute after it ended, so none is missed between looks.
+LOOK_EVERY_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -183,6 +186,7 @@ class DriverMetrics:
         self.last = time.monotonic()
         self.port: int | None = None  # the local metrics endpoint's, once known
         self.watched_since = 0.0  # when the run first looked at its connections
+        self.looked = 0.0  # when it last looked
         # What the first look found: the kernel's leftovers of an earlier process on that port
         # (closed connections stay listed for a minute), not scrapes of this run.
         self.stale: frozenset[str] = frozenset()
@@ -200,24 +204,29 @@ class DriverMetrics:
         for silo, reason in reasons.items():
             _inc("silo_pfl_updates_left_out", 1, {**self.tags, "silo": silo, "reason": reason})
 
+    def watch(self) -> None:
+        """Once Ray is up (a local one has just written the service-discovery file, so that a
+        Prometheus may find and scrape it from now): the first look at its metrics endpoint."""
+        self._look()
+
     def round(self, round_: int, seconds: float, alive: int) -> None:
         _set("silo_pfl_round", round_, self.tags)
         _set("silo_pfl_round_seconds", seconds, self.tags)
         _set("silo_pfl_silos_alive", alive, self.tags)
         self.last = time.monotonic()
-        if not self.scraped:
+        if not self.scraped and self.last - self.looked >= LOOK_EVERY_S:
             self._look()
 
     def _look(self) -> dict[str, bool] | None:
         """On a local Ray: the scrape connections of its metrics endpoint now; remembers that
         one was seen (or that none can be seen: no /proc). Closed connections already listed at
-        the first look (round 1) do not count."""
+        the first look (`watch`, else round 1) do not count."""
         if self.linger_s <= 0:
             return None
         first = self.port is None
         if first:
             self.port, self.watched_since = local_metrics_port(), time.monotonic()
-        seen = scrapes.connections(self.port)
+        seen, self.looked = scrapes.connections(self.port), time.monotonic()
         if first and seen is not None:
             self.stale = frozenset(peer for peer, open_ in seen.items() if not open_)
         self.scraped = self.scraped or seen is None or bool(set(seen) - self.stale)
@@ -228,8 +237,8 @@ class DriverMetrics:
 
     def settle(self) -> None:
         """Before the actors stop: one export interval after the last figures, so that every
-        process's last figures have reached its node's metrics agent (the export after the last
-        round usually takes longer already)."""
+        process's last figures have reached its node's metrics agent (the model export and the
+        callbacks' on_end after the last round usually take longer already)."""
         self._wait(export_interval_s())
 
     def linger(self) -> None:
@@ -237,8 +246,8 @@ class DriverMetrics:
         first scrape that starts after that has ended, or metrics.linger_s has passed.
 
         Nothing waits when nothing scrapes: no connection to the endpoint was seen during the
-        run (the kernel lists a closed one for a minute), watched from round 1 for at least two
-        linger times, in which a Prometheus scraping every linger_s finds and scrapes it. Where
+        run (the kernel lists a closed one for a minute), watched from Ray's start for at least
+        two linger times, in which a Prometheus scraping every linger_s finds and scrapes it. Where
         connections cannot be seen (no /proc), the whole linger_s is waited. The run's end
         (callbacks' on_end: MLflow, the report) runs before this, inside that time.
         """

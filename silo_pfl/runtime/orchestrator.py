@@ -92,6 +92,7 @@ class Orchestrator:
         metrics, tags = driver_metrics(self.cfg, run_id)
         interval = self.cfg.metrics.export_interval_s if tags is not None else None
         with ray_session(self.cfg.ray, metrics_interval_s=interval):
+            metrics.watch()
             start = time.perf_counter()
             config = to_dict(self.cfg)
             names = silo_names(self.cfg.data)
@@ -137,30 +138,32 @@ class Orchestrator:
                 state_path = self._save_global(state)
                 server_node = get(server.node_id.remote(), "the server's node", self.timeout)
                 export(self.callbacks, list(exporting), actors, self.timeout)
+                result = FederationResult.of(
+                    self.cfg,
+                    self.run_dir,
+                    split,
+                    wall_seconds=time.perf_counter() - start,
+                    silos={
+                        info.silo: SiloResult.of(
+                            info,
+                            out,
+                            bytes_sent_per_round=split.bytes_sent_per_round,
+                            restarts=parties[info.silo].restarts,
+                            rounds_taken_part=sum(info.silo in s.participants for s in history),
+                        )
+                        for info, out in zip(infos, outcomes, strict=True)
+                    },
+                    history=history,
+                    global_state_path=state_path,
+                    server_node_id=server_node,
+                    extras={
+                        k: v for callback in self.callbacks for k, v in callback.extras().items()
+                    },
+                )
+                self._emit("on_end", result)
                 metrics.settle()
             finally:
                 stop(list(actors.values()))
-            result = FederationResult.of(
-                self.cfg,
-                self.run_dir,
-                split,
-                wall_seconds=time.perf_counter() - start,
-                silos={
-                    info.silo: SiloResult.of(
-                        info,
-                        out,
-                        bytes_sent_per_round=split.bytes_sent_per_round,
-                        restarts=parties[info.silo].restarts,
-                        rounds_taken_part=sum(info.silo in s.participants for s in history),
-                    )
-                    for info, out in zip(infos, outcomes, strict=True)
-                },
-                history=history,
-                global_state_path=state_path,
-                server_node_id=server_node,
-                extras={k: v for callback in self.callbacks for k, v in callback.extras().items()},
-            )
-            self._emit("on_end", result)
             metrics.linger()
         self._emit("on_closed")
         result.write_json(self.run_dir.path / RESULT_FILE)

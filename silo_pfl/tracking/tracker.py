@@ -73,14 +73,6 @@ def partition_counts(silos: Sequence[SiloInfo]) -> dict[str, list[int]] | None:
     return counts or None
 
 
-def _warm_up() -> None:
-    """The report's warm-up; a failure here shows when the report itself is built."""
-    with contextlib.suppress(Exception):
-        from silo_pfl.report.figures import warm_up
-
-        warm_up()
-
-
 def _now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -128,8 +120,6 @@ class MlflowTracker(Callback):
         self.logged: dict[str, Any] = {}  # silo -> the logged model it writes its files into
         self.restarts: dict[str, int] = {}  # silo -> times it restarted, as recorded
         self.partition: dict[str, list[int]] | None = None  # partition.json's, when logged
-        # matplotlib's import and first figure, while the rounds run, for the report at the end
-        self.warming = threading.Thread(target=_warm_up, name="report-warm-up", daemon=True)
         self.reporting: threading.Thread | None = None  # the report, from on_end to on_closed
 
     def _log(self, run_id: str, metrics: list[Metric]) -> None:
@@ -173,8 +163,6 @@ class MlflowTracker(Callback):
 
         self.client, self.experiment_id = self.opening.result()
         self.split = split
-        if self.cfg.tracking.report:
-            self.warming.start()
         self.partition = partition_counts(silos) if self.central == "full" else None
         if self.run_id:
             self._reopen()
@@ -356,8 +344,6 @@ class MlflowTracker(Callback):
         from silo_pfl import report
         from silo_pfl.report.data import from_result
 
-        if self.warming.is_alive():
-            self.warming.join()
         try:
             run = from_result(
                 result,
