@@ -1,7 +1,5 @@
 """`python -m silo_pfl ...`: the CLI, as a Ray Job's entry point runs it."""
 
-import sys
+from silo_pfl.cli import console
 
-from silo_pfl.cli import main
-
-sys.exit(main())
+console()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +22,7 @@ GAIN, LOSS, EVEN = "#2e7d32", "#c62828", "#9e9e9e"
 VAL_COLOR, TEST_COLOR, OTHER_COLOR = "#1f77b4", "#ff7f0e", "#616161"
 COLUMNS = 5  # small multiples per row
 MAX_CELL_LABELS = 400  # the partition's counts are written in its cells up to this many
+CHAR_INCHES = 0.085  # a character of 10-point text, on average, sized for the margins
 FILES = ("accuracy.png", "gain.png", "spread.png", "bytes.png", "partition.png")
 
 
@@ -46,10 +47,26 @@ def _defaults() -> Iterator[None]:
         yield
 
 
-def _figure(width: float, height: float) -> MplFigure:
+def _figure(
+    width: float, height: float, margins: tuple[float, float, float, float], gap: float = 0.0
+) -> MplFigure:
+    """A figure of width x height inches whose axes leave `margins` (left, right, top, bottom)
+    and `gap` between them, in inches. Fixed, not constrained: the layout solver measures every
+    text once more, which costs as much as drawing it."""
     from matplotlib.figure import Figure as MplFigure
 
-    return MplFigure(figsize=(width, height), dpi=DPI, layout="constrained")
+    left, right, top, bottom = margins
+    fig = MplFigure(figsize=(width, height), dpi=DPI)
+    fig.subplots_adjust(
+        left=left / width, right=1 - right / width, top=1 - top / height, bottom=bottom / height
+    )
+    fig.subplotpars.update(wspace=gap / (width - left - right))
+    return fig
+
+
+def _text_inches(labels: Iterable[str], points: float = 10) -> float:
+    """About how wide the longest of `labels` is, in inches, at `points` (DejaVu Sans)."""
+    return max((len(label) for label in labels), default=0) * CHAR_INCHES * points / 10
 
 
 def _save(fig: MplFigure, path: Path) -> None:
@@ -134,7 +151,8 @@ def gain(run: RunData, against: RunData, out: Path) -> Figure:
     values = [gains[s] for s in order]
     colors = [GAIN if v > 0 else LOSS if v < 0 else EVEN for v in values]
     with _defaults():
-        fig = _figure(8, 0.42 * len(order) + 1.6)
+        margins = (0.6 + _text_inches(order), 0.3, 0.45, 0.6)
+        fig = _figure(8, 0.42 * len(order) + 1.6, margins)
         ax = fig.add_subplot()
         ax.barh(order, values, color=colors)
         ax.axvline(0, color="black", lw=0.8)
@@ -173,8 +191,12 @@ def spread(run: RunData, against: RunData | None, out: Path) -> Figure:
     names = [s.name for s in ordered]
     values = [s.selected_test_accuracy for s in ordered]
     mean, worst, std = run.mean_test, run.worst_test, run.std_test
+    legend = [f"{run.algorithm} (this run)", "mean ± std", f"worst {worst:.3f}"]
+    if against is not None:
+        legend.append(f"{against.algorithm} (run {against.run_id[:8]})")
     with _defaults():
-        fig = _figure(9, 0.42 * len(names) + 1.8)
+        margins = (0.6 + _text_inches(names), 0.45 + _text_inches(legend, 8), 0.45, 0.6)
+        fig = _figure(9, 0.42 * len(names) + 1.8, margins)
         ax = fig.add_subplot()
         ax.axvspan(mean - std, mean + std, color=TEST_COLOR, alpha=0.12, label="mean ± std")
         ax.hlines(names, 0, values, color=TEST_COLOR, lw=2)
@@ -244,7 +266,7 @@ def traffic(run: RunData, against: RunData | None, out: Path) -> Figure | None:
     rounds = sorted({r for s in run.silos.values() for r in s.bytes_sent})
     per_round = [sum(s.bytes_sent.get(r, 0.0) for s in run.silos.values()) for r in rounds]
     with _defaults():
-        fig = _figure(11, 4)
+        fig = _figure(11, 4, (0.75, 0.2, 0.65, 0.7), gap=1.1)
         left, right = fig.subplots(1, 2, width_ratios=[1, 1.4])
         scale, unit = _unit(max(bars.values()))
         heights = [v / scale for v in bars.values()]
@@ -291,7 +313,9 @@ def partition(run: RunData, out: Path) -> Figure | None:
     classes = max(len(c) for c in run.partition.values())
     counts = np.array([run.partition[n] + [0] * (classes - len(run.partition[n])) for n in names])
     with _defaults():
-        fig = _figure(max(6.0, 1.6 + 0.55 * classes), 1.6 + 0.42 * len(names))
+        rows = [f"{n} ({t})" for n, t in zip(names, counts.sum(1), strict=True)]
+        margins = (0.6 + _text_inches(rows), 0.2, 0.75, 0.6)
+        fig = _figure(max(6.0, 1.6 + 0.55 * classes), 1.6 + 0.42 * len(names), margins)
         ax = fig.add_subplot()
         ax.imshow(counts, cmap="Blues", aspect="auto", vmin=0)
         if counts.size <= MAX_CELL_LABELS:
@@ -300,9 +324,7 @@ def partition(run: RunData, out: Path) -> Figure | None:
                 color = "white" if value > dark else "black"
                 ax.text(col, row, str(value), ha="center", va="center", color=color, fontsize=8)
         ax.set_xticks(range(classes))
-        ax.set_yticks(
-            range(len(names)), [f"{n} ({t})" for n, t in zip(names, counts.sum(1), strict=True)]
-        )
+        ax.set_yticks(range(len(names)), rows)
         ax.set_xlabel("class")
         ax.set_ylabel("silo (its training rows)")
         ax.set_title(f"{run.federation}: the partition\ntraining rows per class in each silo")
