@@ -48,19 +48,30 @@ def _defaults() -> Iterator[None]:
 
 
 def _figure(
-    width: float, height: float, margins: tuple[float, float, float, float], gap: float = 0.0
+    width: float,
+    height: float,
+    margins: tuple[float, float, float, float],
+    grid: tuple[int, int] = (1, 1),
+    gaps: tuple[float, float] = (0.0, 0.0),
 ) -> MplFigure:
-    """A figure of width x height inches whose axes leave `margins` (left, right, top, bottom)
-    and `gap` between them, in inches. Fixed, not constrained: the layout solver measures every
-    text once more, which costs as much as drawing it."""
+    """A figure of width x height inches whose axes, `grid` (rows, columns) of them, leave
+    `margins` (left, right, top, bottom) and `gaps` (across, down) between them, in inches.
+    Fixed, not constrained: the layout solver measures every text once more, which costs as much
+    as drawing it."""
     from matplotlib.figure import Figure as MplFigure
 
-    left, right, top, bottom = margins
+    (left, right, top, bottom), (rows, cols), (gap_x, gap_y) = margins, grid, gaps
+    cell_w = (width - left - right - (cols - 1) * gap_x) / cols
+    cell_h = (height - top - bottom - (rows - 1) * gap_y) / rows
     fig = MplFigure(figsize=(width, height), dpi=DPI)
     fig.subplots_adjust(
-        left=left / width, right=1 - right / width, top=1 - top / height, bottom=bottom / height
+        left=left / width,
+        right=1 - right / width,
+        top=1 - top / height,
+        bottom=bottom / height,
+        wspace=gap_x / cell_w,
+        hspace=gap_y / cell_h,
     )
-    fig.subplotpars.update(wspace=gap / (width - left - right))
     return fig
 
 
@@ -79,25 +90,12 @@ def _grid(n: int) -> tuple[int, int]:
 
 
 def _small_multiples(n: int, width: float, height: float) -> tuple[MplFigure, list[Any]]:
-    """A figure of n axes (width x height inches each), COLUMNS a row, sharing x and y.
-
-    Margins are fixed, not constrained: the layout solver would cost more than the drawing.
-    """
-    from matplotlib.figure import Figure as MplFigure
-
+    """A figure of n axes (width x height inches each), COLUMNS a row, sharing x and y."""
     rows, cols = _grid(n)
     left, right, top, bottom, gap_x, gap_y = 1.0, 0.2, 0.75, 0.65, 0.3, 0.5
     fig_w = left + right + cols * width + (cols - 1) * gap_x
     fig_h = top + bottom + rows * height + (rows - 1) * gap_y
-    fig = MplFigure(figsize=(fig_w, fig_h), dpi=DPI)
-    fig.subplots_adjust(
-        left=left / fig_w,
-        right=1 - right / fig_w,
-        top=1 - top / fig_h,
-        bottom=bottom / fig_h,
-        wspace=gap_x / width,
-        hspace=gap_y / height,
-    )
+    fig = _figure(fig_w, fig_h, (left, right, top, bottom), (rows, cols), (gap_x, gap_y))
     axes = np.atleast_1d(fig.subplots(rows, cols, sharex=True, sharey=True)).ravel()
     for ax in axes[n:]:
         ax.set_visible(False)
@@ -266,7 +264,7 @@ def traffic(run: RunData, against: RunData | None, out: Path) -> Figure | None:
     rounds = sorted({r for s in run.silos.values() for r in s.bytes_sent})
     per_round = [sum(s.bytes_sent.get(r, 0.0) for s in run.silos.values()) for r in rounds]
     with _defaults():
-        fig = _figure(11, 4, (0.75, 0.2, 0.65, 0.7), gap=1.1)
+        fig = _figure(11, 4, (0.75, 0.2, 0.65, 0.7), grid=(1, 2), gaps=(0.5, 0.0))
         left, right = fig.subplots(1, 2, width_ratios=[1, 1.4])
         scale, unit = _unit(max(bars.values()))
         heights = [v / scale for v in bars.values()]
