@@ -24,7 +24,7 @@ from silo_pfl.secure import identity, shamir
 from silo_pfl.secure.aggregator import SecureRoundError
 from silo_pfl.secure.fixed_point import decode_mean, encode
 from silo_pfl.secure.messages import Advertisement, UnmaskRequest, digest
-from silo_pfl.secure.prg import stream
+from silo_pfl.secure.prg import BLOCK_WORDS, apply_streams, stream
 from silo_pfl.secure.topology import default_threshold, harary, topology
 
 SHAPES = {"body.fc1.weight": (32, 13), "body.fc1.bias": (32,), "head.bias": (2,)}
@@ -280,6 +280,25 @@ def test_mask_streams_are_uniform_and_keyed():
     a, b = stream(b"k" * 32, 100_000), stream(b"l" * 32, 100_000)
     assert not np.array_equal(a, b) and np.array_equal(a, stream(b"k" * 32, 100_000))
     assert _chi_square_p(a) > 1e-6
+
+
+@pytest.mark.parametrize("length", [1, BLOCK_WORDS - 1, 3 * BLOCK_WORDS + 5, 8 * BLOCK_WORDS])
+def test_masks_removed_on_threads_are_the_same_words(length):
+    """Each slice's streams start at its own counter: any number of threads adds exactly the
+    words one thread adds."""
+    rng = np.random.default_rng(length)
+    keys = [(bytes(rng.integers(0, 256, 32, dtype=np.uint8)), sign) for sign in (1, -1, 1)]
+    start = rng.integers(0, 2**63, length, dtype=np.uint64)
+    plus = [rng.integers(0, 2**63, length, dtype=np.uint64) for _ in range(2)]
+    once = start.copy()
+    apply_streams(once, keys, plus=plus)
+    assert not np.array_equal(once, start)
+    for threads in (2, 3, 16):
+        sliced = start.copy()
+        apply_streams(sliced, keys, plus=plus, threads=threads)
+        np.testing.assert_array_equal(sliced, once)
+    with pytest.raises(ValueError, match="32 bytes"):
+        apply_streams(start, [(b"short", 1)], threads=2)
 
 
 def test_secure_silos_hand_the_server_only_masked_vectors_and_it_checks_them(job):

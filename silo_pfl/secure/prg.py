@@ -3,10 +3,15 @@
 Each key masks one vector once (keys are derived per round, attempt and pair), so a fixed
 counter start is never reused. The vector is walked block by block, and every key's stream for
 a block is added while that block is in cache: the cost is the cipher's, not memory traffic.
+The cipher and numpy's additions release the GIL, so the server, which the silos wait for,
+removes masks on several threads: a slice of the vector each, each slice's ciphers starting at
+its own counter.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -14,23 +19,30 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 BLOCK_WORDS = 1 << 14  # 128 KiB of key stream at a time
 _ZEROS = bytes(8 * BLOCK_WORDS)
-_COUNTER = bytes(16)
 
 
-def apply_streams(
-    vector: np.ndarray, keys: Sequence[tuple[bytes, int]], plus: Sequence[np.ndarray] = ()
-) -> None:
-    """vector += sum(plus) + sign * stream(key) for every (key, sign), modulo 2^64, in place;
-    a sign is +1 or -1."""
+def _check(keys: Sequence[tuple[bytes, int]]) -> None:
     for key, sign in keys:
         if len(key) != 32 or sign not in (1, -1):
             raise ValueError("a mask key has 32 bytes and a sign of +1 or -1")
+
+
+def _apply_slice(
+    vector: np.ndarray,
+    keys: Sequence[tuple[bytes, int]],
+    plus: Sequence[np.ndarray],
+    first: int,
+    end: int,
+) -> None:
+    """apply_streams on vector[first:end]; `first` is a multiple of BLOCK_WORDS, so the key
+    streams start at AES block first / 2 (two words a block)."""
+    counter = (first // 2).to_bytes(16, "big")
     ciphers = [
-        (Cipher(algorithms.AES(key), modes.CTR(_COUNTER)).encryptor(), sign) for key, sign in keys
+        (Cipher(algorithms.AES(key), modes.CTR(counter)).encryptor(), sign) for key, sign in keys
     ]
     buffer = bytearray(8 * BLOCK_WORDS + 15)
-    for start in range(0, vector.size, BLOCK_WORDS):
-        count = min(BLOCK_WORDS, vector.size - start)
+    for start in range(first, end, BLOCK_WORDS):
+        count = min(BLOCK_WORDS, end - start)
         block = vector[start : start + count]
         words = np.frombuffer(buffer, dtype="<u8", count=count)
         zeros = _ZEROS if count == BLOCK_WORDS else _ZEROS[: 8 * count]
@@ -42,6 +54,40 @@ def apply_streams(
                 np.add(block, words, out=block)
             else:
                 np.subtract(block, words, out=block)
+
+
+def apply_streams(
+    vector: np.ndarray,
+    keys: Sequence[tuple[bytes, int]],
+    plus: Sequence[np.ndarray] = (),
+    threads: int = 1,
+) -> None:
+    """vector += sum(plus) + sign * stream(key) for every (key, sign), modulo 2^64, in place;
+    a sign is +1 or -1. With `threads` > 1 the vector is cut into that many slices, each done
+    on its own thread: the same words, sooner where cores are free."""
+    _check(keys)
+    blocks = -(-vector.size // BLOCK_WORDS)
+    threads = max(1, min(threads, blocks))
+    bounds = [min(vector.size, BLOCK_WORDS * (blocks * i // threads)) for i in range(threads + 1)]
+    if threads == 1:
+        _apply_slice(vector, keys, plus, 0, vector.size)
+        return
+    errors: list[BaseException] = []
+
+    def work(first: int, end: int) -> None:
+        try:
+            _apply_slice(vector, keys, plus, first, end)
+        except BaseException as exc:  # re-raised on the caller's thread
+            errors.append(exc)
+
+    slices = itertools.pairwise(bounds)
+    workers = [threading.Thread(target=work, args=pair, daemon=True) for pair in slices]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    if errors:
+        raise errors[0]
 
 
 def apply_stream(vector: np.ndarray, key: bytes, sign: int) -> None:
