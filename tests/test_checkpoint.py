@@ -28,6 +28,50 @@ def test_only_the_newest_checkpoints_are_kept_and_read_back_exactly(tmp_path):
     assert not list(tmp_path.glob(".*.tmp")), "no temporary file is left behind"
 
 
+def _counting(monkeypatch, module, name) -> list:
+    """Calls of module.name, each still made: a record of what reached the disk, and when."""
+    calls, real = [], getattr(module, name)
+
+    def counted(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+@pytest.mark.skipif(checkpoint._SYNCFS is None, reason="this OS has no syncfs")
+def test_saves_made_durable_together_wait_for_the_disk_once(tmp_path, monkeypatch):
+    """A worker's call for its silos: every file written, then one sync of the file system as
+    the block ends; the checkpoints they replace are deleted only after that."""
+    fsyncs = _counting(monkeypatch, checkpoint.os, "fsync")
+    syncs = _counting(monkeypatch, checkpoint, "_syncfs")
+    silos = [tmp_path / name for name in ("a", "b", "c")]
+    with checkpoint.durable_together():
+        for folder in silos:
+            _write(folder, range(6))
+        assert not fsyncs and not syncs
+        assert all(checkpoint.rounds(folder) == list(range(6)) for folder in silos)
+    assert not fsyncs and len(syncs) == 1
+    checkpoint.wait_for_pruning()
+    for folder in silos:
+        assert checkpoint.rounds(folder, verified=False) == [3, 4, 5]
+        assert checkpoint.load_latest(folder)[0] == 5
+        assert not list(folder.glob(".*.tmp"))
+    _write(silos[0], [6])  # alone: its file and directory fsynced before save returns
+    assert len(fsyncs) == 4 and len(syncs) == 1
+
+
+def test_without_syncfs_a_block_fsyncs_each_file_and_directory_as_it_ends(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint, "_SYNCFS", None)
+    fsyncs = _counting(monkeypatch, checkpoint.os, "fsync")
+    with checkpoint.durable_together():
+        _write(tmp_path / "a", range(2))
+        _write(tmp_path / "b", range(1))
+        assert not fsyncs
+    assert len(fsyncs) == 6 + 2  # three checkpoints and their manifests, then two directories
+
+
 def test_a_corrupted_checkpoint_is_named_and_the_previous_good_round_is_used(tmp_path, caplog):
     _write(tmp_path, range(3))
     newest = checkpoint.path_of(tmp_path, 2)

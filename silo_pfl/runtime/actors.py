@@ -15,6 +15,7 @@ from typing import Any
 
 import ray
 
+from silo_pfl import checkpoint
 from silo_pfl.config import FederationConfig
 from silo_pfl.config_views import actor_view
 from silo_pfl.errors import FederationError, SiloPflError, typed_line
@@ -77,15 +78,17 @@ class SiloHost:
     ) -> Any:
         """`method` of each of `names`, one after another (called with num_returns=each *
         len(names)): each silo's `each` answers, or its error `each` times. `per_silo` gives
-        each silo one more argument of its own, after `args`."""
+        each silo one more argument of its own, after `args`. The checkpoints the silos write
+        reach the disk together, as the call ends."""
         answers: list[Any] = []
-        for name in names:
-            own = (per_silo[name],) if per_silo is not None else ()
-            answer = self._guarded(name, method, *args, *own)
-            if each == 1:
-                answers.append(answer)
-            else:
-                answers.extend((answer,) * each if isinstance(answer, CallFailed) else answer)
+        with checkpoint.durable_together():
+            for name in names:
+                own = (per_silo[name],) if per_silo is not None else ()
+                answer = self._guarded(name, method, *args, *own)
+                if each == 1:
+                    answers.append(answer)
+                else:
+                    answers.extend((answer,) * each if isinstance(answer, CallFailed) else answer)
         return _returns(answers)
 
     def _guarded(self, name: str, method: str, *args: Any) -> Any:
