@@ -265,7 +265,8 @@ class Server:
             "optimizer": {k: _tensors(v) for k, v in self.optimizer.state_dict().items()},
             "driver": driver,
         }
-        checkpoint.save(self.dir, round_, saved)
+        with checkpoint.durable_together():  # one sync; the old checkpoints pruned afterwards
+            checkpoint.save(self.dir, round_, saved)
 
     def resume(self) -> dict[str, Any]:
         """Load the newest good checkpoint; return the driver's part of it."""
