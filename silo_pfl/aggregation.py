@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import partial
 
 import numpy as np
+
+from silo_pfl.slices import CORES, for_slices
 
 State = dict[str, np.ndarray]
 
 # Elements per block of the weighted mean: a block's float64 accumulator and scratch (512 KiB
 # together) stay in cache while every update's block is added into it.
 BLOCK = 1 << 15
+THREADED_BLOCKS = 8  # a key of at least this many blocks is shared out over the cores
 
 
 def weighted_mean(deltas: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]) -> State:
@@ -18,7 +22,9 @@ def weighted_mean(deltas: Sequence[Mapping[str, np.ndarray]], weights: Sequence[
 
     Block by block: each update's block is scaled (in float64, in one pass) into one reused
     scratch block and added to the accumulator's block while both are in cache, so the deltas
-    are read once, in place, and nothing the size of a delta is allocated but the result."""
+    are read once, in place, and nothing the size of a delta is allocated but the result. A large
+    key's blocks are shared out over the process's cores (`silo_pfl.slices`): each block is
+    computed alone, so the result is the same on any number of threads."""
     if not deltas:
         raise ValueError("no updates to aggregate")
     if len(deltas) != len(weights):
@@ -27,20 +33,28 @@ def weighted_mean(deltas: Sequence[Mapping[str, np.ndarray]], weights: Sequence[
     if total <= 0 or min(weights) < 0:
         raise ValueError(f"weights must be >= 0 with a positive sum, got {list(weights)}")
     scales = [weight / total for weight in weights]
-    scratch = np.empty(BLOCK, dtype=np.float64)
     mean: State = {}
     for key in deltas[0]:
         acc = np.zeros(np.shape(deltas[0][key]), dtype=np.float64)
         flat = acc.reshape(-1)
         sources = [np.asarray(delta[key]).reshape(-1) for delta in deltas]
-        for start in range(0, flat.size, BLOCK):
-            block = flat[start : start + BLOCK]
-            scaled = scratch[: block.size]
-            for source, scale in zip(sources, scales, strict=True):
-                np.multiply(source[start : start + BLOCK], scale, out=scaled, dtype=np.float64)
-                block += scaled
+        threads = CORES if flat.size >= THREADED_BLOCKS * BLOCK else 1
+        for_slices(flat.size, BLOCK, threads, partial(_add_scaled, flat, sources, scales))
         mean[key] = acc
     return mean
+
+
+def _add_scaled(
+    flat: np.ndarray, sources: Sequence[np.ndarray], scales: Sequence[float], first: int, end: int
+) -> None:
+    """flat[first:end] += sum_i scales[i] * sources[i][first:end], block by block, in order."""
+    scratch = np.empty(min(BLOCK, end - first), dtype=np.float64)
+    for start in range(first, end, BLOCK):
+        block = flat[start : min(start + BLOCK, end)]
+        scaled = scratch[: block.size]
+        for source, scale in zip(sources, scales, strict=True):
+            np.multiply(source[start : start + block.size], scale, out=scaled, dtype=np.float64)
+            block += scaled
 
 
 def apply_delta(state: Mapping[str, np.ndarray], delta: Mapping[str, np.ndarray]) -> State:

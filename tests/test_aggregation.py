@@ -6,8 +6,10 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from silo_pfl.aggregation import apply_delta, weighted_mean
+from silo_pfl import aggregation
+from silo_pfl.aggregation import BLOCK, THREADED_BLOCKS, apply_delta, weighted_mean
 from silo_pfl.models import build_model
+from silo_pfl.slices import bounds, for_slices
 
 
 def test_weighted_mean_on_known_numbers():
@@ -73,6 +75,38 @@ def test_weighted_mean_is_the_float64_formula_bit_for_bit_on_resnet18_updates(re
     for key, value in expected.items():
         assert mean[key].dtype == np.float64 and mean[key].shape == value.shape
         assert np.array_equal(mean[key], value), key
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3])
+def test_the_weighted_mean_shared_out_over_cores_is_the_same_formula(
+    resnet18_updates, monkeypatch, cores
+):
+    """A large key's blocks are summed on several threads, each block as one thread would."""
+    _, updates = resnet18_updates
+    monkeypatch.setattr(aggregation, "CORES", cores)
+    weights = [5, 80, 13]
+    expected = formula(updates, weights)
+    shared = [k for k, v in updates[0].items() if v.size >= THREADED_BLOCKS * BLOCK]
+    assert shared, "resnet18 has keys large enough to share out"
+    mean = weighted_mean(updates, weights)
+    for key in shared:
+        assert np.array_equal(mean[key], expected[key]), key
+
+
+@pytest.mark.parametrize(("size", "parts"), [(1, 4), (10, 3), (3 * 1024 + 5, 2), (8192, 16)])
+def test_slices_cover_the_vector_once_in_whole_units(size, parts):
+    cuts = bounds(size, 1024, parts)
+    assert cuts[0] == 0 and cuts[-1] == size and cuts == sorted(set(cuts))
+    assert all(cut % 1024 == 0 for cut in cuts[1:-1]) and len(cuts) - 1 <= parts
+    seen = np.zeros(size, dtype=np.int64)
+
+    def mark(first, end):
+        seen[first:end] += 1
+
+    for_slices(size, 1024, parts, mark)
+    assert (seen == 1).all()
+    with pytest.raises(ZeroDivisionError):
+        for_slices(size, 1024, parts, lambda first, end: 1 / 0)
 
 
 def test_weighted_mean_allocates_nothing_of_an_updates_size_but_its_result(resnet18_updates):

@@ -4,7 +4,6 @@ revealed shares. It learns the sum of the survivors' encoded updates and nothing
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -18,10 +17,7 @@ from silo_pfl.secure.messages import Advertisement, Reveal, SealedShares, Unmask
 from silo_pfl.secure.params import SecureParams
 from silo_pfl.secure.prg import apply_streams
 from silo_pfl.secure.topology import Topology, topology
-
-# The server removes the masks on up to this many threads (the cipher releases the GIL): the
-# silos wait for it, idle.
-UNMASK_THREADS = max(1, min(4, len(os.sched_getaffinity(0))))
+from silo_pfl.slices import CORES
 
 
 class SecureRoundError(FederationError):
@@ -163,5 +159,5 @@ class SecureAggregator:
                     peer,
                 )
                 keys.append((key, -1 if peer < gone else +1))
-        apply_streams(total, keys, plus=others, threads=UNMASK_THREADS)
+        apply_streams(total, keys, plus=others, threads=CORES)  # the silos wait, idle
         return total

@@ -10,12 +10,12 @@ its own counter.
 
 from __future__ import annotations
 
-import itertools
-import threading
 from collections.abc import Sequence
 
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+from silo_pfl.slices import for_slices
 
 BLOCK_WORDS = 1 << 14  # 128 KiB of key stream at a time
 _ZEROS = bytes(8 * BLOCK_WORDS)
@@ -66,28 +66,12 @@ def apply_streams(
     a sign is +1 or -1. With `threads` > 1 the vector is cut into that many slices, each done
     on its own thread: the same words, sooner where cores are free."""
     _check(keys)
-    blocks = -(-vector.size // BLOCK_WORDS)
-    threads = max(1, min(threads, blocks))
-    bounds = [min(vector.size, BLOCK_WORDS * (blocks * i // threads)) for i in range(threads + 1)]
-    if threads == 1:
-        _apply_slice(vector, keys, plus, 0, vector.size)
-        return
-    errors: list[BaseException] = []
-
-    def work(first: int, end: int) -> None:
-        try:
-            _apply_slice(vector, keys, plus, first, end)
-        except BaseException as exc:  # re-raised on the caller's thread
-            errors.append(exc)
-
-    slices = itertools.pairwise(bounds)
-    workers = [threading.Thread(target=work, args=pair, daemon=True) for pair in slices]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-    if errors:
-        raise errors[0]
+    for_slices(
+        vector.size,
+        BLOCK_WORDS,
+        threads,
+        lambda first, end: _apply_slice(vector, keys, plus, first, end),
+    )
 
 
 def apply_stream(vector: np.ndarray, key: bytes, sign: int) -> None:

@@ -1,0 +1,49 @@
+"""Work on a long vector cut into slices, each on its own thread.
+
+numpy's arithmetic and `cryptography`'s ciphers release the GIL on large blocks, so slices of one
+vector run on as many cores as the process has. Each slice is worked exactly as the whole would
+be, block by block, so the result does not depend on the number of threads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections.abc import Callable
+
+# Threads for work the other parties wait on (the server's sum and unmasking): its cores, at most 4.
+CORES = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
+
+
+def bounds(size: int, unit: int, parts: int) -> list[int]:
+    """Cut points splitting [0, size) into at most `parts` slices of whole `unit`s."""
+    units = -(-size // unit)
+    parts = max(1, min(parts, units))
+    return [min(size, unit * (units * i // parts)) for i in range(parts + 1)]
+
+
+def for_slices(size: int, unit: int, threads: int, work: Callable[[int, int], None]) -> None:
+    """work(first, end) over slices of [0, size) that start at multiples of `unit`, on up to
+    `threads` threads (on this one, if one); the first error is raised here."""
+    cuts = bounds(size, unit, threads)
+    if len(cuts) <= 2:
+        work(0, size)
+        return
+    errors: list[BaseException] = []
+
+    def run(first: int, end: int) -> None:
+        try:
+            work(first, end)
+        except BaseException as exc:  # re-raised on the caller's thread
+            errors.append(exc)
+
+    workers = [
+        threading.Thread(target=run, args=pair, daemon=True) for pair in itertools.pairwise(cuts)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    if errors:
+        raise errors[0]
