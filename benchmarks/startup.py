@@ -106,7 +106,8 @@ def milestones(tasks: list[dict[str, Any]], run_start: float, run_end: float) ->
     """The phases of the run (s), cut where the last worker or task of each kind got there."""
 
     def named(*methods: str) -> list[dict[str, Any]]:
-        wanted = {f"{host}.{m}" for host in HOSTS for m in methods}
+        wanted = {f"{host}.{m}" for host in HOSTS for m in methods} | set(methods)  # call_many
+        # names its tasks by the method ("fit_many"), without the class
         return [t for t in tasks if t.get("name") in wanted]
 
     inits = named("__init__")
