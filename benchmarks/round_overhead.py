@@ -2,11 +2,12 @@
 
     python benchmarks/round_overhead.py [JOB] [key=value ...]
 
-Both sides do the same work (every silo fits, the server aggregates, every silo evaluates) with
-the same classes; the in-process side calls them one after another, the Ray side runs each silo
-in its own actor. Rounds after the first are compared (the first includes actor start-up), as a
-ratio measured in the same run, with and without training (train.local_epochs=0 isolates the
-fixed cost of a round).
+Both sides do the same work (every silo fits, the server aggregates, every silo evaluates and
+commits, their checkpoints reaching the disk together as a worker's do, and the server
+checkpoints) with the same classes; the in-process side calls them one after another, the Ray
+side runs the silos in their workers. Rounds after the first are compared (the first includes
+actor start-up), as a ratio measured in the same run, with and without training
+(train.local_epochs=0 isolates the fixed cost of a round).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 
 from common import job_parser, start_local_ray
 
+from silo_pfl import checkpoint
 from silo_pfl.config import to_dict
 from silo_pfl.data import silo_names
 from silo_pfl.federation import Federation
@@ -45,8 +47,10 @@ def in_process(cfg) -> list[float]:
         state = server.global_state()
         evals = [silo.evaluate(state, round_) for silo in silos]
         chosen = selector.choose(evals)
-        for silo in silos:
-            silo.commit(round_, keep=silo.name in chosen)
+        with checkpoint.durable_together():  # as a worker's one call for its silos
+            for silo in silos:
+                silo.commit(round_, keep=silo.name in chosen)
+        server.checkpoint(round_, {})
         seconds.append(time.perf_counter() - began)
     return seconds
 
