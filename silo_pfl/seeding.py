@@ -33,23 +33,28 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict[str, object]:
-    """Python's, numpy's and torch's global generator states, as checkpointable values."""
+    """Python's, numpy's and torch's global generator states, as checkpointable values. Each
+    generator's words are one tensor, so a checkpoint pickles a few objects, not 625 ints."""
     import torch
 
+    version, words, gauss_next = random.getstate()
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     return {
-        "python": random.getstate(),
+        "python": [version, torch.tensor(words, dtype=torch.int64), gauss_next],
         "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
         "torch": torch.get_rng_state(),
     }
 
 
 def set_rng_state(state: dict[str, object]) -> None:
-    """Restore what `rng_state` captured."""
+    """Restore what `rng_state` captured (Python's words as a tensor, or, in checkpoints made
+    before, as a tuple of ints)."""
     import torch
 
-    python = state["python"]
-    random.setstate((python[0], tuple(python[1]), python[2]))  # type: ignore[index]
+    version, words, gauss_next = state["python"]  # type: ignore[misc]
+    if isinstance(words, torch.Tensor):
+        words = words.tolist()
+    random.setstate((version, tuple(words), gauss_next))
     kind, keys, pos, has_gauss, gauss = state["numpy"]  # type: ignore[misc]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])  # type: ignore[arg-type]

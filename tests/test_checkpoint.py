@@ -32,9 +32,9 @@ def _counting(monkeypatch, module, name) -> list:
     """Calls of module.name, each still made: a record of what reached the disk, and when."""
     calls, real = [], getattr(module, name)
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         calls.append(args)
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(module, name, counted)
     return calls
@@ -60,6 +60,29 @@ def test_saves_made_durable_together_wait_for_the_disk_once(tmp_path, monkeypatc
         assert not list(folder.glob(".*.tmp"))
     _write(silos[0], [6])  # alone: its file and directory fsynced before save returns
     assert len(fsyncs) == 4 and len(syncs) == 1
+
+
+def test_a_checkpoint_recycles_the_one_it_replaces_and_deletes_nothing(tmp_path, monkeypatch):
+    """Past the newest KEEP, each save overwrites the oldest checkpoint's files in place: no
+    file is deleted (freeing blocks is slow on a discard-mounted disk) and none is left over."""
+    _write(tmp_path, range(3))
+    unlinks = _counting(monkeypatch, checkpoint.Path, "unlink")
+    inode = checkpoint.path_of(tmp_path, 0).stat().st_ino
+    for round_ in range(3, 9):
+        _write(tmp_path, [round_])
+        assert checkpoint.rounds(tmp_path, verified=False) == [round_ - 2, round_ - 1, round_]
+        if round_ == 3:
+            assert checkpoint.path_of(tmp_path, 3).stat().st_ino == inode, "round 0's file"
+    assert not unlinks
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"round-{r:06d}.{ext}" for r in (6, 7, 8) for ext in ("pt", "sha256")
+    )
+    for round_ in (6, 7, 8):
+        assert torch.equal(checkpoint.load(tmp_path, round_)["w"], torch.full((3,), float(round_)))
+    _write(tmp_path, [9, 10, 11])  # a bigger checkpoint in a recycled file: truncated to it
+    checkpoint.save(tmp_path, 12, {"w": torch.zeros(1000)})
+    checkpoint.save(tmp_path, 13, {"w": torch.ones(2)})
+    assert checkpoint.load(tmp_path, 13)["w"].tolist() == [1.0, 1.0]
 
 
 def test_without_syncfs_a_block_fsyncs_each_file_and_directory_as_it_ends(tmp_path, monkeypatch):
@@ -146,3 +169,32 @@ def test_cli_resume_errors_are_one_line(tmp_path, capsys, before, message):
     err = capsys.readouterr().err
     assert code == 2
     assert err.startswith(message) and err.count("\n") == 1 and "Traceback" not in err
+
+
+def _draws() -> tuple[float, float, float]:
+    import random
+
+    import numpy as np
+
+    return random.random(), float(np.random.random()), float(torch.rand(1))
+
+
+def test_generator_states_survive_a_checkpoint_exactly_in_either_format(tmp_path):
+    """Python's words are saved as one tensor; a checkpoint that has them as a tuple of ints
+    (before) restores the same generators."""
+    import random
+
+    from silo_pfl.seeding import rng_state, seed_everything, set_rng_state
+
+    seed_everything(7)
+    _draws()
+    state, python_before = rng_state(), random.getstate()
+    assert isinstance(state["python"][1], torch.Tensor) and state["python"][1].numel() == 625
+    checkpoint.save(tmp_path, 1, {"rng": state})
+    expected = _draws()
+    set_rng_state(checkpoint.load(tmp_path, 1)["rng"])
+    assert _draws() == expected
+    old = {**state, "python": python_before}
+    checkpoint.save(tmp_path, 2, {"rng": old})
+    set_rng_state(checkpoint.load(tmp_path, 2)["rng"])
+    assert _draws() == expected
