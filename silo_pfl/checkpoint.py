@@ -3,7 +3,10 @@
 Each checkpoint is `round-NNNNNN.pt` (torch.save of plain containers and tensors, read back with
 `weights_only=True`) and, written last, its manifest `round-NNNNNN.sha256`. A checkpoint without
 a manifest is partial; one whose bytes do not match its manifest is corrupted. Either is named in
-one line and skipped for the previous good round. Only the newest KEEP checkpoints are kept.
+one line and skipped for the previous good round. Only the newest KEEP checkpoints are kept: the
+oldest beyond them is recycled into the next one (its manifest removed first, then its file
+renamed and overwritten in place), since freeing a file's blocks can cost a millisecond (a file
+system mounted with `discard`) where overwriting them costs nothing more than writing.
 
 A file is on disk before the call that wrote it returns. Alone, each file and its directory are
 fsynced. Inside `durable_together` (a worker's call for all its silos) the files are written and
@@ -11,9 +14,8 @@ renamed at once and made durable together as the block ends, by one sync of thei
 a commit of five silos then waits for the disk once, not forty times. A machine that crashes
 inside the block leaves at worst a checkpoint that fails its manifest check, skipped for the
 previous one, which an earlier block made durable; the driver counts none of the block's rounds
-as committed before the block has ended. The checkpoints a block replaces are then deleted on a
-background thread: freeing a file's blocks can cost a millisecond (a file system mounted with
-`discard`), which the silos' next work need not wait for.
+as committed before the block has ended. Only files already durable are recycled; any other
+stale checkpoint is deleted after the block, on a background thread.
 """
 
 from __future__ import annotations
