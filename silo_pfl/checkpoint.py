@@ -137,8 +137,8 @@ def _syncfs(directory: Path) -> None:
 @contextlib.contextmanager
 def durable_together() -> Iterator[None]:
     """Checkpoints saved in this block (in this thread) reach the disk together as it ends: one
-    sync per file system where the OS has syncfs, else each file and directory fsynced. The
-    checkpoints they replace are pruned after that."""
+    sync per file system where the OS has syncfs, else each file and directory fsynced. Stale
+    checkpoints that were not recycled are deleted after that, in the background."""
     if getattr(_open, "block", None) is not None:
         yield  # already inside a block: its end makes these durable too
         return
