@@ -15,7 +15,7 @@ a commit of five silos then waits for the disk once, not forty times. A machine 
 inside the block leaves at worst a checkpoint that fails its manifest check, skipped for the
 previous one, which an earlier block made durable; the driver counts none of the block's rounds
 as committed before the block has ended. Only files already durable are recycled; any other
-stale checkpoint is deleted after the block, on a background thread.
+stale checkpoint is deleted once the block is durable.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import hashlib
 import io
 import logging
 import os
-import queue
 import re
 import secrets
 import tempfile
@@ -48,7 +47,7 @@ _open = threading.local()  # .block: this thread's durable_together block, if on
 
 @dataclass
 class _Block:
-    """What a durable_together block wrote, and the old checkpoints it prunes once it is durable."""
+    """What a durable_together block wrote, and the old checkpoints it deletes once durable."""
 
     written: set[Path] = field(default_factory=set)
     stale: list[Path] = field(default_factory=list)
@@ -69,11 +68,13 @@ def _manifest(path: Path) -> Path:
 
 def write_atomic(path: Path, data: bytes, reuse: Path | None = None) -> None:
     """Write `data` to a temporary file beside `path`, then rename it; on disk when this returns,
-    or when the enclosing `durable_together` block ends. `reuse`, a file no longer needed, is
-    renamed to be that temporary file and overwritten in place: nothing is freed or allocated
-    (freeing a file's blocks costs a millisecond on a disk mounted with `discard`)."""
+    or when the enclosing `durable_together` block ends. `reuse`, a hidden file no longer needed
+    (`_hidden`), is that temporary file, overwritten in place: nothing is freed or allocated."""
     block: _Block | None = getattr(_open, "block", None)
-    fd, tmp = _temporary(path, reuse)
+    if reuse is None:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    else:
+        fd, tmp = os.open(reuse, os.O_WRONLY), str(reuse)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
@@ -89,19 +90,6 @@ def write_atomic(path: Path, data: bytes, reuse: Path | None = None) -> None:
         _fsync(path.parent)
     else:
         block.written.add(path)
-
-
-def _temporary(path: Path, reuse: Path | None) -> tuple[int, str]:
-    """An open temporary file beside `path`: `reuse`, renamed, if it still exists."""
-    if reuse is not None:
-        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp")
-        try:
-            os.replace(reuse, tmp)
-        except FileNotFoundError:
-            pass
-        else:
-            return os.open(tmp, os.O_WRONLY), tmp
-    return tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
 
 
 def _fsync(path: Path) -> None:
@@ -138,7 +126,7 @@ def _syncfs(directory: Path) -> None:
 def durable_together() -> Iterator[None]:
     """Checkpoints saved in this block (in this thread) reach the disk together as it ends: one
     sync per file system where the OS has syncfs, else each file and directory fsynced. Stale
-    checkpoints that were not recycled are deleted after that, in the background."""
+    checkpoints that were not recycled are deleted after that."""
     if getattr(_open, "block", None) is not None:
         yield  # already inside a block: its end makes these durable too
         return
@@ -157,45 +145,12 @@ def durable_together() -> Iterator[None]:
                 _fsync(path)
             for directory in directories:
                 _fsync(directory)
-        _prune_later(block.stale)
+        _prune(block.stale)
 
 
 def _prune(paths: list[Path]) -> None:
     for path in paths:
         path.unlink(missing_ok=True)
-
-
-_STALE: queue.Queue[list[Path]] = queue.Queue()
-_pruner_lock = threading.Lock()
-_pruner: threading.Thread | None = None
-
-
-def _prune_forever() -> None:
-    while True:
-        paths = _STALE.get()
-        try:
-            _prune(paths)
-        except OSError as exc:  # the next save lists and prunes them again
-            log.warning("could not prune an old checkpoint: %s", exc)
-        finally:
-            _STALE.task_done()
-
-
-def _prune_later(paths: list[Path]) -> None:
-    """Delete `paths` on the background pruner, started on first use."""
-    global _pruner
-    if not paths:
-        return
-    with _pruner_lock:
-        if _pruner is None:
-            _pruner = threading.Thread(target=_prune_forever, name="checkpoint-pruner", daemon=True)
-            _pruner.start()
-    _STALE.put(paths)
-
-
-def wait_for_pruning() -> None:
-    """Return once every old checkpoint handed to the background pruner is deleted."""
-    _STALE.join()
 
 
 def save(directory: Path, round_: int, state: dict[str, Any]) -> Path:
@@ -212,19 +167,19 @@ def save(directory: Path, round_: int, state: dict[str, Any]) -> Path:
     oldest = path_of(directory, stale[0]) if stale else None
     if oldest is not None and block is not None and oldest in block.written:
         oldest = None  # not on disk for sure yet: only a durable checkpoint is given up early
-    recycled = _unlisted(_manifest(oldest)) if oldest is not None else None
+    # The manifest first: from then on the old round is never read again.
+    hidden = [_hidden(_manifest(oldest)), _hidden(oldest)] if oldest is not None else [None, None]
     try:
-        write_atomic(path, data, oldest)
+        write_atomic(path, data, hidden[1])
         digest = hashlib.sha256(data).hexdigest()
-        write_atomic(_manifest(path), f"{digest}  {path.name}\n".encode(), recycled)
+        write_atomic(_manifest(path), f"{digest}  {path.name}\n".encode(), hidden[0])
     except BaseException:
-        if recycled is not None:  # not reused: a write failed first
-            recycled.unlink(missing_ok=True)
+        for leftover in hidden:
+            if leftover is not None:
+                leftover.unlink(missing_ok=True)
         raise
-    pruned = stale[1:] if oldest is not None else stale
-    files = [
-        f for old in pruned for f in (_manifest(path_of(directory, old)), path_of(directory, old))
-    ]
+    pruned = [path_of(directory, old) for old in (stale[1:] if oldest is not None else stale)]
+    files = [*map(_manifest, pruned), *pruned]
     if block is None:
         _prune(files)
     else:
@@ -232,8 +187,8 @@ def save(directory: Path, round_: int, state: dict[str, Any]) -> Path:
     return path
 
 
-def _unlisted(path: Path) -> Path | None:
-    """`path` renamed to a hidden temporary name (None if it does not exist)."""
+def _hidden(path: Path) -> Path | None:
+    """`path` renamed to a hidden temporary name beside it (None if it does not exist)."""
     hidden = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     try:
         os.replace(path, hidden)

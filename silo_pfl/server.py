@@ -265,7 +265,7 @@ class Server:
             "optimizer": {k: _tensors(v) for k, v in self.optimizer.state_dict().items()},
             "driver": driver,
         }
-        with checkpoint.durable_together():  # one sync; the old checkpoints pruned afterwards
+        with checkpoint.durable_together():  # one sync of its file system, not four fsyncs
             checkpoint.save(self.dir, round_, saved)
 
     def resume(self) -> dict[str, Any]:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import itertools
 import os
-import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 # Threads for work the other parties wait on (the server's sum and unmasking): its cores, at most 4.
 CORES = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
@@ -30,20 +30,5 @@ def for_slices(size: int, unit: int, threads: int, work: Callable[[int, int], No
     if len(cuts) <= 2:
         work(0, size)
         return
-    errors: list[BaseException] = []
-
-    def run(first: int, end: int) -> None:
-        try:
-            work(first, end)
-        except BaseException as exc:  # re-raised on the caller's thread
-            errors.append(exc)
-
-    workers = [
-        threading.Thread(target=run, args=pair, daemon=True) for pair in itertools.pairwise(cuts)
-    ]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-    if errors:
-        raise errors[0]
+    with ThreadPoolExecutor(len(cuts) - 1) as pool:
+        list(pool.map(lambda pair: work(*pair), itertools.pairwise(cuts)))

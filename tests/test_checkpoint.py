@@ -53,7 +53,6 @@ def test_saves_made_durable_together_wait_for_the_disk_once(tmp_path, monkeypatc
         assert not fsyncs and not syncs
         assert all(checkpoint.rounds(folder) == list(range(6)) for folder in silos)
     assert not fsyncs and len(syncs) == 1
-    checkpoint.wait_for_pruning()
     for folder in silos:
         assert checkpoint.rounds(folder, verified=False) == [3, 4, 5]
         assert checkpoint.load_latest(folder)[0] == 5

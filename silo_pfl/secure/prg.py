@@ -11,6 +11,7 @@ its own counter.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -19,12 +20,6 @@ from silo_pfl.slices import for_slices
 
 BLOCK_WORDS = 1 << 14  # 128 KiB of key stream at a time
 _ZEROS = bytes(8 * BLOCK_WORDS)
-
-
-def _check(keys: Sequence[tuple[bytes, int]]) -> None:
-    for key, sign in keys:
-        if len(key) != 32 or sign not in (1, -1):
-            raise ValueError("a mask key has 32 bytes and a sign of +1 or -1")
 
 
 def _apply_slice(
@@ -65,13 +60,10 @@ def apply_streams(
     """vector += sum(plus) + sign * stream(key) for every (key, sign), modulo 2^64, in place;
     a sign is +1 or -1. With `threads` > 1 the vector is cut into that many slices, each done
     on its own thread: the same words, sooner where cores are free."""
-    _check(keys)
-    for_slices(
-        vector.size,
-        BLOCK_WORDS,
-        threads,
-        lambda first, end: _apply_slice(vector, keys, plus, first, end),
-    )
+    for key, sign in keys:
+        if len(key) != 32 or sign not in (1, -1):
+            raise ValueError("a mask key has 32 bytes and a sign of +1 or -1")
+    for_slices(vector.size, BLOCK_WORDS, threads, partial(_apply_slice, vector, keys, plus))
 
 
 def apply_stream(vector: np.ndarray, key: bytes, sign: int) -> None:
