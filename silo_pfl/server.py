@@ -164,7 +164,8 @@ class Server:
                 )
 
     def _check_values(self, silo: str, prefix: str, values: dict[str, np.ndarray]) -> None:
-        """Exactly the global keys, each of the global key's shape and dtype, and finite."""
+        """Exactly the global keys, each of the global key's shape and dtype (whether they are
+        finite is checked on the mean, `_finite_mean`)."""
         keys = set(values)
         expected = set(self.state)
         if keys != expected:
@@ -184,8 +185,6 @@ class Server:
                     f"update from silo {silo}: {prefix}{key} is {np.asarray(value).dtype}, "
                     f"expected {self.state[key].dtype}"
                 )
-            if not np.all(np.isfinite(value)):
-                raise ValueError(f"update from silo {silo}: {prefix}{key} is not finite")
 
     def aggregate(self, *updates: SiloUpdate) -> RoundReport:
         """Check every update, then, with a quorum, apply the example-weighted mean of the
@@ -202,6 +201,9 @@ class Server:
                 rejected.setdefault(update.silo, str(exc))
                 continue
             accepted.append(update)
+        mean = None
+        if self.protocol is None and accepted:
+            mean, accepted = self._finite_mean(round_, accepted, rejected)
         names = tuple(u.silo for u in accepted)
         missing = sorted(self.enrolled - set(names))
         if len(accepted) < self.quorum:
@@ -215,10 +217,32 @@ class Server:
             request = self.protocol.unmask_request(names)
             self._pending = (round_, {u.silo: u.masked for u in accepted}, rejected)
             return RoundReport(round_, names, rejected, False, "awaiting the reveals", request)
-        mean = weighted_mean(
-            [flatten(u.delta, u.extras) for u in accepted], [u.num_examples for u in accepted]
-        )
+        assert mean is not None  # a quorum of accepted plain updates has a mean
         return self._apply(round_, names, rejected, mean)
+
+    def _finite_mean(
+        self, round_: int, accepted: list[SiloUpdate], rejected: dict[str, str]
+    ) -> tuple[State | None, list[SiloUpdate]]:
+        """The accepted updates' weighted mean, and the updates it is of. An infinity or NaN in
+        any update makes the mean non-finite, so only then is each update read again; those with
+        one are rejected, naming the key, and the mean is taken again without them."""
+        mean = _mean(accepted)
+        if _finite(mean):
+            return mean, accepted
+        finite = []
+        for update in accepted:
+            bad = [
+                k for k, v in flatten(update.delta, update.extras).items() if not _finite({k: v})
+            ]
+            if bad:
+                reason = f"update from silo {update.silo}: {bad[0]} is not finite"
+                log.warning("round %d: %s; rejected", round_, reason)
+                rejected[update.silo] = reason
+            else:
+                finite.append(update)
+        if len(finite) == len(accepted):  # every update finite: the mean overflowed; it stands
+            return mean, accepted
+        return (_mean(finite) if finite else None), finite
 
     def unmask(self, *reveals: Reveal) -> RoundReport:
         """Secure aggregation, step 4: remove the masks from the pending round's sum with the
@@ -292,6 +316,17 @@ class Server:
         buffer = io.BytesIO()
         np.savez(buffer, **self.state)
         return buffer.getvalue()
+
+
+def _mean(updates: list[SiloUpdate]) -> State:
+    """The example-weighted mean of the updates' deltas and extras, flattened, in their order."""
+    return weighted_mean(
+        [flatten(u.delta, u.extras) for u in updates], [u.num_examples for u in updates]
+    )
+
+
+def _finite(values: State) -> bool:
+    return all(bool(np.isfinite(v).all()) for v in values.values())
 
 
 def _tensors(state: State) -> dict[str, torch.Tensor]:

@@ -64,7 +64,8 @@ def test_one_round_of_a_server_optimizer_equals_the_optimizer_written_by_hand(jo
     updates = play_round(silos, server, 1, commit=True)[0]
     mean = weighted_mean([u.delta for u in updates], [u.num_examples for u in updates])
     lr, beta1, beta2, tau = 0.05, 0.9, 0.99, 1e-3
-    for key, delta in mean.items():
+    for key, mean_delta in mean.items():
+        delta = mean_delta.astype(np.float64)  # the optimizer works in float64
         m = (1 - beta1) * delta
         v0 = np.full_like(delta, tau**2)
         v = {
