@@ -5,6 +5,8 @@ and what the server sees is indistinguishable from noise."""
 from __future__ import annotations
 
 import dataclasses
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -389,6 +391,22 @@ def test_keys_init_makes_a_key_once_and_show_prints_it(tmp_path, capsys):
     missing = ["--federation", "fed", "--silo", "x", "--key-dir", str(tmp_path / "x")]
     assert main(["keys", "show", *missing]) == 1
     assert "no identity key; create it with silo-pfl keys init" in capsys.readouterr().err
+
+
+def test_silos_making_one_identity_at_once_all_get_the_same_whole_key(tmp_path):
+    """Two runs of one federation on a node may make a silo's key at once: one key wins, whole."""
+    threads = 4
+    for attempt in range(40):
+        directory, barrier = tmp_path / str(attempt), threading.Barrier(threads)
+
+        def make(directory=directory, barrier=barrier) -> bytes:
+            barrier.wait()
+            return identity.public_bytes(identity.load_or_create(directory))
+
+        with ThreadPoolExecutor(threads) as pool:
+            keys = list(pool.map(lambda _: make(), range(threads)))
+        assert keys == [identity.public_bytes(identity.load(directory))] * threads
+        assert [p.name for p in directory.iterdir()] == [identity.PRIVATE_FILE]
 
 
 @pytest.mark.usefixtures("ray_local")

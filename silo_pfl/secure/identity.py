@@ -7,6 +7,7 @@ import base64
 import binascii
 import logging
 import os
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -39,15 +40,26 @@ def key_dir(cfg: Any, silo: str) -> Path:
 
 def create(directory: Path) -> Ed25519PrivateKey:
     """A new identity in `directory`; refuses to replace one."""
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    key = Ed25519PrivateKey.generate()
-    raw = key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
     try:
-        fd = os.open(directory / PRIVATE_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        return _publish_new(directory)
     except FileExistsError:
         raise SiloPflError(f"{directory / PRIVATE_FILE}: an identity key exists already") from None
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(raw)
+
+
+def _publish_new(directory: Path) -> Ed25519PrivateKey:
+    """Write a new key whole to a private temporary file, then link it into place: a reader never
+    sees a partial key, and of two processes creating at once one wins (FileExistsError)."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    key = Ed25519PrivateKey.generate()
+    fd, temporary = tempfile.mkstemp(dir=directory, prefix=".identity-")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption()))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.link(temporary, directory / PRIVATE_FILE)
+    finally:
+        os.unlink(temporary)
     return key
 
 
@@ -65,9 +77,12 @@ def load(directory: Path) -> Ed25519PrivateKey:
 
 def load_or_create(directory: Path) -> Ed25519PrivateKey:
     """The identity in `directory`, made on first use."""
-    if (directory / PRIVATE_FILE).exists():
-        return load(directory)
-    return create(directory)
+    if not (directory / PRIVATE_FILE).exists():
+        try:
+            return _publish_new(directory)
+        except FileExistsError:
+            pass
+    return load(directory)
 
 
 def public_bytes(key: Ed25519PrivateKey) -> bytes:
