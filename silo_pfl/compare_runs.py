@@ -222,6 +222,9 @@ def _ensure_ray() -> None:
 
     import ray
 
+    from silo_pfl.runtime.ray_token import ensure_local_token
+
+    ensure_local_token()
     for attempt in range(1, RAY_START_ATTEMPTS + 1):
         if ray.is_initialized():
             return

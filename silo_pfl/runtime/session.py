@@ -16,6 +16,7 @@ from silo_pfl.config import RayConfig
 from silo_pfl.errors import FederationError, one_line
 from silo_pfl.runtime.discovery import write_discovery_file
 from silo_pfl.runtime.metrics import ray_address
+from silo_pfl.runtime.ray_token import ensure_local_token
 
 
 @contextmanager
@@ -35,6 +36,7 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
     address = ray_address(cfg.address)
     try:
         if address is None:
+            ensure_local_token()
             with _export_interval(metrics_interval_s):
                 ray.init(**local_options(cfg))
             if metrics_interval_s is not None:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
-import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ from cryptography.hazmat.primitives.serialization import (
     PublicFormat,
 )
 
+from silo_pfl.create_once import create_once
 from silo_pfl.errors import ConfigError, SiloPflError
 
 log = logging.getLogger("silo_pfl.secure")
@@ -40,27 +39,17 @@ def key_dir(cfg: Any, silo: str) -> Path:
 
 def create(directory: Path) -> Ed25519PrivateKey:
     """A new identity in `directory`; refuses to replace one."""
-    try:
-        return _publish_new(directory)
-    except FileExistsError:
-        raise SiloPflError(f"{directory / PRIVATE_FILE}: an identity key exists already") from None
-
-
-def _publish_new(directory: Path) -> Ed25519PrivateKey:
-    """Write a new key whole to a private temporary file, then link it into place: a reader never
-    sees a partial key, and of two processes creating at once one wins (FileExistsError)."""
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    key = Ed25519PrivateKey.generate()
-    fd, temporary = tempfile.mkstemp(dir=directory, prefix=".identity-")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption()))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.link(temporary, directory / PRIVATE_FILE)
-    finally:
-        os.unlink(temporary)
+    key = _create_new(directory)
+    if key is None:
+        raise SiloPflError(f"{directory / PRIVATE_FILE}: an identity key exists already")
     return key
+
+
+def _create_new(directory: Path) -> Ed25519PrivateKey | None:
+    """A new key, written whole; None if another process made this directory's key first."""
+    key = Ed25519PrivateKey.generate()
+    raw = key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+    return key if create_once(directory / PRIVATE_FILE, raw) else None
 
 
 def load(directory: Path) -> Ed25519PrivateKey:
@@ -77,11 +66,8 @@ def load(directory: Path) -> Ed25519PrivateKey:
 
 def load_or_create(directory: Path) -> Ed25519PrivateKey:
     """The identity in `directory`, made on first use."""
-    if not (directory / PRIVATE_FILE).exists():
-        try:
-            return _publish_new(directory)
-        except FileExistsError:
-            pass
+    if not (directory / PRIVATE_FILE).exists() and (key := _create_new(directory)) is not None:
+        return key
     return load(directory)
 
 
