@@ -7,7 +7,7 @@ Each measured run is a fresh Python process, as a user's run is. For each silo c
 data.num_silos=N` (default packing; at 4 silos, 3 classes each so that every digit is held)
 from Python: it starts a local Ray itself (`ray.init`, the reference), imports silo_pfl and
 loads the config, runs `Federation(config).run()` (which uses the initialised Ray and leaves it
-up), reads Ray's task events, then `ray.shutdown()`. The workers' part is cut at milestones of
+up), reads Ray's task events, then stops Ray as a run does (`session.shutdown_local`). The workers' part is cut at milestones of
 the task events, each the moment the LAST worker (or task) of its kind reached it, so the
 columns follow the critical path and add up to the total:
 
@@ -149,6 +149,7 @@ def child(silos: int) -> dict[str, float]:
     )
     started = time.time()
     from silo_pfl.federation import Federation
+    from silo_pfl.runtime.session import shutdown_local
 
     with tempfile.TemporaryDirectory() as tmp:
         data = [f"data.num_silos={silos}", f"data.classes_per_silo={classes_per_silo(silos)}"]
@@ -159,7 +160,7 @@ def child(silos: int) -> dict[str, float]:
     time.sleep(EVENT_WAIT_S)
     phases = milestones(task_spans(began), run_start - began, run_end - began)
     stopping = time.time()
-    ray.shutdown()
+    shutdown_local()
     ended = time.time()
     return {
         "ray_init": started - imported_ray,

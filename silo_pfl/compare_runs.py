@@ -205,9 +205,10 @@ def _terminated(signum: int, frame: Any) -> None:
 def _exit_worker(code: int) -> None:
     """Shut this worker's Ray down (its processes would outlive it otherwise), then exit."""
     try:
-        ray = sys.modules.get("ray")
-        if ray is not None:
-            ray.shutdown()  # also after an init cut short: it stops the processes it started
+        if "ray" in sys.modules:
+            from silo_pfl.runtime.session import shutdown_local
+
+            shutdown_local()  # also after an init cut short: it stops the processes it started
     finally:
         os._exit(code)
 
@@ -223,6 +224,7 @@ def _ensure_ray() -> None:
     import ray
 
     from silo_pfl.runtime.ray_token import ensure_local_token
+    from silo_pfl.runtime.session import shutdown_local
 
     ensure_local_token()
     for attempt in range(1, RAY_START_ATTEMPTS + 1):
@@ -238,7 +240,7 @@ def _ensure_ray() -> None:
                 logging_level=logging.WARNING,
             )
         except Exception:
-            ray.shutdown()
+            shutdown_local()
             if attempt == RAY_START_ATTEMPTS:
                 raise
             time.sleep(5 * attempt)

@@ -24,7 +24,9 @@ def ray_local():
             logging_level=logging.WARNING,
         )
     yield ray
-    ray.shutdown()
+    from silo_pfl.runtime.session import shutdown_local
+
+    shutdown_local()
 
 
 @pytest.fixture(scope="session")
