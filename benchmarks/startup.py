@@ -7,8 +7,8 @@ Each measured run is a fresh Python process, as a user's run is. For each silo c
 data.num_silos=N` (default packing; at 4 silos, 3 classes each so that every digit is held)
 from Python: it starts a local Ray itself (`ray.init`, the reference), imports silo_pfl and
 loads the config, runs `Federation(config).run()` (which uses the initialised Ray and leaves it
-up), reads Ray's task events, then stops Ray as a run does (`session.shutdown_local`). The workers' part is cut at milestones of
-the task events, each the moment the LAST worker (or task) of its kind reached it, so the
+up), reads Ray's task events, then stops Ray as a run does (`session.shutdown_local`). The
+workers' part is cut at milestones of the task events, each the moment the LAST worker (or task) of its kind reached it, so the
 columns follow the critical path and add up to the total:
 
 - worker start: from the run's start to the last SiloHost/ServerHost creation task RUNNING (a
@@ -18,7 +18,7 @@ columns follow the critical path and add up to the total:
   span itself is the next column (deserialising the config, building the Silo objects);
 - setup (data loading), build (model) and round 1's fits: to the last such task's end;
 - the rest: aggregation, evaluation, commits, checkpoints, outcome and stopping the actors, to
-  `Federation.run()`'s return; then `ray.shutdown()`.
+  `Federation.run()`'s return; then Ray's shutdown.
 
 Task events come from the GCS (`ray._private.state`, the source `ray.timeline()` reads, with the
 task state transitions it leaves out), reported every 100 ms (`task_events_report_interval_ms`)
