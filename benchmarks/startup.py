@@ -8,8 +8,8 @@ data.num_silos=N` (default packing; at 4 silos, 3 classes each so that every dig
 from Python: it starts a local Ray itself (`ray.init`, the reference), imports silo_pfl and
 loads the config, runs `Federation(config).run()` (which uses the initialised Ray and leaves it
 up), reads Ray's task events, then stops Ray as a run does (`session.shutdown_local`). The
-workers' part is cut at milestones of the task events, each the moment the LAST worker (or task) of its kind reached it, so the
-columns follow the critical path and add up to the total:
+workers' part is cut at milestones of the task events, each the moment the LAST worker (or
+task) of its kind reached it, so the columns follow the critical path and add up to the total:
 
 - worker start: from the run's start to the last SiloHost/ServerHost creation task RUNNING (a
   worker process leased to it; Ray prestarts one per CPU, more are spawned);
