@@ -10,9 +10,14 @@ import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from silo_pfl.compare import add_arguments as compare_arguments
 from silo_pfl.errors import ConfigError, SiloPflError
+
+if TYPE_CHECKING:
+    from silo_pfl.callbacks import Callback
+    from silo_pfl.federation import Federation
 
 EXIT_USER_ERROR = 2
 EXIT_FAILURE = 1
@@ -168,16 +173,17 @@ def _check_results_path(path: str | None) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from silo_pfl.callbacks import Callback
-    from silo_pfl.federation import Federation
+    from silo_pfl.config import merge_config, read_yaml
     from silo_pfl.progress import ProgressPrinter
     from silo_pfl.runtime.jobs import print_results_line
-    from silo_pfl.settings import load_config
+    from silo_pfl.runtime.session import ray_session_while
 
-    config = load_config(args.config, args.overrides)
+    draft = merge_config(read_yaml(Path(args.config)), args.overrides)
     _check_results_path(args.results)
     callbacks: list[Callback] = [] if args.quiet else [ProgressPrinter()]
-    result = Federation(config, callbacks=callbacks).run(resume=args.resume)
+    with ray_session_while(draft, lambda: _loaded(args, callbacks)) as federation:
+        result = federation.run(resume=args.resume)
+    config = federation.config
     if args.quiet:
         ProgressPrinter().on_end(result)
     if args.results:
@@ -200,8 +206,20 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _loaded(args: argparse.Namespace, callbacks: list[Callback]) -> Federation:
+    """What `_run` does while Ray starts: the run's Federation, its config loaded and checked
+    against every registry, which imports torch, the algorithms and the runtime; and, when the
+    run is tracked, MLflow's import, which the run's first step needs."""
+    from silo_pfl.federation import Federation
+    from silo_pfl.settings import load_config
+
+    federation = Federation(load_config(args.config, args.overrides), callbacks=callbacks)
+    if federation.config.tracking.enabled:
+        import silo_pfl.tracking.tracker  # noqa: F401
+    return federation
+
+
 def _onboard(args: argparse.Namespace) -> int:
-    from silo_pfl.callbacks import Callback
     from silo_pfl.federation import Federation
     from silo_pfl.progress import ProgressPrinter
     from silo_pfl.settings import load_config

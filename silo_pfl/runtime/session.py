@@ -6,16 +6,17 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 
-from silo_pfl.config import RayConfig
+from silo_pfl.config import FederationConfig, RayConfig
 from silo_pfl.errors import FederationError, one_line
 from silo_pfl.runtime.discovery import write_discovery_file
-from silo_pfl.runtime.metrics import ray_address
+from silo_pfl.runtime.metrics import metrics_enabled, ray_address
 from silo_pfl.runtime.ray_token import ensure_local_token
 
 
@@ -37,7 +38,7 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
     try:
         if address is None:
             ensure_local_token()
-            with _export_interval(metrics_interval_s):
+            with _export_interval(metrics_interval_s), _quiet_token_notice():
                 ray.init(**local_options(cfg))
             if metrics_interval_s is not None:
                 write_discovery_file()
@@ -70,6 +71,26 @@ def shutdown_local() -> None:
     ray.shutdown()
 
 
+T = TypeVar("T")
+
+
+@contextmanager
+def ray_session_while(draft: FederationConfig, load: Callable[[], T]) -> Iterator[T]:
+    """A run's Ray session, started while `load` runs on a thread; yields what `load` returned.
+
+    `load` is the rest of a run's set-up on the driver, chiefly importing torch and checking the
+    config against the registries; Ray's start is mostly waiting on its own processes, so the two
+    overlap. `draft` is the config as merged and range-checked (`config.merge_config`): it gives
+    ray.* and metrics.*, which the registries' checks never change. An error of `load` is raised
+    once Ray is stopped again, so a config that only the registries refuse costs Ray's start.
+    """
+    interval = draft.metrics.export_interval_s if metrics_enabled(draft) else None
+    with ThreadPoolExecutor(1, thread_name_prefix="silo-pfl-load") as pool:
+        loaded = pool.submit(load)
+        with ray_session(draft.ray, metrics_interval_s=interval):
+            yield loaded.result()
+
+
 def local_options(cfg: RayConfig) -> dict[str, Any]:
     """ray.init's options for a fresh local instance, without Ray's dashboard."""
     return {
@@ -94,6 +115,19 @@ def stop_autoscaler_monitor() -> None:
         if process is not None and process.poll() is None:
             process.kill()
             process.wait(timeout=5)
+
+
+@contextmanager
+def _quiet_token_notice() -> Iterator[None]:
+    """While a local Ray starts: without Ray's warning line that token authentication is on
+    (it stays on). On stderr it stood before every local run's output, one-line errors too."""
+    notice = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    level = notice.level
+    notice.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        notice.setLevel(level)
 
 
 @contextmanager
