@@ -26,7 +26,7 @@ so that they reach the GCS before the run kills its actors.
 
 Then the CLI as a user runs it, in a fresh process: `python -m silo_pfl run
 jobs/digits_label_skew.yaml algorithm.name=fedavg tracking.enabled=false rounds=R --quiet
-output_dir=<tmp>` with R = 1 and 30 (the issue's "31-round run"), beside a fresh process that
+output_dir=<tmp>` with R = 1 and 31 (the issue's "31-round run"), beside a fresh process that
 only imports Ray, starts it and shuts it down. Every figure is the minimum of --repeats runs,
 column by column (so a row's columns add up to a little less than its total), each run started
 once the shared machine is quiet (benchmarks/machine.py).
@@ -205,7 +205,7 @@ def cli_rows(repeats: int) -> list[tuple[str, float, float]]:
     """(label, the CLI's seconds, a fresh process's ray.init + shutdown), minima of `repeats`."""
     rows = []
     reference = min(timed([sys.executable, "-c", RAY_ALONE]) for _ in range(repeats))
-    for rounds, target in ((1, 8), (30, 11)):
+    for rounds, target in ((1, 8), (31, 11)):
         times = []
         for _ in range(repeats):
             with tempfile.TemporaryDirectory() as tmp:
