@@ -59,6 +59,15 @@ def _alive_under(ray_tmp: Path) -> list[int]:
     return pids
 
 
+def _refused(ray_tmp: Path, out: Path, override: str, message: str) -> None:
+    """The run with `override` exits 2 with the one line `error: <message>...`, writing nothing."""
+    _, code, err = _run(ray_tmp, out, override)
+    assert code == 2, err[-2000:]
+    assert err.startswith(f"error: {message}")
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not (out / "runs").exists()
+
+
 @pytest.mark.slow
 def test_run_checks_its_config_on_a_thread_while_ray_starts(tmp_path, ray_tmp):
     pid, code, err = _run(ray_tmp, tmp_path, "rounds=1", "plugins=[tests.load_thread_plugins]")
@@ -72,20 +81,12 @@ def test_run_checks_its_config_on_a_thread_while_ray_starts(tmp_path, ray_tmp):
 
 @pytest.mark.slow
 def test_a_config_only_the_registries_refuse_is_one_line_once_ray_is_stopped(tmp_path, ray_tmp):
-    _, code, err = _run(ray_tmp, tmp_path, "algorithm.name=nope")
-    assert code == 2, err[-2000:]
-    assert err.startswith("error: algorithm.name: got 'nope', expected one of ")
-    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    _refused(ray_tmp, tmp_path, "algorithm.name=nope", "algorithm.name: got 'nope', expected one")
     assert len(_sessions(ray_tmp)) == 1  # Ray had started beside the check
     assert _alive_under(ray_tmp) == []
-    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.slow
 def test_a_config_refused_by_its_structure_never_starts_ray(tmp_path, ray_tmp):
-    _, code, err = _run(ray_tmp, tmp_path, "rounds=abc")
-    assert code == 2, err[-2000:]
-    assert err.startswith("error: rounds: ")
-    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    _refused(ray_tmp, tmp_path, "rounds=abc", "rounds: ")
     assert _sessions(ray_tmp) == []
-    assert not (tmp_path / "runs").exists()
