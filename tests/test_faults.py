@@ -240,7 +240,7 @@ def test_the_driver_killed_at_a_random_round_then_resumed_is_bit_exact(
 ):
     kill_after = random.Random(" ".join(variant)).randint(1, ROUNDS - 2)
     fedper = variant == ["algorithm.name=fedper"]
-    overrides = [*variant, f"rounds={ROUNDS}", "train.local_epochs=20"]
+    overrides = [*variant, f"rounds={ROUNDS}", f"train.local_epochs={LOCAL_EPOCHS}"]
     straight = (
         undisturbed  # the same run: fedper is the job's algorithm
         if fedper
