@@ -109,6 +109,12 @@ def metrics_enabled(cfg: FederationConfig) -> bool:
     return ray_address(cfg.ray.address) is not None
 
 
+def export_interval(cfg: FederationConfig) -> float | None:
+    """The export interval a run's Ray session is started with: metrics.export_interval_s when
+    live metrics are on, None when they are off."""
+    return cfg.metrics.export_interval_s if metrics_enabled(cfg) else None
+
+
 def run_tags(cfg: FederationConfig, run_id: str) -> dict[str, str]:
     """The tags of every metric of a run."""
     return {"federation": cfg.name, "run_id": run_id, "algorithm": str(cfg.algorithm["name"])}

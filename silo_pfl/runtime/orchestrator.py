@@ -25,7 +25,7 @@ from silo_pfl.results import FederationResult, RoundSummary, SiloResult
 from silo_pfl.run_dir import RESULT_FILE, RunDir, check_resumable
 from silo_pfl.runtime.actors import get, start_server, start_silos, stop
 from silo_pfl.runtime.exporting import attach_exporters, export
-from silo_pfl.runtime.metrics import driver_metrics
+from silo_pfl.runtime.metrics import driver_metrics, export_interval
 from silo_pfl.runtime.packing import pack
 from silo_pfl.runtime.placement import (
     LABEL_WAIT_SECONDS,
@@ -90,8 +90,7 @@ class Orchestrator:
         silo's outcome."""
         run_id = self.run_dir.run_id
         metrics, tags = driver_metrics(self.cfg, run_id)
-        interval = self.cfg.metrics.export_interval_s if tags is not None else None
-        with ray_session(self.cfg.ray, metrics_interval_s=interval):
+        with ray_session(self.cfg.ray, metrics_interval_s=export_interval(self.cfg)):
             metrics.watch()
             start = time.perf_counter()
             config = to_dict(self.cfg)

@@ -16,7 +16,7 @@ import ray
 from silo_pfl.config import FederationConfig, RayConfig
 from silo_pfl.errors import FederationError, one_line
 from silo_pfl.runtime.discovery import write_discovery_file
-from silo_pfl.runtime.metrics import metrics_enabled, ray_address
+from silo_pfl.runtime.metrics import export_interval, ray_address
 from silo_pfl.runtime.ray_token import ensure_local_token
 
 
@@ -67,8 +67,10 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
 
 def shutdown_local() -> None:
     """`ray.shutdown` of a local instance this process started, without its one-second wait."""
-    stop_autoscaler_monitor()
-    ray.shutdown()
+    try:
+        stop_autoscaler_monitor()
+    finally:
+        ray.shutdown()
 
 
 T = TypeVar("T")
@@ -84,10 +86,9 @@ def ray_session_while(draft: FederationConfig, load: Callable[[], T]) -> Iterato
     ray.* and metrics.*, which the registries' checks never change. An error of `load` is raised
     once Ray is stopped again, so a config that only the registries refuse costs Ray's start.
     """
-    interval = draft.metrics.export_interval_s if metrics_enabled(draft) else None
     with ThreadPoolExecutor(1, thread_name_prefix="silo-pfl-load") as pool:
         loaded = pool.submit(load)
-        with ray_session(draft.ray, metrics_interval_s=interval):
+        with ray_session(draft.ray, metrics_interval_s=export_interval(draft)):
             yield loaded.result()
 
 
