@@ -32,6 +32,24 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def generators() -> tuple[object, object, object]:
+    """Python's, numpy's and torch's global generator states as the libraries give them: the
+    cheap way to set a process's generators aside and back (`set_generators`), not to save."""
+    import torch
+
+    return random.getstate(), np.random.get_state(), torch.get_rng_state()
+
+
+def set_generators(states: tuple[object, object, object]) -> None:
+    """Put back what `generators` set aside."""
+    import torch
+
+    python, numpy, torch_state = states
+    random.setstate(python)  # type: ignore[arg-type]
+    np.random.set_state(numpy)  # type: ignore[arg-type]
+    torch.set_rng_state(torch_state)  # type: ignore[arg-type]
+
+
 def rng_state() -> dict[str, object]:
     """Python's, numpy's and torch's global generator states, as checkpointable values. Each
     generator's words are one tensor, so a checkpoint pickles a few objects, not 625 ints."""

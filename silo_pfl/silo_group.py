@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from silo_pfl.seeding import rng_state, set_rng_state
+from silo_pfl.seeding import generators, set_generators
 from silo_pfl.settings import from_dict
 from silo_pfl.silo import Silo
 
@@ -46,7 +46,7 @@ class SiloGroup:
             raise ValueError(f"a silo group needs distinct silo names, got {list(names)}")
         cfg = from_dict(config)  # built once: the silos share it, read-only
         self.silos = {name: Silo(cfg, name, run_id) for name in names}
-        self._rng: dict[str, dict[str, object]] = {}  # each silo's generators between calls
+        self._rng: dict[str, tuple[object, object, object]] = {}  # each silo's, between calls
 
     def call(self, name: str, method: str, *args: Any) -> Any:
         """Run `method` of silo `name` with its own random generators."""
@@ -54,8 +54,8 @@ class SiloGroup:
             raise AttributeError(f"{method!r} is not part of a silo's API")
         silo = self.silos[name]
         if name in self._rng:
-            set_rng_state(self._rng[name])
+            set_generators(self._rng[name])
         try:
             return getattr(silo, method)(*args)
         finally:
-            self._rng[name] = rng_state()
+            self._rng[name] = generators()
