@@ -1,0 +1,125 @@
+"""Where a round's milliseconds go, as the driver sees them: each step of a round timed.
+
+    python benchmarks/round_steps.py [JOB] [key=value ...] [--rounds 10]
+
+Runs JOB (default `jobs/digits_label_skew.yaml algorithm.name=fedavg tracking.enabled=false`)
+with `Federation(config).run()` on a local Ray, with the driver's waits wrapped in timers: each
+silo step (`call_many` of fit, evaluate, commit and, under aggregation.secure, advertise,
+share_keys, unmask) from its dispatch to its last answer, the server's calls (aggregation,
+and under secure its enrolment, routing and unmasking), the server's round checkpoint, and the
+whole round between two `on_round_end`s. Prints the median of rounds 3.. of each, and per silo
+worker (as default packing deals them) the sum of its silos' `train_seconds`: the fits' own
+work, one silo after another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from typing import Any
+
+from silo_pfl.callbacks import Callback
+from silo_pfl.data import silo_names
+from silo_pfl.federation import Federation
+from silo_pfl.runtime import aggregation_steps, orchestrator, rounds
+from silo_pfl.runtime.packing import pack
+from silo_pfl.settings import load_config
+
+JOB = "jobs/digits_label_skew.yaml"
+DEFAULT = ["algorithm.name=fedavg", "tracking.enabled=false"]
+SKIP = 2  # rounds whose figures are left out: the actors' first calls are slower
+
+times: dict[str, list[float]] = defaultdict(list)
+_dispatched: list[str] = []
+
+
+def _timed_call_many(original: Any) -> Any:
+    def call_many(handles: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        _dispatched.append(method)
+        return original(handles, method, *args, **kwargs)
+
+    return call_many
+
+
+def _timed_gather(refs: dict[str, Any], timeout: float) -> Any:
+    began = time.perf_counter()
+    out = _gather(refs, timeout)
+    times[f"silos: {_dispatched[-1] if _dispatched else '?'}"].append(time.perf_counter() - began)
+    return out
+
+
+def _timed_get(refs: Any, what: str, timeout: float | None = None, names: Any = ()) -> Any:
+    began = time.perf_counter()
+    out = _get(refs, what, timeout, names)
+    times[f"server: {what.split(': ', 1)[-1]}"].append(time.perf_counter() - began)
+    return out
+
+
+def _timed_checkpoint(self: Any, *args: Any) -> None:
+    began = time.perf_counter()
+    _checkpoint(self, *args)
+    times["server: round checkpoint"].append(time.perf_counter() - began)
+
+
+_gather, _get, _checkpoint = (
+    rounds.gather,
+    aggregation_steps.get,
+    orchestrator.Orchestrator._checkpoint,
+)
+rounds.gather = _timed_gather
+rounds.call_many = _timed_call_many(rounds.call_many)
+aggregation_steps.call_many = _timed_call_many(aggregation_steps.call_many)
+aggregation_steps.get = _timed_get
+orchestrator.Orchestrator._checkpoint = _timed_checkpoint
+
+
+class RoundEnds(Callback):
+    """Notes when each round ends."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+    def on_round_end(self, summary: Any) -> None:
+        self.ends.append(time.perf_counter())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("job", nargs="?", default=JOB)
+    parser.add_argument("overrides", nargs="*", default=DEFAULT)
+    parser.add_argument("--rounds", type=int, default=10)
+    args = parser.parse_args()
+    clock = RoundEnds()
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides = [*args.overrides, f"rounds={args.rounds}", f"output_dir={tmp}"]
+        config = load_config(args.job, overrides)
+        result = Federation(config, callbacks=[clock]).run()
+    times["round (between round ends)"] = [
+        b - a for a, b in zip(clock.ends[:-1], clock.ends[1:], strict=True)
+    ]
+    print(f"{args.job} {' '.join(args.overrides)}: ms, median of rounds {SKIP + 1}-{args.rounds}")
+    print("| step | ms |\n|---|---|")
+    for step, seconds in times.items():
+        kept = seconds[SKIP:] if step.startswith(("silos", "server")) else seconds[SKIP - 1 :]
+        if kept:
+            print(f"| {step} | {1000 * statistics.median(kept):.1f} |")
+    workers = pack(config, silo_names(config.data), os.cpu_count() or 1)
+    sums = [
+        statistics.median(
+            sum(summary.silos[n]["train_seconds"] for n in worker if n in summary.silos)
+            for summary in result.history[SKIP:]
+        )
+        for worker in workers
+    ]
+    print(
+        f"| the fits' own work, per worker (sum of its silos' train_seconds) | "
+        f"{' / '.join(f'{1000 * s:.1f}' for s in sums)} |"
+    )
+
+
+if __name__ == "__main__":
+    main()
