@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from silo_pfl.runtime.jobs import auth_token
@@ -46,6 +47,8 @@ HOST = "127.0.0.1"
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT = 180.0
+GCS_NAME = "gcs_server"  # a Ray GCS process's name (/proc/<pid>/comm)
+STOP_POLL_SECONDS = 0.1
 
 
 def free_port() -> int:
@@ -109,19 +112,36 @@ def _processes_marked(marker: str) -> list[int]:
     return sorted(marked)
 
 
-def stop_marked(marker: str, grace: float = 15.0) -> list[int]:
-    """SIGTERM every process carrying the marker, SIGKILL what is left after `grace` seconds.
+def _is_gcs(pid: int) -> bool:
+    """Whether `pid` is a Ray GCS server (by its executable's name, as `ray stop` finds it)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() == GCS_NAME
+    except OSError:
+        return False
 
-    Returns the pids still alive at the end (none, normally)."""
-    for pid in _processes_marked(marker):
+
+def _stop(pids: Callable[[], list[int]], grace: float) -> None:
+    """SIGTERM the processes `pids()` lists; SIGKILL those it still lists after `grace` s."""
+    for pid in pids():
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
-    while _processes_marked(marker) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    for pid in _processes_marked(marker):
+    while pids() and time.monotonic() < deadline:
+        time.sleep(STOP_POLL_SECONDS)
+    for pid in pids():
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def stop_marked(marker: str, grace: float = 15.0) -> list[int]:
+    """Stop every process carrying the marker in Ray's own order (`ray stop`'s): all but the GCS
+    servers first, then what is left; each stage SIGTERM, then SIGKILL after `grace` seconds.
+    Stopped all at once, the GCS went first and the raylets and the autoscaler monitor waited on
+    it, 10 s and until the SIGKILL.
+
+    Returns the pids still alive at the end (none, normally)."""
+    _stop(lambda: [pid for pid in _processes_marked(marker) if not _is_gcs(pid)], grace)
+    _stop(lambda: _processes_marked(marker), grace)
     time.sleep(0.5)
     return _processes_marked(marker)
 
