@@ -7,7 +7,8 @@ with `Federation(config).run()` on a local Ray, with the driver's waits wrapped 
 silo step (`call_many` of fit, evaluate, commit and, under aggregation.secure, advertise,
 share_keys, unmask) from its dispatch to its last answer, the server's calls (aggregation,
 and under secure its enrolment, routing and unmasking), the server's round checkpoint, and the
-whole round between two `on_round_end`s. Prints the median of rounds 3.. of each, and per silo
+whole round between two `on_round_end`s. Prints the median of rounds 3.. of each (and of the
+server's checkpoint over the last 5 rounds, since what it writes may grow), and per silo
 worker (as default packing deals them) the sum of its silos' `train_seconds`: the fits' own
 work, one silo after another.
 """
@@ -32,6 +33,7 @@ from silo_pfl.settings import load_config
 JOB = "jobs/digits_label_skew.yaml"
 DEFAULT = ["algorithm.name=fedavg", "tracking.enabled=false"]
 SKIP = 2  # rounds whose figures are left out: the actors' first calls are slower
+LATE = 5  # the last rounds, for what grows with the history
 
 times: dict[str, list[float]] = defaultdict(list)
 _dispatched: list[str] = []
@@ -107,6 +109,8 @@ def main() -> None:
         kept = seconds[SKIP:] if step.startswith(("silos", "server")) else seconds[SKIP - 1 :]
         if kept:
             print(f"| {step} | {1000 * statistics.median(kept):.1f} |")
+    late = 1000 * statistics.median(times["server: round checkpoint"][-LATE:])
+    print(f"| server: round checkpoint, last {LATE} rounds | {late:.1f} |")
     workers = pack(config, silo_names(config.data), os.cpu_count() or 1)
     sums = [
         statistics.median(

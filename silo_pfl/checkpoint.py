@@ -92,6 +92,21 @@ def write_atomic(path: Path, data: bytes, reuse: Path | None = None) -> None:
         block.written.add(path)
 
 
+def append_line(path: Path, line: bytes) -> None:
+    """Append `line` to `path` (created if absent); on disk when this returns, or when the
+    enclosing `durable_together` block ends."""
+    block: _Block | None = getattr(_open, "block", None)
+    with open(path, "ab") as handle:
+        handle.write(line)
+        if block is None:
+            handle.flush()
+            os.fsync(handle.fileno())
+    if block is None:
+        _fsync(path.parent)
+    else:
+        block.written.add(path)
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

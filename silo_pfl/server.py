@@ -16,6 +16,7 @@ from silo_pfl.aggregation import State, flatten, unflatten, weighted_mean
 from silo_pfl.algorithms import build_algorithm
 from silo_pfl.data import silo_names
 from silo_pfl.messages import RoundReport, SiloUpdate
+from silo_pfl.round_log import RoundLog
 from silo_pfl.run_dir import server_dir
 from silo_pfl.secure.aggregator import SecureAggregator, SecureRoundError
 from silo_pfl.secure.fixed_point import decode_mean, vector_length
@@ -78,6 +79,7 @@ class Server:
         self._pending: tuple[int, dict[str, np.ndarray], dict[str, str]] | None = None
         self.max_norm = self.cfg.aggregation.max_update_norm
         self.dir = server_dir(self.cfg, run_id)
+        self.history = RoundLog(self.dir)  # the driver's round summaries
         self.round = 0  # the last round aggregated
 
     def _extras_of(self, like: State) -> dict[str, State]:
@@ -279,21 +281,27 @@ class Server:
 
     def checkpoint(self, round_: int, driver: dict[str, Any]) -> None:
         """Checkpoint, atomically, the global keys and the round, with the driver's part of the
-        run's state (its selector, history, the MLflow run): all that resume needs."""
+        run's state (its selector, the MLflow run): all that resume needs. The driver's
+        `summary` of this round, if it sends one, goes to the round log (`round_log`), which
+        holds the history; the checkpoint records how many rounds the log then held."""
         if round_ != self.round:
             raise RuntimeError(f"server: checkpoint({round_}) after round {self.round}")
-        saved = {
-            "round": round_,
-            "global": _tensors(self.state),
-            "strategy": {k: _tensors(v) for k, v in self.strategy.state_dict().items()},
-            "optimizer": {k: _tensors(v) for k, v in self.optimizer.state_dict().items()},
-            "driver": driver,
-        }
-        with checkpoint.durable_together():  # one sync of its file system, not four fsyncs
+        with checkpoint.durable_together():  # one sync of its file system, not five fsyncs
+            if driver.get("summary") is not None:
+                self.history.append(round_, driver["summary"])
+            saved = {
+                "round": round_,
+                "global": _tensors(self.state),
+                "strategy": {k: _tensors(v) for k, v in self.strategy.state_dict().items()},
+                "optimizer": {k: _tensors(v) for k, v in self.optimizer.state_dict().items()},
+                "driver": {k: v for k, v in driver.items() if k != "summary"},
+                "logged": self.history.rounds,
+            }
             checkpoint.save(self.dir, round_, saved)
 
     def resume(self) -> dict[str, Any]:
-        """Load the newest good checkpoint; return the driver's part of it."""
+        """Load the newest good checkpoint; return the driver's part of it, with the history of
+        the rounds it covers."""
         found = checkpoint.load_latest(self.dir)
         if found is None:
             raise checkpoint.CheckpointError(f"server: no good checkpoint in {self.dir}")
@@ -309,7 +317,11 @@ class Server:
         self.state, self.round = loaded, round_
         self.strategy.load_state_dict({k: _arrays(v) for k, v in saved["strategy"].items()})
         self.optimizer.load_state_dict({k: _arrays(v) for k, v in saved["optimizer"].items()})
-        return saved["driver"]
+        driver = saved["driver"]
+        if "history" in driver:  # a checkpoint from before the round log held the history
+            self.history.rewrite(driver["history"])
+            return driver
+        return {**driver, "history": self.history.read(saved["logged"])}
 
     def state_bytes(self) -> bytes:
         """The global keys as the bytes of an .npz file: what the driver saves, on its own disk."""

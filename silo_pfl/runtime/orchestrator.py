@@ -176,9 +176,10 @@ class Orchestrator:
         selector: Selector,
         history: list[RoundSummary],
     ) -> None:
-        """The server checkpoints `round_` with the driver's bookkeeping: what resume needs."""
+        """The server checkpoints `round_` with the driver's bookkeeping: what resume needs. The
+        history goes to the server a round at a time: this round's summary."""
         bookkeeping = {
-            "history": [dataclasses.asdict(s) for s in history],
+            "summary": dataclasses.asdict(history[-1]) if history else None,
             "selector": {k: list(v) for k, v in selector.best.items()},
             "committed": {n: p.committed for n, p in parties.items()},
             "restarts": {n: p.restarts for n, p in parties.items()},

@@ -1,0 +1,72 @@
+"""A run's history on the server's node: one JSON line per round, appended as the round is
+checkpointed and never rewritten, so a round costs the same to checkpoint in round 200 as in
+round 2. A server checkpoint records how many rounds the log held; resume reads that many and
+cuts off what follows (a crash between the append and the checkpoint leaves one more line, or a
+partial one)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from silo_pfl import checkpoint
+
+LOG_FILE = "history.jsonl"
+
+
+class RoundLog:
+    """The rounds' summaries (`RoundSummary` as a dict) in `directory`, in round order."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / LOG_FILE
+        self.rounds = 0  # the rounds the log holds, as this process knows it
+
+    def append(self, round_: int, summary: dict[str, Any]) -> None:
+        """Log round `round_`, the next one; on disk when this returns, or when the enclosing
+        `checkpoint.durable_together` block ends."""
+        if round_ != self.rounds + 1:
+            raise RuntimeError(f"{self.path}: round {round_} logged after {self.rounds}")
+        line = json.dumps({"round": round_, "summary": summary}) + "\n"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        checkpoint.append_line(self.path, line.encode())
+        self.rounds = round_
+
+    def read(self, rounds: int) -> list[dict[str, Any]]:
+        """The summaries of rounds 1 to `rounds`; any line after them is cut off the file."""
+        data = self.path.read_bytes() if self.path.is_file() else b""
+        summaries: list[dict[str, Any]] = []
+        end = 0
+        for line in data.splitlines(keepends=True):
+            if len(summaries) == rounds or not line.endswith(b"\n"):
+                break
+            try:
+                record = json.loads(line)
+            except ValueError:
+                break
+            if record.get("round") != len(summaries) + 1:
+                raise checkpoint.CheckpointError(
+                    f"{self.path}: round {record.get('round')} where round {len(summaries) + 1} "
+                    "was expected"
+                )
+            summaries.append(record["summary"])
+            end += len(line)
+        if len(summaries) < rounds:
+            raise checkpoint.CheckpointError(
+                f"{self.path}: {len(summaries)} rounds logged, the checkpoint needs {rounds}"
+            )
+        if end < len(data):
+            with open(self.path, "r+b") as handle:
+                handle.truncate(end)
+                handle.flush()
+                os.fsync(handle.fileno())
+        self.rounds = rounds
+        return summaries
+
+    def rewrite(self, summaries: list[dict[str, Any]]) -> None:
+        """Start the log afresh with `summaries` (rounds 1 to len(summaries))."""
+        lines = [json.dumps({"round": i, "summary": s}) + "\n" for i, s in enumerate(summaries, 1)]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        checkpoint.write_atomic(self.path, "".join(lines).encode())
+        self.rounds = len(summaries)

@@ -1,0 +1,112 @@
+"""The run's history is logged a round at a time on the server's node (`round_log`): each server
+checkpoint carries the driver's bookkeeping and this round's summary only, and resume reads the
+history back from the log, cut to the checkpoint's round."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from plain_federation import federation, play_round
+
+from silo_pfl import checkpoint
+from silo_pfl.config import to_dict
+from silo_pfl.results import RoundSummary
+from silo_pfl.round_log import RoundLog
+from silo_pfl.server import Server
+
+HOSPITALS = ("cleveland", "hungarian", "switzerland", "va")
+
+
+def _summary(round_: int) -> dict:
+    """A round's summary as the driver sends it, with a NaN where no silo had a loss."""
+    return dataclasses.asdict(
+        RoundSummary(
+            round=round_,
+            seconds=0.1 * round_,
+            mean_train_loss=math.nan,
+            mean_val_accuracy=0.5 + round_ / 100,
+            mean_test_accuracy=1 / 3,
+            silos={"va": {"val_accuracy": 0.25, "test_accuracy": 2 / 3}},
+            participants=["va"],
+            absent={"cleveland": "its process died (RayActorError)"},
+            attempts=2,
+            restarted={"va": {"round": round_ - 1, "local_digest": "ab", "pid": 7}},
+        )
+    )
+
+
+def _same(a: list[dict], b: list[dict]) -> bool:
+    """Equal, reading NaN as equal to NaN."""
+    return repr(a) == repr(b)
+
+
+def test_a_server_checkpoint_holds_one_summary_a_round_and_resume_reads_them_all(job, tmp_path):
+    silos, server = federation(job, "fedavg", f"output_dir={tmp_path}", silos=HOSPITALS)
+    server.checkpoint(0, {"summary": None, "selector": {}})
+    for round_ in (1, 2, 3):
+        play_round(silos, server, round_, commit=True)
+        server.checkpoint(round_, {"summary": _summary(round_), "selector": {"*": [0.5, -1.0]}})
+    saved = checkpoint.load(server.dir, 3)
+    assert saved["driver"] == {"selector": {"*": [0.5, -1.0]}}, "no history in the checkpoint"
+    assert saved["logged"] == 3
+    resumed = Server(to_dict(server.cfg), (13,), 2)
+    driver = resumed.resume()
+    assert driver["selector"] == {"*": [0.5, -1.0]}
+    assert _same(driver["history"], [_summary(r) for r in (1, 2, 3)])
+    assert [RoundSummary(**s).round for s in driver["history"]] == [1, 2, 3]
+
+
+def test_resume_cuts_off_a_round_logged_after_the_last_good_checkpoint(job, tmp_path):
+    """A crash between the log's append and the checkpoint leaves a line (or part of one) that
+    no checkpoint covers: resume drops it, and the next round is logged in its place."""
+    silos, server = federation(job, "fedavg", f"output_dir={tmp_path}", silos=HOSPITALS)
+    for round_ in (1, 2):
+        play_round(silos, server, round_, commit=True)
+        server.checkpoint(round_, {"summary": _summary(round_)})
+    server.history.append(3, _summary(3))  # the crash came before checkpoint 3
+    with server.history.path.open("ab") as log:
+        log.write(b'{"round": 4, "summ')
+    resumed = Server(to_dict(server.cfg), (13,), 2)
+    assert [s["round"] for s in resumed.resume()["history"]] == [1, 2]
+    for silo in silos:
+        silo.restore(2)
+    play_round(silos, resumed, 3, commit=True)
+    again = _summary(3) | {"seconds": 9.0}
+    resumed.checkpoint(3, {"summary": again})
+    assert RoundLog(resumed.dir).read(3)[-1]["seconds"] == 9.0
+
+
+def test_a_log_missing_rounds_its_checkpoint_covers_is_a_clear_error(tmp_path):
+    log = RoundLog(tmp_path)
+    log.append(1, _summary(1))
+    with pytest.raises(
+        checkpoint.CheckpointError, match=r"1 rounds logged, the checkpoint needs 2"
+    ):
+        log.read(2)
+    log.path.write_text('{"round": 2, "summary": {}}\n')
+    with pytest.raises(checkpoint.CheckpointError, match=r"round 2 where round 1 was expected"):
+        log.read(1)
+
+
+def test_a_round_is_logged_only_after_the_one_before(tmp_path):
+    log = RoundLog(tmp_path)
+    log.append(1, _summary(1))
+    with pytest.raises(RuntimeError, match="round 3 logged after 1"):
+        log.append(3, _summary(3))
+
+
+def test_a_checkpoint_from_before_the_log_resumes_with_its_own_history(job, tmp_path):
+    """Older checkpoints carried the whole history in their driver part, and no log."""
+    silos, server = federation(job, "fedavg", f"output_dir={tmp_path}", silos=HOSPITALS)
+    play_round(silos, server, 1, commit=True)
+    server.checkpoint(1, {"summary": _summary(1)})
+    saved = checkpoint.load(server.dir, 1)
+    del saved["logged"]
+    saved["driver"] = {"history": [_summary(1)], "selector": {}}
+    server.history.path.unlink()
+    checkpoint.save(server.dir, 1, saved)
+    resumed = Server(to_dict(server.cfg), (13,), 2)
+    assert _same(resumed.resume()["history"], [_summary(1)])
+    assert _same(RoundLog(resumed.dir).read(1), [_summary(1)])
