@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from plain_federation import aggregate, federation, fit_all
 from scipy import stats
 from secure_protocol import federation as protocol_federation
@@ -26,7 +27,7 @@ from silo_pfl.secure import identity, shamir
 from silo_pfl.secure.aggregator import SecureRoundError
 from silo_pfl.secure.fixed_point import decode_mean, encode
 from silo_pfl.secure.messages import Advertisement, UnmaskRequest, digest
-from silo_pfl.secure.prg import BLOCK_WORDS, apply_streams, stream
+from silo_pfl.secure.prg import BLOCK_WORDS, CHUNK_WORDS, apply_streams, stream
 from silo_pfl.secure.topology import default_threshold, harary, topology
 
 SHAPES = {"body.fc1.weight": (32, 13), "body.fc1.bias": (32,), "head.bias": (2,)}
@@ -284,10 +285,24 @@ def test_mask_streams_are_uniform_and_keyed():
     assert _chi_square_p(a) > 1e-6
 
 
-@pytest.mark.parametrize("length", [1, BLOCK_WORDS - 1, 3 * BLOCK_WORDS + 5, 8 * BLOCK_WORDS])
+def test_a_mask_stream_is_aes_256_gcm_encrypting_zeros_a_nonce_a_chunk():
+    """The key stream is AES-256's counter mode as GCM runs it, keyed by the whole 32-byte key:
+    chunk c of the vector is AES-256-GCM's ciphertext of zeros under the nonce c, its tag
+    dropped (words little-endian)."""
+    key, length = bytes(range(32)), 2 * CHUNK_WORDS + 7
+    expected = b"".join(
+        AESGCM(key).encrypt(c.to_bytes(12, "big"), bytes(8 * size), None)[:-16]
+        for c, size in enumerate((CHUNK_WORDS, CHUNK_WORDS, 7))
+    )
+    assert stream(key, length).astype("<u8").tobytes() == expected
+
+
+@pytest.mark.parametrize(
+    "length", [1, BLOCK_WORDS - 1, 8 * BLOCK_WORDS, CHUNK_WORDS + 1, 3 * CHUNK_WORDS + 5]
+)
 def test_masks_removed_on_threads_are_the_same_words(length):
-    """Each slice's streams start at its own counter: any number of threads adds exactly the
-    words one thread adds."""
+    """Each slice is whole chunks, each chunk's streams under its own nonce: any number of
+    threads adds exactly the words one thread adds."""
     rng = np.random.default_rng(length)
     keys = [(bytes(rng.integers(0, 256, 32, dtype=np.uint8)), sign) for sign in (1, -1, 1)]
     start = rng.integers(0, 2**63, length, dtype=np.uint64)
