@@ -61,10 +61,11 @@ def _timed_get(refs: Any, what: str, timeout: float | None = None, names: Any = 
     return out
 
 
-def _timed_checkpoint(self: Any, *args: Any) -> None:
+def _timed_checkpoint(self: Any, server: Any, round_: int, *args: Any) -> None:
     began = time.perf_counter()
-    _checkpoint(self, *args)
-    times["server: round checkpoint"].append(time.perf_counter() - began)
+    _checkpoint(self, server, round_, *args)
+    if round_ > 0:  # round 0's, before the first round, is not a round's
+        times["server: round checkpoint"].append(time.perf_counter() - began)
 
 
 _gather, _get, _checkpoint = (
