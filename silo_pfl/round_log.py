@@ -28,9 +28,8 @@ class RoundLog:
         `checkpoint.durable_together` block ends."""
         if round_ != self.rounds + 1:
             raise RuntimeError(f"{self.path}: round {round_} logged after {self.rounds}")
-        line = json.dumps({"round": round_, "summary": summary}) + "\n"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        checkpoint.append_line(self.path, line.encode())
+        checkpoint.append_line(self.path, _line(round_, summary))
         self.rounds = round_
 
     def read(self, rounds: int) -> list[dict[str, Any]]:
@@ -66,7 +65,12 @@ class RoundLog:
 
     def rewrite(self, summaries: list[dict[str, Any]]) -> None:
         """Start the log afresh with `summaries` (rounds 1 to len(summaries))."""
-        lines = [json.dumps({"round": i, "summary": s}) + "\n" for i, s in enumerate(summaries, 1)]
+        lines = [_line(i, summary) for i, summary in enumerate(summaries, 1)]
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        checkpoint.write_atomic(self.path, "".join(lines).encode())
+        checkpoint.write_atomic(self.path, b"".join(lines))
         self.rounds = len(summaries)
+
+
+def _line(round_: int, summary: dict[str, Any]) -> bytes:
+    """One round's line of the log."""
+    return (json.dumps({"round": round_, "summary": summary}) + "\n").encode()
