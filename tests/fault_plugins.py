@@ -1,10 +1,14 @@
 """A plugin for the fault tests (config `plugins: [fault_plugins]`): FedPer whose one silo's
-training turns to NaN in one round, as a silo with corrupt data or a bad update would, or whose
-fit raises in one round."""
+training turns to NaN in one round, as a silo with corrupt data or a bad update would, whose fit
+raises in one round, or whose process dies or stops in the middle of its training in one round.
+The faults strike from inside the fit, so they land there however fast the machine is."""
 
 from __future__ import annotations
 
+import os
+import signal
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -65,3 +69,58 @@ class RaiseOnce(FedPer):
         if getattr(silo, "name", "") == self.params.silo and due and not self.raised:
             self.raised = True
             raise RuntimeError("disk full")
+
+
+@dataclass
+class SignalParams(OnceParams):
+    """`marker`: a file that the fault creates as it strikes; it strikes only while the file is
+    absent (so once, even across the restart of the process it killed)."""
+
+    marker: str = ""
+
+
+class SignalOnce(FedPer):
+    """FedPer, except that `silo`'s process sends itself `sig` in the middle of its training in
+    round `round` (at its first batch's loss), once."""
+
+    Params = SignalParams
+    sig: signal.Signals
+
+    def __init__(self, params: SignalParams, train) -> None:
+        super().__init__(params, train)
+        if not params.marker:
+            raise ValueError(f"algorithm.{self.name}.marker: a file path is required")
+        self.armed = False
+
+    def begin_round(self, silo: SiloTrainer, reference, broadcast) -> None:
+        super().begin_round(silo, reference, broadcast)
+        due = getattr(silo, "committed", 0) + 1 == self.params.round
+        ours = getattr(silo, "name", "") == self.params.silo
+        self.armed = ours and due and not Path(self.params.marker).exists()
+
+    def extra_loss(
+        self, model: nn.Module, reference: dict[str, torch.Tensor]
+    ) -> torch.Tensor | None:
+        if self.armed:
+            self.armed = False
+            Path(self.params.marker).write_text(str(os.getpid()))
+            os.kill(os.getpid(), self.sig)
+        return super().extra_loss(model, reference)
+
+
+@register
+class DieOnce(SignalOnce):
+    """`silo`'s process is killed (SIGKILL) mid-fit in round `round`: it and any silo packed
+    with it restart from their last commit."""
+
+    name = "die_once"
+    sig = signal.SIGKILL
+
+
+@register
+class StopOnce(SignalOnce):
+    """`silo`'s process stops (SIGSTOP) mid-fit in round `round`, until someone sends it
+    SIGCONT (the pid is in `marker`)."""
+
+    name = "stop_once"
+    sig = signal.SIGSTOP

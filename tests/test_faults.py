@@ -26,20 +26,18 @@ from silo_pfl.silo import CHECKPOINTS, SELECTED, local_digest
 
 JOB = "jobs/heart_disease.yaml"
 ROUNDS = 6
-# Long enough that a silo killed 0.05 s into a round dies in its fit: at 20 epochs a round of
-# this job took 90-110 ms here, so the kill could land after the fits, in the evaluation.
-LOCAL_EPOCHS = 100
+LOCAL_EPOCHS = 20
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 
 
-class AtRound(Callback):
-    """Does `act(pid)` to one silo's process, `delay` s after round `round_` starts."""
+class Watch(Callback):
+    """Finds one silo's process at the start, and records the digest of the local keys each
+    silo checkpointed, round by round, from its files."""
 
-    def __init__(self, silo: str, round_: int, delay: float, act) -> None:
-        self.silo, self.round, self.delay, self.act = silo, round_, delay, act
+    def __init__(self, silo: str) -> None:
+        self.silo = silo
         self.digests: dict[str, dict[int, str]] = {}  # silo -> round -> its local keys' digest
-        self.summaries = []
 
     def on_start(self, config, silos, split) -> None:
         self.pid = next(info.pid for info in silos if info.silo == self.silo)
@@ -47,18 +45,36 @@ class AtRound(Callback):
         self.housemates = sorted(info.silo for info in silos if info.pid == self.pid)
         self.dir = Path(config.output_dir) / config.name
 
-    def on_round_start(self, round_: int) -> None:
-        if round_ == self.round:
-            threading.Timer(self.delay, self.act, args=(self.pid,)).start()
-
     def on_round_end(self, summary) -> None:
-        """Record the digest of the local keys each silo checkpointed this round, from its file."""
-        self.summaries.append(summary)
         for folder in self.dir.glob(f"*/silos/*/{CHECKPOINTS}"):
             if summary.round in checkpoint.rounds(folder):
                 state = checkpoint.load(folder, summary.round)["local"]
                 digests = self.digests.setdefault(folder.parent.name, {})
                 digests[summary.round] = local_digest(state, list(state))
+
+
+class AtRound(Watch):
+    """Does `act(pid)` to one silo's process, `delay` s after round `round_` starts."""
+
+    def __init__(self, silo: str, round_: int, delay: float, act) -> None:
+        super().__init__(silo)
+        self.round, self.delay, self.act = round_, delay, act
+
+    def on_round_start(self, round_: int) -> None:
+        if round_ == self.round:
+            threading.Timer(self.delay, self.act, args=(self.pid,)).start()
+
+
+def _once(tmp_path: Path, fault: str, silo: str, round_: int) -> list[str]:
+    """The overrides of a fault of tests/fault_plugins.py that strikes `silo` mid-fit in
+    `round_`, once."""
+    return [
+        "plugins=[tests.fault_plugins]",
+        f"algorithm.name={fault}",
+        f"algorithm.{fault}.silo={silo}",
+        f"algorithm.{fault}.round={round_}",
+        f"algorithm.{fault}.marker={tmp_path / (fault + '.pid')}",
+    ]
 
 
 def _run(tmp_path: Path, name: str, *overrides: str, callbacks=()) -> FederationResult:
@@ -102,10 +118,13 @@ def undisturbed(tmp_path_factory) -> FederationResult:
 def test_a_silo_killed_mid_round_restarts_from_its_checkpoint(
     tmp_path, mlflow_store, undisturbed, per_worker
 ):
-    """va's process is killed: alone in it, va restarts; packed with another silo, both do.
-    Each restores its own commit, and the run equals the undisturbed (packed) one bit for bit."""
-    killer = AtRound("va", 3, 0.05, lambda pid: os.kill(pid, signal.SIGKILL))
-    result = _run(tmp_path, "runs", f"ray.silos_per_worker={per_worker}", callbacks=[killer])
+    """va's process is killed in the middle of its fit: alone in it, va restarts; packed with
+    another silo, both do. Each restores its own commit, and the run equals the undisturbed
+    (packed) one bit for bit."""
+    killer = Watch("va")
+    die = _once(tmp_path, "die_once", "va", 3)
+    result = _run(tmp_path, "runs", *die, f"ray.silos_per_worker={per_worker}", callbacks=[killer])
+    assert (tmp_path / "die_once.pid").read_text() == str(killer.pid), "va killed itself once"
     assert len(killer.housemates) == int(per_worker) and "va" in killer.housemates
     third = result.history[2]
     assert third.attempts == 2, "the round without va had no quorum and was tried again"
@@ -139,15 +158,15 @@ def test_a_silo_killed_mid_round_restarts_from_its_checkpoint(
 def test_a_hung_silo_is_left_out_by_the_deadline_and_rejoins(tmp_path, mlflow_store):
     timeout = 3.0
 
-    def hang(pid: int) -> None:
-        os.kill(pid, signal.SIGSTOP)
-        threading.Timer(timeout + 2, os.kill, args=(pid, signal.SIGCONT)).start()
-
-    hanger = AtRound("va", 3, 0.0, hang)
+    """va's process stops in the middle of its fit in round 3, and goes on 2 s after the
+    deadline (SIGSTOP, then SIGCONT)."""
+    waker = AtRound("va", 3, timeout + 2, lambda pid: os.kill(pid, signal.SIGCONT))
     # va alone in its process, as on a node of its own: stopping it stops no other silo.
     quorum = ("round.min_silos=3", f"round.timeout_s={timeout}", "ray.silos_per_worker=1")
+    stop = _once(tmp_path, "stop_once", "va", 3)
     printed = io.StringIO()
-    result = _run(tmp_path, "runs", *quorum, callbacks=[hanger, ProgressPrinter(printed)])
+    result = _run(tmp_path, "runs", *stop, *quorum, callbacks=[waker, ProgressPrinter(printed)])
+    assert (tmp_path / "stop_once.pid").read_text() == str(waker.pid), "va stopped itself"
     assert (
         f"\n  va: left out: no answer within round.timeout_s={timeout:g} s\n" in printed.getvalue()
     )
