@@ -11,7 +11,10 @@ the server on the head. The dashboard (the Jobs API) listens on 127.0.0.1 only.
 Options: `--tracking-server` also starts an MLflow tracking server (SQLite, --serve-artifacts)
 beside it; `--tls-dir DIR` turns on TLS between nodes with the certificates that
 `cluster/make_certs.sh DIR` made; `--data-root DIR` gives silo X's node the environment variable
-SILO_PFL_DATA_DIR=DIR/X, the per-node directory a CSV federation names as `$SILO_PFL_DATA_DIR`.
+SILO_PFL_DATA_DIR=DIR/X, the per-node directory a CSV federation names as `$SILO_PFL_DATA_DIR`;
+`--metrics-export-interval-s S` (default 1, Ray's floor; Ray's own default is 10) is how often
+every process of the cluster, and every driver that joins it, sends its metrics to its node's
+agent: a run's end waits that long for its last figures to be sent.
 
 The token is $RAY_AUTH_TOKEN, else ~/.ray/auth_token (created if absent, as Ray itself does).
 It prints one JSON line {"address", "dashboard", "head", "nodes": {silo: node_id},
@@ -221,6 +224,9 @@ class LocalCluster:
             f"--dashboard-port={self.dashboard_port}",
             f"--ray-client-server-port={free_port()}",
             "--labels=silo-pfl/role=head",
+            # The head's system config reaches every node and every driver that joins.
+            "--system-config="
+            + json.dumps({"metrics_report_interval_ms": round(1000 * self.args.metrics_interval)}),
         )
         address = f"{HOST}:{self.gcs_port}"
         for silo in self.args.silos:
@@ -307,6 +313,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tracking-port", type=int, help="its port (default: free)")
     parser.add_argument("--tls-dir", help="TLS between nodes, certificates of make_certs.sh")
     parser.add_argument("--data-root", help="silo X's node gets SILO_PFL_DATA_DIR=DATA_ROOT/X")
+    parser.add_argument(
+        "--metrics-export-interval-s",
+        dest="metrics_interval",
+        type=float,
+        default=1.0,
+        help="how often Ray's processes send their metrics (>= 1 s; Ray's default 10 s)",
+    )
     return parser
 
 
@@ -314,7 +327,10 @@ STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 def main() -> None:
-    args = _parser().parse_args()
+    parser = _parser()
+    args = parser.parse_args()
+    if not args.metrics_interval >= 1:
+        parser.error(f"--metrics-export-interval-s: got {args.metrics_interval}, expected >= 1")
     # While the nodes start, a stop signal is only noted (no lock may be taken in a handler: an
     # Event.set there can deadlock with the wait it interrupts); then the main thread blocks the
     # signals and waits for one, so one that came in between is not lost.

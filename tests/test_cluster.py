@@ -132,3 +132,30 @@ def test_no_address_starts_its_own_ray_rather_than_joining_a_running_cluster(
     cluster_nodes = {cluster["head"], *cluster["nodes"].values()}
     assert len(used) == 1
     assert not used & cluster_nodes
+
+
+def test_every_process_and_a_joining_driver_send_their_metrics_each_second(cluster, env):
+    """cluster/local_cluster.py's --metrics-export-interval-s (default 1 s, not Ray's 10 s)
+    reaches a driver that joins and the workers on the silos' nodes: a run's end waits that
+    long (runtime/metrics.py, DriverMetrics.settle) for its last figures to be sent."""
+    script = """
+import json, ray
+from silo_pfl.runtime.metrics import export_interval_s
+ray.init(log_to_driver=False)
+
+@ray.remote(num_cpus=0, label_selector={"silo": "va"})
+def worker() -> int:
+    return ray._config.metrics_report_interval_ms()
+
+print(json.dumps([export_interval_s(), ray.get(worker.remote())]))
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "RAY_ADDRESS": cluster["address"]},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == [1.0, 1000]
