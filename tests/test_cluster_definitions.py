@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shlex
 import shutil
 import ssl
@@ -613,3 +614,17 @@ def test_make_certs_gives_a_node_certificate_for_each_address(tmp_path):
         *_own_addresses(),
     }
     assert sans.get_values_for_type(x509.DNSName) == ["localhost"]
+
+
+def test_every_cluster_definition_sends_metrics_each_second(raycluster, onprem):
+    """Ray's 10 s default would make every run's end wait 10 s for its last figures to be sent
+    (runtime/metrics.py, DriverMetrics.settle): each definition asks for 1 s, where every Ray
+    process and the run's driver read it."""
+    spec = raycluster["spec"]
+    for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        for container in group["template"]["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            assert env.get("RAY_metrics_report_interval_ms") == "1000", container["name"]
+    head = " ".join(onprem["head_start_ray_commands"])
+    config = re.search(r"--system-config='([^']*)'", head)
+    assert config and json.loads(config.group(1)) == {"metrics_report_interval_ms": 1000}
