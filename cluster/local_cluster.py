@@ -39,6 +39,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from silo_pfl.runtime.jobs import auth_token
@@ -56,9 +57,16 @@ STOP_POLL_SECONDS = 0.1
 
 def free_port() -> int:
     """A TCP port nothing listens on now, on the loopback interface."""
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports nothing listens on now (held open together while chosen)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind((HOST, 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
 
 
 def cluster_token() -> str:
@@ -187,18 +195,22 @@ class LocalCluster:
         self.dashboard_port = args.dashboard_port or free_port()
         self.tracking_uri: str | None = None
 
-    def _ray_start(self, node: str, *extra: str, env: dict[str, str] | None = None) -> None:
-        """`ray start` one node. Each node has a temp dir of its own, as on its own machine:
-        a node that found a shared one would delete job files another node still uses."""
+    def _ray_start(
+        self, node: str, ports: list[int], *extra: str, env: dict[str, str] | None = None
+    ) -> None:
+        """`ray start` one node, with two free `ports` of its own (every node of this machine
+        needs its own agent and metrics ports: the defaults are fixed). Each node has a temp dir
+        of its own, as on its own machine: a node that found a shared one would delete job
+        files another node still uses."""
+        agent_port, metrics_port = ports
         command = [
             str(BIN / "ray"),
             "start",
             f"--node-ip-address={HOST}",
             f"--num-cpus={self.args.cpus_per_node}",
             f"--temp-dir={self.temp_dir / node}",
-            # Every node of this machine needs ports of its own (the defaults are fixed).
-            f"--dashboard-agent-listen-port={free_port()}",
-            f"--metrics-export-port={free_port()}",
+            f"--dashboard-agent-listen-port={agent_port}",
+            f"--metrics-export-port={metrics_port}",
             "--disable-usage-stats",
             *extra,
         ]
@@ -215,28 +227,41 @@ class LocalCluster:
             raise RuntimeError(f"{' '.join(command[:3])} failed: {' | '.join(tail)}")
 
     def start(self) -> dict:
-        """Start the head, one node per silo and the tracking server; return the cluster info."""
+        """Start the head, then the silos' nodes together, the tracking server meanwhile;
+        return the cluster info."""
+        tracking = self._launch_tracking_server() if self.args.tracking_server else None
+        silos = self.args.silos
+        ports = free_ports(3 + 2 * len(silos))
         self._ray_start(
             "head",
+            ports[1:3],
             "--head",
             f"--port={self.gcs_port}",
             f"--dashboard-host={HOST}",
             f"--dashboard-port={self.dashboard_port}",
-            f"--ray-client-server-port={free_port()}",
+            f"--ray-client-server-port={ports[0]}",
             "--labels=silo-pfl/role=head",
             # The head's system config reaches every node and every driver that joins.
             "--system-config="
             + json.dumps({"metrics_report_interval_ms": round(1000 * self.args.metrics_interval)}),
         )
         address = f"{HOST}:{self.gcs_port}"
-        for silo in self.args.silos:
-            env = dict(self.env)
-            if self.args.data_root:
-                env[DATA_DIR_VAR] = str(Path(self.args.data_root).resolve() / silo)
-            node = f"n{len(list(self.temp_dir.iterdir()))}"
-            self._ray_start(node, f"--address={address}", f"--labels={SILO_LABEL}={silo}", env=env)
-        if self.args.tracking_server:
-            self.tracking_uri = self._start_tracking_server()
+        with ThreadPoolExecutor(max_workers=len(silos)) as pool:
+            starts = [
+                pool.submit(
+                    self._ray_start,
+                    f"n{i + 1}",
+                    ports[3 + 2 * i : 5 + 2 * i],
+                    f"--address={address}",
+                    f"--labels={SILO_LABEL}={silo}",
+                    env=self._node_env(silo),
+                )
+                for i, silo in enumerate(silos)
+            ]
+            for started in starts:
+                started.result()
+        if tracking:
+            self.tracking_uri = self._await_tracking_server(*tracking)
         head, nodes = self._node_ids(address)
         return {
             "address": address,
@@ -268,8 +293,15 @@ class LocalCluster:
             raise RuntimeError(f"nodes of {', '.join(missing)} did not join in time")
         return by_silo.pop(None), {s: by_silo[s] for s in self.args.silos}
 
-    def _start_tracking_server(self) -> str:
-        """`cluster/tracking_server.sh` on a free loopback port; its URI once it answers."""
+    def _node_env(self, silo: str) -> dict[str, str]:
+        """Silo `silo`'s node's environment: the cluster's, with its data directory if any."""
+        env = dict(self.env)
+        if self.args.data_root:
+            env[DATA_DIR_VAR] = str(Path(self.args.data_root).resolve() / silo)
+        return env
+
+    def _launch_tracking_server(self) -> tuple[str, Path]:
+        """`cluster/tracking_server.sh` on a free loopback port: its URI and its log."""
         port = self.args.tracking_port or free_port()
         env = {
             **self.env,
@@ -277,15 +309,19 @@ class LocalCluster:
             "PORT": str(port),
             "MLFLOW_DIR": str(self.workdir / "mlflow"),
         }
-        log = (self.workdir / "mlflow.log").open("w")
-        subprocess.Popen(
-            ["bash", str(ROOT / "cluster" / "tracking_server.sh")],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        uri = f"http://{HOST}:{port}"
+        log = self.workdir / "mlflow.log"
+        with log.open("w") as output:
+            subprocess.Popen(
+                ["bash", str(ROOT / "cluster" / "tracking_server.sh")],
+                env=env,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        return f"http://{HOST}:{port}", log
+
+    def _await_tracking_server(self, uri: str, log: Path) -> str:
+        """`uri` once the tracking server answers there."""
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
             try:
@@ -293,7 +329,7 @@ class LocalCluster:
                 return uri
             except OSError:
                 time.sleep(0.5)
-        raise RuntimeError(f"the tracking server did not answer at {uri}; see {log.name}")
+        raise RuntimeError(f"the tracking server did not answer at {uri}; see {log}")
 
     def stop(self) -> list[int]:
         """Stop every process this cluster started; remove its directories. Pids left over."""
