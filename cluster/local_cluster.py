@@ -55,11 +55,6 @@ GCS_NAME = "gcs_server"  # a Ray GCS process's name (/proc/<pid>/comm)
 STOP_POLL_SECONDS = 0.1
 
 
-def free_port() -> int:
-    """A TCP port nothing listens on now, on the loopback interface."""
-    return free_ports(1)[0]
-
-
 def free_ports(count: int) -> list[int]:
     """`count` distinct TCP ports nothing listens on now (held open together while chosen)."""
     with contextlib.ExitStack() as stack:
@@ -191,8 +186,14 @@ class LocalCluster:
             # As on a node with this environment activated: a job's `python` is this one.
             "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
         }
-        self.gcs_port = free_port()
-        self.dashboard_port = args.dashboard_port or free_port()
+        # Every port the cluster needs, chosen together so that they are distinct: the GCS's,
+        # the Ray client server's, the dashboard's, the tracking server's, then two per node
+        # (its agent's and its metrics'), the head's first.
+        ports = free_ports(4 + 2 * (1 + len(args.silos)))
+        self.gcs_port, self.client_port = ports[0], ports[1]
+        self.dashboard_port = args.dashboard_port or ports[2]
+        self.tracking_port = args.tracking_port or ports[3]
+        self.node_ports = [ports[k : k + 2] for k in range(4, len(ports), 2)]
         self.tracking_uri: str | None = None
 
     def _ray_start(
@@ -231,15 +232,14 @@ class LocalCluster:
         return the cluster info."""
         tracking = self._launch_tracking_server() if self.args.tracking_server else None
         silos = self.args.silos
-        ports = free_ports(3 + 2 * len(silos))
         self._ray_start(
             "head",
-            ports[1:3],
+            self.node_ports[0],
             "--head",
             f"--port={self.gcs_port}",
             f"--dashboard-host={HOST}",
             f"--dashboard-port={self.dashboard_port}",
-            f"--ray-client-server-port={ports[0]}",
+            f"--ray-client-server-port={self.client_port}",
             "--labels=silo-pfl/role=head",
             # The head's system config reaches every node and every driver that joins.
             "--system-config="
@@ -251,7 +251,7 @@ class LocalCluster:
                 pool.submit(
                     self._ray_start,
                     f"n{i + 1}",
-                    ports[3 + 2 * i : 5 + 2 * i],
+                    self.node_ports[i + 1],
                     f"--address={address}",
                     f"--labels={SILO_LABEL}={silo}",
                     env=self._node_env(silo),
@@ -302,11 +302,10 @@ class LocalCluster:
 
     def _launch_tracking_server(self) -> tuple[str, Path]:
         """`cluster/tracking_server.sh` on a free loopback port: its URI and its log."""
-        port = self.args.tracking_port or free_port()
         env = {
             **self.env,
             "HOST": HOST,
-            "PORT": str(port),
+            "PORT": str(self.tracking_port),
             "MLFLOW_DIR": str(self.workdir / "mlflow"),
         }
         log = self.workdir / "mlflow.log"
@@ -318,7 +317,7 @@ class LocalCluster:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        return f"http://{HOST}:{port}", log
+        return f"http://{HOST}:{self.tracking_port}", log
 
     def _await_tracking_server(self, uri: str, log: Path) -> str:
         """`uri` once the tracking server answers there."""
