@@ -1,21 +1,25 @@
 """Checkpoints: one party's state after a round, written atomically and verified when read.
 
-Each checkpoint is `round-NNNNNN.pt` (torch.save of plain containers and tensors, read back with
-`weights_only=True`) and, written last, its manifest `round-NNNNNN.sha256`. A checkpoint without
-a manifest is partial; one whose bytes do not match its manifest is corrupted. Either is named in
-one line and skipped for the previous good round. Only the newest KEEP checkpoints are kept: the
-oldest beyond them is recycled into the next one (its manifest removed first, then its file
-renamed and overwritten in place), since freeing a file's blocks can cost a millisecond (a file
-system mounted with `discard`) where overwriting them costs nothing more than writing.
+A checkpoint is one file, `round-NNNNNN.ckpt`: a header line holding the SHA-256 of the rest, then
+torch.save's bytes of plain containers and tensors (read back with `weights_only=True`). A file
+whose header is missing or cut short is partial; one whose bytes do not match its header is
+corrupted. Either is named in one line and skipped for the previous good round. A silo's selected
+model is `round-NNNNNN.pt` (`save_model`), torch.save's bytes alone, as MLflow ships and serves
+them: its SHA-256 goes into the silo's next checkpoint, which `load` checks it against.
+
+Only the newest KEEP files of a directory are kept: the oldest beyond them is recycled into the
+next one (renamed to a hidden name, so it is never read again, then overwritten in place), since
+freeing a file's blocks can cost a millisecond (a file system mounted with `discard`) where
+overwriting them costs nothing more than writing.
 
 A file is on disk before the call that wrote it returns. Alone, each file and its directory are
 fsynced. Inside `durable_together` (a worker's call for all its silos) the files are written and
 renamed at once and made durable together as the block ends, by one sync of their file system:
-a commit of five silos then waits for the disk once, not forty times. A machine that crashes
-inside the block leaves at worst a checkpoint that fails its manifest check, skipped for the
-previous one, which an earlier block made durable; the driver counts none of the block's rounds
-as committed before the block has ended. Only files already durable are recycled; any other
-stale checkpoint is deleted once the block is durable.
+a commit of five silos then waits for the disk once, not twenty times. A machine that crashes
+inside the block leaves at worst a checkpoint that fails its check, skipped for the previous
+one, which an earlier block made durable; the driver counts none of the block's rounds as
+committed before the block has ended. Only files already durable are recycled; any other stale
+file is deleted once the block is durable.
 """
 
 from __future__ import annotations
@@ -40,7 +44,10 @@ import torch
 from silo_pfl.errors import FederationError
 
 KEEP = 3
-_NAME = re.compile(r"^round-(\d{6})\.pt$")
+CHECKPOINT, MODEL = ".ckpt", ".pt"  # a verified checkpoint; a selected model's plain file
+_NAME = re.compile(r"^round-(\d{6})(\.ckpt|\.pt)$")
+_MAGIC = b"silo_pfl checkpoint sha256="
+_HEADER = len(_MAGIC) + 64 + 1  # the magic, the digest in hex, a newline
 log = logging.getLogger("silo_pfl.checkpoint")
 _open = threading.local()  # .block: this thread's durable_together block, if one is open
 
@@ -57,13 +64,9 @@ class CheckpointError(FederationError):
     """A checkpoint is missing, partial or corrupted: names the file."""
 
 
-def path_of(directory: Path, round_: int) -> Path:
-    """Where the checkpoint of `round_` lives in `directory`."""
-    return directory / f"round-{round_:06d}.pt"
-
-
-def _manifest(path: Path) -> Path:
-    return path.with_suffix(".sha256")
+def path_of(directory: Path, round_: int, suffix: str = CHECKPOINT) -> Path:
+    """Where the checkpoint (or, with suffix=MODEL, the model) of `round_` lives in `directory`."""
+    return directory / f"round-{round_:06d}{suffix}"
 
 
 def write_atomic(path: Path, data: bytes, reuse: Path | None = None) -> None:
@@ -168,38 +171,63 @@ def _prune(paths: list[Path]) -> None:
         path.unlink(missing_ok=True)
 
 
-def save(directory: Path, round_: int, state: dict[str, Any]) -> Path:
-    """Write `state` as the checkpoint of `round_`, its manifest last. The oldest checkpoint
-    beyond the newest KEEP is recycled into it (its manifest removed first, so it is never read
-    again); any other beyond them is pruned."""
-    directory.mkdir(parents=True, exist_ok=True)
+def _serialised(state: dict[str, Any]) -> bytes:
+    """torch.save's bytes of `state`, in its plain pickle format (not its zip archive): a third
+    cheaper to write for a silo's few small tensors, and read back by torch.load all the same."""
     buffer = io.BytesIO()
-    torch.save(state, buffer)
-    data = buffer.getvalue()
-    path = path_of(directory, round_)
-    stale = sorted({*rounds(directory, verified=False), round_})[:-KEEP]
+    torch.save(state, buffer, _use_new_zipfile_serialization=False)
+    return buffer.getvalue()
+
+
+def save(directory: Path, round_: int, state: dict[str, Any]) -> Path:
+    """Write `state` as the checkpoint of `round_`: its header (the SHA-256 of what follows),
+    then its bytes, in one file (see the module's docstring for what is recycled or pruned)."""
+    data = _serialised(state)
+    header = _MAGIC + hashlib.sha256(data).hexdigest().encode() + b"\n"
+    return _write_round(directory, round_, CHECKPOINT, header + data)
+
+
+def save_model(directory: Path, round_: int, state: dict[str, Any]) -> str:
+    """Write a model's `state` as torch.save's bytes alone, for round `round_`; return their
+    SHA-256, for the caller's next checkpoint to hold (`load` checks the file against it)."""
+    data = _serialised(state)
+    _write_round(directory, round_, MODEL, data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def _write_round(directory: Path, round_: int, suffix: str, data: bytes) -> Path:
+    """Write the file of `round_`; the oldest beyond the newest KEEP is recycled into it (hidden
+    first, so that it is never read again), any other beyond them pruned."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = path_of(directory, round_, suffix)
+    files = _files(directory)
+    stale = [files[old] for old in sorted({*files, round_})[:-KEEP] if old in files]
     block: _Block | None = getattr(_open, "block", None)
-    oldest = path_of(directory, stale[0]) if stale else None
+    oldest = stale[0] if stale else None
     if oldest is not None and block is not None and oldest in block.written:
-        oldest = None  # not on disk for sure yet: only a durable checkpoint is given up early
-    # The manifest first: from then on the old round is never read again.
-    hidden = [_hidden(_manifest(oldest)), _hidden(oldest)] if oldest is not None else [None, None]
+        oldest = None  # not on disk for sure yet: only a durable file is given up early
+    hidden = _hidden(oldest) if oldest is not None else None
     try:
-        write_atomic(path, data, hidden[1])
-        digest = hashlib.sha256(data).hexdigest()
-        write_atomic(_manifest(path), f"{digest}  {path.name}\n".encode(), hidden[0])
+        write_atomic(path, data, hidden)
     except BaseException:
-        for leftover in hidden:
-            if leftover is not None:
-                leftover.unlink(missing_ok=True)
+        if hidden is not None:
+            hidden.unlink(missing_ok=True)
         raise
-    pruned = [path_of(directory, old) for old in (stale[1:] if oldest is not None else stale)]
-    files = [*map(_manifest, pruned), *pruned]
+    pruned = stale[1:] if oldest is not None else stale
     if block is None:
-        _prune(files)
+        _prune(pruned)
     else:
-        block.stale.extend(files)
+        block.stale.extend(pruned)
     return path
+
+
+def _existing(directory: Path, round_: int) -> Path | None:
+    """The file of `round_` in `directory`, of either kind, if there is one."""
+    for suffix in (CHECKPOINT, MODEL):
+        path = path_of(directory, round_, suffix)
+        if path.exists():
+            return path
+    return None
 
 
 def _hidden(path: Path) -> Path | None:
@@ -212,39 +240,44 @@ def _hidden(path: Path) -> Path | None:
     return hidden
 
 
-def rounds(directory: Path, verified: bool = True) -> list[int]:
-    """The rounds with a checkpoint file in `directory` (with a manifest, if `verified`), sorted."""
+def rounds(directory: Path) -> list[int]:
+    """The rounds with a file in `directory`, sorted (`load` checks each when it reads it)."""
+    return sorted(_files(directory))
+
+
+def _files(directory: Path) -> dict[int, Path]:
+    """Each round's file in `directory`."""
     if not directory.is_dir():
-        return []
-    found = []
-    for entry in directory.iterdir():
-        match = _NAME.match(entry.name)
-        if match and (not verified or _manifest(entry).is_file()):
-            found.append(int(match.group(1)))
-    return sorted(found)
+        return {}
+    return {int(m.group(1)): e for e in directory.iterdir() if (m := _NAME.match(e.name))}
 
 
-def load(directory: Path, round_: int) -> dict[str, Any]:
-    """The checkpoint of `round_`, after checking it against its manifest."""
-    path = path_of(directory, round_)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path}: not found")
-    manifest = _manifest(path)
-    if not manifest.is_file():
-        raise CheckpointError(f"checkpoint {path}: partial (no manifest {manifest.name})")
+def load(directory: Path, round_: int, sha256: str | None = None) -> dict[str, Any]:
+    """The checkpoint of `round_`, after checking it against its header; or the model of
+    `round_` (`save_model`), checked against `sha256` when it is given."""
+    path = _existing(directory, round_)
+    if path is None:
+        expected = path_of(directory, round_, CHECKPOINT if sha256 is None else MODEL)
+        raise CheckpointError(f"checkpoint {expected}: not found")
     data = path.read_bytes()
-    expected = manifest.read_text().split()[0] if manifest.read_text().split() else ""
-    if hashlib.sha256(data).hexdigest() != expected:
-        raise CheckpointError(f"checkpoint {path}: corrupted (its SHA-256 differs from manifest)")
+    if path.suffix == CHECKPOINT:
+        header, data = data[:_HEADER], data[_HEADER:]
+        if len(header) < _HEADER or not header.startswith(_MAGIC) or header[-1:] != b"\n":
+            raise CheckpointError(f"checkpoint {path}: partial (no complete header)")
+        sha256, source = header[len(_MAGIC) : -1].decode("ascii", "replace"), "its header"
+    else:
+        source = "the checkpoint that selected it"
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise CheckpointError(f"checkpoint {path}: corrupted (its SHA-256 differs from {source})")
     try:
         return torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as exc:  # a manifest that matches, but a file torch cannot read
+    except Exception as exc:  # a digest that matches, but bytes torch cannot read
         raise CheckpointError(f"checkpoint {path}: unreadable ({type(exc).__name__})") from None
 
 
 def load_latest(directory: Path) -> tuple[int, dict[str, Any]] | None:
     """The newest good checkpoint; a newer partial or corrupted one is logged and skipped."""
-    for round_ in reversed(rounds(directory, verified=False)):
+    for round_ in reversed(rounds(directory)):
         try:
             return round_, load(directory, round_)
         except CheckpointError as exc:

@@ -51,28 +51,26 @@ def set_generators(states: tuple[object, object, object]) -> None:
 
 
 def rng_state() -> dict[str, object]:
-    """Python's, numpy's and torch's global generator states, as checkpointable values. Each
-    generator's words are one tensor, so a checkpoint pickles a few objects, not 625 ints."""
+    """Python's, numpy's and torch's global generator states, as checkpointable values: each
+    generator's words as bytes, so that a checkpoint pickles a dozen plain objects, neither 625
+    ints nor tensors (torch's pickler spends microseconds on each object it sees)."""
     import torch
 
     version, words, gauss_next = random.getstate()
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     return {
-        "python": [version, torch.tensor(words, dtype=torch.int64), gauss_next],
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
-        "torch": torch.get_rng_state(),
+        "python": [version, np.array(words, dtype=np.uint32).tobytes(), gauss_next],
+        "numpy": [kind, keys.astype(np.uint32).tobytes(), pos, has_gauss, gauss],
+        "torch": torch.get_rng_state().numpy().tobytes(),
     }
 
 
 def set_rng_state(state: dict[str, object]) -> None:
-    """Restore what `rng_state` captured (Python's words as a tensor, or, in checkpoints made
-    before, as a tuple of ints)."""
+    """Restore what `rng_state` captured."""
     import torch
 
     version, words, gauss_next = state["python"]  # type: ignore[misc]
-    if isinstance(words, torch.Tensor):
-        words = words.tolist()
-    random.setstate((version, tuple(words), gauss_next))
+    random.setstate((version, tuple(np.frombuffer(words, np.uint32).tolist()), gauss_next))
     kind, keys, pos, has_gauss, gauss = state["numpy"]  # type: ignore[misc]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])  # type: ignore[arg-type]
+    np.random.set_state((kind, np.frombuffer(keys, np.uint32).copy(), pos, has_gauss, gauss))
+    torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))  # type: ignore[arg-type]

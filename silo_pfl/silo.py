@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import shutil
 import time
@@ -112,6 +113,7 @@ class Silo:
         self._last: EvalMetrics | None = None
         self._selected: EvalMetrics | None = None
         self._selected_report: dict[str, float] = {}  # the algorithm's figures of that model
+        self._selected_sha256 = ""  # of that model's file, which the next checkpoint vouches for
         self._exporters: dict[str, SiloExporter] = {}
         self._identity: Any = None  # its Ed25519 identity, under aggregation.secure
         self._trusted: dict[str, bytes] | None = None  # every silo's identity, as the config lists
@@ -206,13 +208,17 @@ class Silo:
 
     def _checkpoint(self, round_: int) -> None:
         state = self.model.state_dict()
+        figures = {  # one JSON string: a few objects for torch's pickler, not dozens
+            "selected": dataclasses.asdict(self._selected) if self._selected else None,
+            "selected_report": self._selected_report,
+            "selected_sha256": self._selected_sha256,
+            "last": dataclasses.asdict(self._last) if self._last else None,
+        }
         state = {
             "round": round_,
             "local": {k: state[k] for k in self.split.local_keys},
             "algorithm": self.algorithm.local_state(),
-            "selected": dataclasses.asdict(self._selected) if self._selected else None,
-            "selected_report": self._selected_report,
-            "last": dataclasses.asdict(self._last) if self._last else None,
+            "figures": json.dumps(figures),
             "rng": rng_state(),
         }
         checkpoint.save(self.dir / CHECKPOINTS, round_, state)
@@ -223,11 +229,13 @@ class Silo:
         state = checkpoint.load(self.dir / CHECKPOINTS, round_)
         self.model.load_state_dict(state["local"], strict=False)
         self.algorithm.load_local_state(self, state["algorithm"])
-        self._selected = EvalMetrics(**state["selected"]) if state["selected"] else None
-        if self._selected is not None and not self.selected_path.is_file():
-            raise checkpoint.CheckpointError(f"checkpoint {self.selected_path}: not found")
-        self._selected_report = state["selected_report"]
-        self._last = EvalMetrics(**state["last"]) if state["last"] else None
+        figures = json.loads(state["figures"])
+        self._selected = EvalMetrics(**figures["selected"]) if figures["selected"] else None
+        self._selected_sha256 = figures["selected_sha256"]
+        if self._selected is not None:  # its file is there, and is the one selected
+            checkpoint.load(self.dir / SELECTED, self._selected.round, self._selected_sha256)
+        self._selected_report = figures["selected_report"]
+        self._last = EvalMetrics(**figures["last"]) if figures["last"] else None
         set_rng_state(state["rng"])
         self.committed, self._dirty = round_, False
         return local_digest(self.model.state_dict(), self.split.local_keys)
@@ -443,7 +451,7 @@ class Silo:
             self._selected = self._last
             self._selected_report = dict(self.algorithm.report())
             selected = {k: v.detach() for k, v in self._evaluated.state_dict().items()}
-            checkpoint.save(self.dir / SELECTED, round_, selected)
+            self._selected_sha256 = checkpoint.save_model(self.dir / SELECTED, round_, selected)
         self._checkpoint(round_)
 
     @property
@@ -451,7 +459,7 @@ class Silo:
         """The file of the selected personalized model's state_dict."""
         if self._selected is None:
             raise RuntimeError(f"silo {self.name}: no model selected yet")
-        return checkpoint.path_of(self.dir / SELECTED, self._selected.round)
+        return checkpoint.path_of(self.dir / SELECTED, self._selected.round, checkpoint.MODEL)
 
     def outcome(self) -> SiloOutcome:
         """The selected personalized model's scores."""

@@ -6,12 +6,14 @@ import logging
 
 import pytest
 import torch
+from plain_federation import federation, play_round
 
 from silo_pfl import checkpoint
 from silo_pfl.cli import main
 from silo_pfl.errors import ConfigError
 from silo_pfl.run_dir import RunDir, check_resumable
 from silo_pfl.settings import load_config
+from silo_pfl.silo import SELECTED
 
 
 def _write(tmp_path, rounds):
@@ -54,11 +56,11 @@ def test_saves_made_durable_together_wait_for_the_disk_once(tmp_path, monkeypatc
         assert all(checkpoint.rounds(folder) == list(range(6)) for folder in silos)
     assert not fsyncs and len(syncs) == 1
     for folder in silos:
-        assert checkpoint.rounds(folder, verified=False) == [3, 4, 5]
+        assert checkpoint.rounds(folder) == [3, 4, 5]
         assert checkpoint.load_latest(folder)[0] == 5
         assert not list(folder.glob(".*.tmp"))
     _write(silos[0], [6])  # alone: its file and directory fsynced before save returns
-    assert len(fsyncs) == 4 and len(syncs) == 1
+    assert len(fsyncs) == 2 and len(syncs) == 1  # one file a checkpoint, then its directory
 
 
 def test_a_checkpoint_recycles_the_one_it_replaces_and_deletes_nothing(tmp_path, monkeypatch):
@@ -69,13 +71,11 @@ def test_a_checkpoint_recycles_the_one_it_replaces_and_deletes_nothing(tmp_path,
     inode = checkpoint.path_of(tmp_path, 0).stat().st_ino
     for round_ in range(3, 9):
         _write(tmp_path, [round_])
-        assert checkpoint.rounds(tmp_path, verified=False) == [round_ - 2, round_ - 1, round_]
+        assert checkpoint.rounds(tmp_path) == [round_ - 2, round_ - 1, round_]
         if round_ == 3:
             assert checkpoint.path_of(tmp_path, 3).stat().st_ino == inode, "round 0's file"
     assert not unlinks
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        f"round-{r:06d}.{ext}" for r in (6, 7, 8) for ext in ("pt", "sha256")
-    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"round-{r:06d}.ckpt" for r in (6, 7, 8)]
     for round_ in (6, 7, 8):
         assert torch.equal(checkpoint.load(tmp_path, round_)["w"], torch.full((3,), float(round_)))
     _write(tmp_path, [9, 10, 11])  # a bigger checkpoint in a recycled file: truncated to it
@@ -91,7 +91,7 @@ def test_without_syncfs_a_block_fsyncs_each_file_and_directory_as_it_ends(tmp_pa
         _write(tmp_path / "a", range(2))
         _write(tmp_path / "b", range(1))
         assert not fsyncs
-    assert len(fsyncs) == 6 + 2  # three checkpoints and their manifests, then two directories
+    assert len(fsyncs) == 3 + 2  # three checkpoints, one file each, then two directories
 
 
 def test_a_corrupted_checkpoint_is_named_and_the_previous_good_round_is_used(tmp_path, caplog):
@@ -103,7 +103,7 @@ def test_a_corrupted_checkpoint_is_named_and_the_previous_good_round_is_used(tmp
     with pytest.raises(checkpoint.CheckpointError) as info:
         checkpoint.load(tmp_path, 2)
     assert str(info.value) == (
-        f"checkpoint {newest}: corrupted (its SHA-256 differs from manifest)"
+        f"checkpoint {newest}: corrupted (its SHA-256 differs from its header)"
     )
     with caplog.at_level(logging.WARNING, logger="silo_pfl.checkpoint"):
         round_, state = checkpoint.load_latest(tmp_path)
@@ -111,13 +111,50 @@ def test_a_corrupted_checkpoint_is_named_and_the_previous_good_round_is_used(tmp
     assert f"checkpoint {newest}: corrupted" in caplog.text
 
 
-def test_a_checkpoint_without_its_manifest_is_partial(tmp_path, caplog):
+@pytest.mark.parametrize("keep", [0, 20, 90])
+def test_a_checkpoint_cut_inside_its_header_is_partial(tmp_path, caplog, keep):
     _write(tmp_path, range(2))
-    checkpoint.path_of(tmp_path, 1).with_suffix(".sha256").unlink()
-    with pytest.raises(checkpoint.CheckpointError, match=r"round-000001.pt: partial \(no manifest"):
+    newest = checkpoint.path_of(tmp_path, 1)
+    newest.write_bytes(newest.read_bytes()[:keep])
+    with pytest.raises(checkpoint.CheckpointError, match=r"round-000001.ckpt: partial \(no comp"):
         checkpoint.load(tmp_path, 1)
     with caplog.at_level(logging.WARNING, logger="silo_pfl.checkpoint"):
         assert checkpoint.load_latest(tmp_path)[0] == 0
+
+
+def test_a_silo_restores_only_the_selected_model_its_checkpoint_vouches_for(job, tmp_path):
+    """A silo's selected model is a plain file; its commit's checkpoint holds its SHA-256, and
+    a restore checks the file against it: swapped for another round's model, it is refused."""
+    silos, server = federation(job, "fedper", f"output_dir={tmp_path}", silos=("va", "cleveland"))
+    for round_ in (1, 2):
+        play_round(silos, server, round_, commit=True)
+        server.checkpoint(round_, {})
+    silo = silos[0]
+    assert silo.selected_path == checkpoint.path_of(silo.dir / SELECTED, 2, checkpoint.MODEL)
+    assert silo.restore(2)  # its own file: restored
+    silo.selected_path.write_bytes(checkpoint.path_of(silo.dir / SELECTED, 1, ".pt").read_bytes())
+    with pytest.raises(checkpoint.CheckpointError, match=r"round-000002.pt: corrupted \(its SHA"):
+        silo.restore(2)
+    silo.selected_path.unlink()
+    with pytest.raises(checkpoint.CheckpointError, match=r"round-000002.pt: not found"):
+        silo.restore(2)
+
+
+def test_a_model_file_is_torch_s_own_and_checked_against_the_digest_given(tmp_path):
+    """A selected model is saved as torch.save's bytes alone (MLflow ships that file, and
+    torch.load reads it); its SHA-256, kept by the silo's next checkpoint, vouches for it."""
+    state = {"w": torch.arange(4.0)}
+    digest = checkpoint.save_model(tmp_path, 3, state)
+    path = checkpoint.path_of(tmp_path, 3, checkpoint.MODEL)
+    assert torch.equal(torch.load(path, weights_only=True)["w"], state["w"])
+    assert torch.equal(checkpoint.load(tmp_path, 3, digest)["w"], state["w"])
+    other = checkpoint.save_model(tmp_path, 3, {"w": torch.zeros(4)})
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        checkpoint.load(tmp_path, 3, digest)
+    assert str(info.value) == (
+        f"checkpoint {path}: corrupted (its SHA-256 differs from the checkpoint that selected it)"
+    )
+    assert other != digest
 
 
 def test_each_run_has_its_own_directory_and_resume_finds_the_latest(tmp_path):
@@ -178,22 +215,19 @@ def _draws() -> tuple[float, float, float]:
     return random.random(), float(np.random.random()), float(torch.rand(1))
 
 
-def test_generator_states_survive_a_checkpoint_exactly_in_either_format(tmp_path):
-    """Python's words are saved as one tensor; a checkpoint that has them as a tuple of ints
-    (before) restores the same generators."""
-    import random
-
+def test_generator_states_survive_a_checkpoint_exactly(tmp_path):
+    """Each generator's words are saved as bytes, and restored to the same draws."""
     from silo_pfl.seeding import rng_state, seed_everything, set_rng_state
 
     seed_everything(7)
     _draws()
-    state, python_before = rng_state(), random.getstate()
-    assert isinstance(state["python"][1], torch.Tensor) and state["python"][1].numel() == 625
+    state = rng_state()
+    assert all(isinstance(state[k], bytes) for k in ["torch"])
+    assert len(state["python"][1]) == 4 * 625 and len(state["numpy"][1]) == 4 * 624
     checkpoint.save(tmp_path, 1, {"rng": state})
     expected = _draws()
     set_rng_state(checkpoint.load(tmp_path, 1)["rng"])
     assert _draws() == expected
-    old = {**state, "python": python_before}
-    checkpoint.save(tmp_path, 2, {"rng": old})
-    set_rng_state(checkpoint.load(tmp_path, 2)["rng"])
+    seed_everything(8)
+    set_rng_state(checkpoint.load(tmp_path, 1)["rng"])
     assert _draws() == expected

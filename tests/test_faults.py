@@ -94,7 +94,7 @@ def _final_states(result: FederationResult | dict) -> dict[str, np.ndarray]:
         folder = Path(summary["run_dir"]) / "silos" / silo / CHECKPOINTS
         saved = checkpoint.load(folder, checkpoint.rounds(folder)[-1])
         saved["selected_state"] = checkpoint.load(
-            folder.parent / SELECTED, saved["selected"]["round"]
+            folder.parent / SELECTED, json.loads(saved["figures"])["selected"]["round"]
         )
         for part in ("local", "algorithm", "selected_state"):
             for key, value in (saved[part] or {}).items():

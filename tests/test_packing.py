@@ -3,6 +3,7 @@ packed silo computes bit for bit what it computes alone, without Ray and on a re
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -103,7 +104,7 @@ def _final(result) -> dict[str, np.ndarray]:
         folder = Path(result.run_dir) / "silos" / silo / CHECKPOINTS
         saved = checkpoint.load(folder, checkpoint.rounds(folder)[-1])
         saved["selected_state"] = checkpoint.load(
-            folder.parent / SELECTED, saved["selected"]["round"]
+            folder.parent / SELECTED, json.loads(saved["figures"])["selected"]["round"]
         )
         for part in ("local", "selected_state"):
             for key, value in (saved[part] or {}).items():

@@ -1,0 +1,78 @@
+"""What each step of a round costs a worker per silo, at many silos, in one process.
+
+    python benchmarks/silo_steps.py [--silos 64] [--rounds 20] [key=value ...]
+
+`jobs/digits_label_skew.yaml algorithm.name=fedavg model.name=mlp data.num_silos=N` (as
+`benchmarks/scale.py` runs it): the silos and the server in this process, no Ray, each round
+every silo fits, the server aggregates, every silo evaluates, and every silo commits keeping its
+model (its selected model and its checkpoint, all in one durable block, as a worker's call makes
+them). Prints the microseconds per silo of each step, median over the rounds after the first 3.
+At 64 silos a silo holds about 20 training rows, so this is the fixed work a silo adds to a
+round, which decides how round time grows with the silos (the scale target).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+from silo_pfl import checkpoint
+from silo_pfl.config import to_dict
+from silo_pfl.data import silo_names
+from silo_pfl.server import Server
+from silo_pfl.settings import load_config
+from silo_pfl.silo import Silo
+
+JOB = "jobs/digits_label_skew.yaml"
+BASE = ["algorithm.name=fedavg", "model.name=mlp", "tracking.enabled=false"]
+WARM_UP = 3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--silos", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    args = parser.parse_args()
+    steps: dict[str, list[float]] = {"fit": [], "evaluate": [], "commit": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides = [*BASE, f"data.num_silos={args.silos}", f"output_dir={tmp}", *args.overrides]
+        config = to_dict(load_config(JOB, overrides))
+        silos = [Silo(config, name) for name in silo_names(load_config(JOB, overrides).data)]
+        infos = [silo.setup() for silo in silos]
+        classes = max(info.num_classes for info in infos)
+        for silo in silos:
+            silo.build(infos[0].input_shape, classes)
+        server = Server(config, infos[0].input_shape, classes)
+        for round_ in range(1, WARM_UP + args.rounds + 1):
+            began = time.perf_counter()
+            updates = [silo.fit(server.global_state(), round_)[0] for silo in silos]
+            fitted = time.perf_counter()
+            server.aggregate(*updates)
+            state = server.global_state()
+            evaluating = time.perf_counter()
+            for silo in silos:
+                silo.evaluate(state, round_)
+            committing = time.perf_counter()
+            with checkpoint.durable_together():
+                for silo in silos:
+                    silo.commit(round_, keep=True)
+            ended = time.perf_counter()
+            server.checkpoint(round_, {})
+            if round_ > WARM_UP:
+                steps["fit"].append(fitted - began)
+                steps["evaluate"].append(committing - evaluating)
+                steps["commit"].append(ended - committing)
+    per_silo = {k: statistics.median(v) / args.silos * 1e6 for k, v in steps.items()}
+    print(
+        f"{args.silos} silos in one process, median of rounds {WARM_UP + 1}-{WARM_UP + args.rounds}"
+    )
+    print("| us per silo | fit | evaluate | commit (keeping its model) |")
+    print("|---|---|---|---|")
+    print(f"| | {per_silo['fit']:.0f} | {per_silo['evaluate']:.0f} | {per_silo['commit']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
