@@ -51,7 +51,6 @@ def train_epochs(
     """Train `epochs` passes over (x, y) in shuffled mini-batches, stopping early after
     `max_steps` optimizer steps if set, then `optimizer.finish()`; return the mean batch loss."""
     model.train()
-    loss_fn = nn.CrossEntropyLoss()
     total, steps = 0.0, 0
     n = len(x)
     # A lone example cannot be batch-normalised in train mode; it is dropped from that epoch.
@@ -65,7 +64,7 @@ def train_epochs(
             if len(idx) < min_batch:
                 continue
             optimizer.zero_grad()
-            loss = loss_fn(model(x[idx]), y[idx])
+            loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
             if extra_loss is not None:
                 extra = extra_loss(model)
                 if extra is not None:
