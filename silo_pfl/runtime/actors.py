@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from silo_pfl.config import FederationConfig
 from silo_pfl.config_views import actor_view
 from silo_pfl.errors import FederationError, SiloPflError, typed_line
 from silo_pfl.messages import CallFailed, RoundReport, SiloUpdate
+from silo_pfl.runtime import host_pool
 from silo_pfl.runtime.metrics import ServerMetrics, SiloMetrics
 from silo_pfl.runtime.placement import actor_options, server_selector, silo_selector
 from silo_pfl.secure.aggregator import SecureRoundError
@@ -38,26 +40,46 @@ SILO_MAX_RESTARTS = -1
 
 
 class SiloHost:
-    """A Ray worker holding the silos `names` (one, or several packed), each with its own state
-    and random generators. It reports the node it runs on and, given the run's metric tags,
-    records each silo's figures as live metrics."""
+    """A Ray worker holding the silos of one run (one, or several packed), each with its own
+    state and random generators. It starts empty and is opened for a run's silos; closed, it
+    may serve the next run of the session (runtime.host_pool). It reports the node it runs on
+    and, given the run's metric tags, records each silo's figures as live metrics."""
 
-    def __init__(
+    def __init__(self) -> None:
+        self.group: SiloGroup | None = None
+        self.opened: tuple[str, tuple[str, ...]] | None = None  # (run id, silos)
+        self.metrics: dict[str, SiloMetrics] = {}
+
+    def open(
         self,
         config: dict[str, Any],
         names: Sequence[str],
         run_id: str = "default",
         metric_tags: dict[str, str] | None = None,
     ) -> None:
+        """Hold the silos `names` of run `run_id`, as `config` (their view of it) describes."""
+        self.close()
         self.group = SiloGroup(config, names, run_id)
-        self.metrics = (
-            {name: SiloMetrics(metric_tags, name) for name in names}
-            if metric_tags is not None
-            else {}
-        )
+        self.opened = (run_id, tuple(names))
+        if metric_tags is not None:
+            self.metrics = {name: SiloMetrics(metric_tags, name) for name in names}
+
+    def close(self) -> None:
+        """Drop the run's silos: nothing of them stays in the process."""
+        self.group, self.opened, self.metrics = None, None, {}
+        gc.collect()
+
+    def rejoin(self, name: str, opening: Opening, *args: Any) -> Any:
+        """Silo `name`'s rejoin after its worker restarted (and came back empty): the worker is
+        opened again for its run first."""
+        if self.opened != (opening.run_id, tuple(opening.names)):
+            self.open(*opening.args())
+        return self.call(name, "rejoin", *args)
 
     def call(self, name: str, method: str, *args: Any) -> Any:
         """Silo `name`'s `method`; what it returns goes back to the driver."""
+        if self.group is None:
+            raise FederationError(f"silo {name}: its worker holds no silos (restarted, or closed)")
         result = self.group.call(name, method, *args)
         if method == "setup":
             result = dataclasses.replace(result, node_id=ray.get_runtime_context().get_node_id())
@@ -140,21 +162,37 @@ def _forwarder(method: str) -> Callable[..., Any]:
     return forward
 
 
-for _method in sorted(API):
+for _method in sorted(API - {"rejoin"}):
     setattr(SiloHost, _method, _forwarder(_method))
+
+
+@dataclasses.dataclass(frozen=True)
+class Opening:
+    """What a silo worker is opened with for a run (`SiloHost.open`'s arguments)."""
+
+    config: dict[str, Any]
+    names: tuple[str, ...]
+    run_id: str
+    metric_tags: dict[str, str] | None
+
+    def args(self) -> tuple[Any, ...]:
+        return self.config, self.names, self.run_id, self.metric_tags
 
 
 class SiloHandle:
     """The driver's handle on one silo: `handle.fit.remote(...)` calls `fit` of that silo in
     its worker; `handle.fit.options(num_returns=2)` passes Ray's call options through."""
 
-    def __init__(self, host: Any, name: str) -> None:
+    def __init__(self, host: Any, name: str, opening: Opening) -> None:
         self.host = host
         self.name = name
+        self.opening = opening
 
     def __getattr__(self, method: str) -> _SiloMethod:
         if method not in API:
             raise AttributeError(f"{method!r} is not part of a silo's API")
+        if method == "rejoin":
+            return _SiloMethod(self.host.rejoin, self.name, (self.opening,))
         return _SiloMethod(getattr(self.host, method), self.name)
 
 
@@ -162,27 +200,38 @@ class SiloHandle:
 class _SiloMethod:
     actor_method: Any
     silo: str
+    first: tuple[Any, ...] = ()  # arguments of the worker's own before the caller's
 
     def remote(self, *args: Any) -> Any:
-        return self.actor_method.remote(self.silo, *args)
+        return self.actor_method.remote(self.silo, *self.first, *args)
 
     def options(self, **options: Any) -> _SiloMethod:
-        return _SiloMethod(self.actor_method.options(**options), self.silo)
+        return _SiloMethod(self.actor_method.options(**options), self.silo, self.first)
 
 
 class ServerHost:
     """The server in a Ray worker: it starts as soon as the run does, and builds the model once
-    the silos have told the driver its input shape and classes."""
+    the silos have told the driver its input shape and classes. Like a silo worker it is opened
+    for a run and closed after it."""
 
-    def __init__(
+    def __init__(self) -> None:
+        self.config: dict[str, Any] = {}
+        self.run_id = ""
+        self.metrics: ServerMetrics | None = None
+        self.server: Any = None
+
+    def open(
         self,
         config: dict[str, Any],
         run_id: str = "default",
         metric_tags: dict[str, str] | None = None,
     ) -> None:
-        self.config, self.run_id = config, run_id
+        self.config, self.run_id, self.server = config, run_id, None
         self.metrics = ServerMetrics(metric_tags) if metric_tags is not None else None
-        self.server: Any = None
+
+    def close(self) -> None:
+        self.config, self.server, self.metrics = {}, None, None
+        gc.collect()
 
     def build(self, input_shape: Sequence[int], num_classes: int) -> None:
         self.server = Server(self.config, tuple(input_shape), num_classes, self.run_id)
@@ -241,10 +290,12 @@ def start_silos(
     groups: Sequence[Sequence[str]],
     run_id: str,
     metric_tags: dict[str, str] | None = None,
+    keep: bool = False,
 ) -> dict[str, SiloHandle]:
     """Start a worker per group of silos (see runtime.packing), on a node carrying their label
     if they have one; return a handle per silo. Each worker is given only its silos' view of
-    `config` (config_views.actor_view). With `metric_tags` they record live metrics."""
+    `config` (config_views.actor_view). With `metric_tags` they record live metrics. With
+    `keep` (Ray outlives the run) an idle worker of the session may serve (runtime.host_pool)."""
     handles: dict[str, SiloHandle] = {}
     for names in groups:
         options: dict[str, Any] = {
@@ -252,12 +303,12 @@ def start_silos(
             "max_restarts": SILO_MAX_RESTARTS,
         }
         options.update(actor_options(silo_selector(cfg, names[0])))
-        view = actor_view(config, names)
-        host = ray.remote(SiloHost).options(**options)
-        host = host.remote(view, list(names), run_id, metric_tags)
+        opening = Opening(actor_view(config, names), tuple(names), run_id, metric_tags)
+        host = host_pool.start(SiloHost, options, keep and metric_tags is None)
+        host.open.remote(*opening.args())
         who = f"silo {names[0]}" if len(names) == 1 else f"the worker of silos {', '.join(names)}"
         _named(host, who)
-        handles.update({name: SiloHandle(host, name) for name in names})
+        handles.update({name: SiloHandle(host, name, opening) for name in names})
     return handles
 
 
@@ -267,9 +318,10 @@ def start_silo(
     silo: str,
     run_id: str,
     metric_tags: dict[str, str] | None = None,
+    keep: bool = False,
 ) -> SiloHandle:
     """Start one silo in its own worker."""
-    return start_silos(cfg, config, [[silo]], run_id, metric_tags)[silo]
+    return start_silos(cfg, config, [[silo]], run_id, metric_tags, keep)[silo]
 
 
 def start_server(
@@ -277,14 +329,15 @@ def start_server(
     config: dict[str, Any],
     run_id: str,
     metric_tags: dict[str, str] | None = None,
+    keep: bool = False,
 ) -> Any:
     """Start the server actor: where server.node_label says, else on the head under per_node.
     It is not restarted: the run fails, and `--resume` continues from its last checkpoint.
     `build` gives it its model once the silos' shapes are known."""
     options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
     options.update(actor_options(server_selector(cfg), cfg.ray.placement == "per_node"))
-    view = actor_view(config, ())
-    actor = ray.remote(ServerHost).options(**options).remote(view, run_id, metric_tags)
+    actor = host_pool.start(ServerHost, options, keep and metric_tags is None)
+    actor.open.remote(actor_view(config, ()), run_id, metric_tags)
     return _named(actor, "the server")
 
 
@@ -335,9 +388,12 @@ def _collect_the_rest(refs: Any) -> None:
             ray.get(ref)
 
 
-def stop(actors: Sequence[Any]) -> None:
-    """Stop actors (a silo's handle stops its worker); they hold no state the run still needs."""
+def stop(actors: Sequence[Any], keep: bool = False) -> None:
+    """Stop actors (a silo's handle stops its worker); they hold no state the run still needs.
+    With `keep` (the run ended well, and Ray outlives it) the workers that may serve the next
+    run are closed and kept instead (runtime.host_pool)."""
     hosts = [a.host if isinstance(a, SiloHandle) else a for a in actors]
-    for actor in {id(h): h for h in hosts}.values():
-        ray.kill(actor, no_restart=True)
+    unique = list({h._actor_id.hex(): h for h in hosts}.values())
+    host_pool.release(unique, keep)
+    for actor in unique:
         _ROLES.pop(actor._actor_id.hex(), None)

@@ -73,13 +73,17 @@ class Onboarding:
     def run(self) -> FederationResult:
         timeout = self.cfg.round.call_timeout_s
         run_id, name = self.run_dir.run_id, self.silo
+        keep = ray.is_initialized()  # Ray outlives the run: its workers may serve the next one
+        ended = False
         with ray_session(self.cfg.ray):
             start = time.perf_counter()
             check_labels({f"silo {name}": silo_selector(self.cfg, name)}, LABEL_WAIT_SECONDS)
-            actors = {name: start_silo(self.cfg, to_dict(self.cfg), name, run_id)}
+            actors = {name: start_silo(self.cfg, to_dict(self.cfg), name, run_id, keep=keep)}
             if self.alone is not None:
                 alone_id = f"{run_id}-{ALONE}"
-                actors[ALONE] = start_silo(self.alone, to_dict(self.alone), name, alone_id)
+                actors[ALONE] = start_silo(
+                    self.alone, to_dict(self.alone), name, alone_id, keep=keep
+                )
             try:
                 roles = list(actors)
                 infos = get([actors[r].setup.remote() for r in roles], "silo set-up", timeout)
@@ -106,8 +110,9 @@ class Onboarding:
                     [actors[r].outcome.remote() for r in roles], "silo outcome", timeout
                 )
                 export(self.callbacks, list(exporting), actors, timeout)
+                ended = True
             finally:
-                stop(list(actors.values()))
+                stop(list(actors.values()), keep and ended)
             outcome = outcomes[0]
             result = FederationResult.of(
                 self.cfg,

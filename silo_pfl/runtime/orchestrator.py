@@ -90,6 +90,8 @@ class Orchestrator:
         silo's outcome."""
         run_id = self.run_dir.run_id
         metrics, tags = driver_metrics(self.cfg, run_id)
+        keep = ray.is_initialized()  # Ray outlives the run: its workers may serve the next one
+        ended = False
         with ray_session(self.cfg.ray, metrics_interval_s=export_interval(self.cfg)):
             metrics.watch()
             start = time.perf_counter()
@@ -99,9 +101,9 @@ class Orchestrator:
             selectors = {f"silo {n}": silo_selector(self.cfg, n) for n in names}
             check_labels({**selectors, "the server": server_selector(self.cfg)}, LABEL_WAIT_SECONDS)
             try:
-                actors["__server__"] = server = start_server(self.cfg, config, run_id, tags)
+                actors["__server__"] = server = start_server(self.cfg, config, run_id, tags, keep)
                 groups = pack(self.cfg, names, ray.cluster_resources().get("CPU", 1))
-                actors.update(start_silos(self.cfg, config, groups, run_id, tags))
+                actors.update(start_silos(self.cfg, config, groups, run_id, tags, keep))
                 resuming = bool(self.resume)
                 infos = self._each(actors, names, "setup", "silo set-up", resuming)
                 input_shape, num_classes = model_shape(infos)
@@ -161,8 +163,9 @@ class Orchestrator:
                 )
                 self._emit("on_end", result)
                 metrics.settle()
+                ended = True
             finally:
-                stop(list(actors.values()))
+                stop(list(actors.values()), keep and ended)
             metrics.linger()
         self._emit("on_closed")
         result.write_json(self.run_dir.path / RESULT_FILE)
