@@ -38,9 +38,7 @@ def block(runs: int, keep: int, overrides: list[str]) -> list[float]:
             began = time.perf_counter()
             Federation(cfg).run()
             seconds.append(time.perf_counter() - began)
-    idle = [w for workers in host_pool._idle.values() for w in workers]
-    host_pool.release(idle, keep=False)
-    host_pool._idle.clear()
+    host_pool.drain()
     return seconds
 
 

@@ -43,8 +43,7 @@ def _run(job, *overrides: str) -> tuple[dict, dict[str, int], dict[str, np.ndarr
 
 
 def test_the_next_run_reuses_the_workers_and_computes_what_fresh_workers_compute(job):
-    host_pool.release([w for idle in host_pool._idle.values() for w in idle], keep=False)
-    host_pool._idle.clear()
+    host_pool.drain()
     fresh, fresh_pids, fresh_state = _run(job)
     assert sum(len(idle) for idle in host_pool._idle.values()) == 3  # 2 silo workers, server
     other, _, _ = _run(job, "algorithm.name=fedper", "seed=5")  # another run in between
@@ -57,7 +56,7 @@ def test_the_next_run_reuses_the_workers_and_computes_what_fresh_workers_compute
 
 
 def test_a_failed_run_keeps_none_of_its_workers(job):
-    host_pool._idle.clear()
+    host_pool.drain()
     with pytest.raises(Exception, match="diverged|not finite|nan"):
         _run(job, "train.lr=1e12")
     assert not any(host_pool._idle.values())

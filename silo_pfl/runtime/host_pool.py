@@ -64,7 +64,7 @@ def start(cls: type, options: dict[str, Any], keep: bool) -> Any:
 def release(workers: Sequence[Any], keep: bool) -> None:
     """A run's end: close the workers that may be kept (while `keep`, as long as this Ray
     session lasts) and keep them idle, up to KEEP; stop all others."""
-    keepable = [w for w in workers if keep and w._actor_id.hex() in _keys]
+    keepable = [w for w in workers if w._actor_id.hex() in _keys] if keep else []
     closing = {w._actor_id.hex(): w.close.remote() for w in keepable}
     ready, _ = ray.wait(list(closing.values()), num_returns=len(closing), timeout=CLOSE_TIMEOUT_S)
     idle = sum(len(v) for v in _idle.values())
@@ -84,3 +84,10 @@ def _closed(ref: Any) -> bool:
     except ray.exceptions.RayError:
         return False
     return True
+
+
+def drain() -> None:
+    """Stop every idle worker (a benchmark's or a test's clean slate)."""
+    idle = [worker for workers in _idle.values() for worker in workers]
+    _idle.clear()
+    release(idle, keep=False)
