@@ -12,8 +12,9 @@ evaluating, compute like training, weighs little, and every silo keeping every r
 (eval.selection=last: each commit writes it). Overrides on the command line apply after these.
 
 The federation's rounds 2.. (round 1 pays start-up) are the repetitions; each figure is the min:
-- round: the driver's wall time from on_round_start to on_round_end (fits, aggregation,
-  evaluations, commits, the server's checkpoint).
+- round: the driver's wall time from the round before's end to its own (fits, aggregation,
+  evaluations, commits, the server's checkpoint; a round's fits start with the commits of the
+  round before).
 - training on the critical path: a worker runs its silos one after another, so the max over
   workers of the sum of its silos' FitMetrics.train_seconds. That is a silo's whole fit call
   (rollback, loading the global keys, the local step, the divergence check, the delta): what
@@ -45,15 +46,13 @@ from typing import Any
 
 import numpy as np
 import ray
-from common import job_parser, start_local_ray
+from common import RoundClock, job_parser, start_local_ray
 
 from silo_pfl.aggregation import State, weighted_mean
-from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig, to_dict
 from silo_pfl.data import load_silo_data, silo_names
 from silo_pfl.federation import Federation
 from silo_pfl.messages import SiloUpdate
-from silo_pfl.results import RoundSummary
 from silo_pfl.runtime.packing import pack
 from silo_pfl.server import Server
 from silo_pfl.settings import load_config
@@ -73,20 +72,6 @@ DEFAULTS = (
     "tracking.enabled=false",
 )
 REPEATS = 3
-
-
-class RoundClock(Callback):
-    """The driver's wall time of each round, from its start to its end (checkpoint included)."""
-
-    def __init__(self) -> None:
-        self.began: dict[int, float] = {}
-        self.seconds: dict[int, float] = {}
-
-    def on_round_start(self, round_: int) -> None:
-        self.began[round_] = time.perf_counter()
-
-    def on_round_end(self, summary: RoundSummary) -> None:
-        self.seconds[summary.round] = time.perf_counter() - self.began[summary.round]
 
 
 def best_of(work: Callable[[], object]) -> float:
@@ -126,9 +111,10 @@ def federation(cfg: FederationConfig, groups: list[list[str]]) -> tuple[list[flo
     """Per round after the first: its seconds, and its training on the critical path."""
     clock = RoundClock()
     result = Federation(cfg, callbacks=[clock]).run()
+    seconds = clock.round_seconds()
     rounds, training = [], []
     for summary in result.history[1:]:
-        rounds.append(clock.seconds[summary.round])
+        rounds.append(seconds[summary.round - 1])
         fits = {name: figures["train_seconds"] for name, figures in summary.silos.items()}
         training.append(critical(groups, fits))
     return rounds, training

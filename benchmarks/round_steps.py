@@ -2,15 +2,16 @@
 
     python benchmarks/round_steps.py [JOB] [key=value ...] [--rounds 10]
 
-Runs JOB (default `jobs/digits_label_skew.yaml algorithm.name=fedavg tracking.enabled=false`)
-with `Federation(config).run()` on a local Ray, with the driver's waits wrapped in timers: each
-silo step (`call_many` of fit, evaluate, commit and, under aggregation.secure, advertise,
-share_keys, unmask) from its dispatch to its last answer, the server's calls (aggregation,
-and under secure its enrolment, routing and unmasking), the server's round checkpoint, and the
-whole round between two `on_round_end`s. Prints the median of rounds 3.. of each (and of the
-server's checkpoint over the last 5 rounds, since what it writes may grow), and per silo
-worker (as default packing deals them) the sum of its silos' `train_seconds`: the fits' own
-work, one silo after another.
+Runs JOB (default `jobs/digits_label_skew.yaml algorithm.name=fedavg tracking.enabled=false`) with
+`Federation(config).run()` on a local Ray, with the driver's waits wrapped in timers: each silo
+step (`call_many` of fit, evaluate, commit and, under aggregation.secure, advertise, share_keys,
+unmask) from the driver's wait for it to its last answer (a round's fits, sent ahead with the
+previous round's commits, are already running by then), the server's calls (aggregation, and under
+secure its enrolment, routing and unmasking), the server's round checkpoint, and the whole round
+between two `on_round_end`s. Prints the median of rounds 3.. of each (and of the server's
+checkpoint over the last 5 rounds, since what it writes may grow), and per silo worker (as default
+packing deals them) the sum of its silos' `train_seconds`: the fits' own work, one silo after
+another.
 """
 
 from __future__ import annotations
@@ -36,13 +37,14 @@ SKIP = 2  # rounds whose figures are left out: the actors' first calls are slowe
 LATE = 5  # the last rounds, for what grows with the history
 
 times: dict[str, list[float]] = defaultdict(list)
-_dispatched: list[str] = []
+_methods: dict[str, str] = {}  # the ids of each silo call's refs: the method that made them
 
 
 def _timed_call_many(original: Any) -> Any:
     def call_many(handles: Any, method: str, *args: Any, **kwargs: Any) -> Any:
-        _dispatched.append(method)
-        return original(handles, method, *args, **kwargs)
+        out = original(handles, method, *args, **kwargs)
+        _methods.update({ref.hex(): method for refs in out.values() for ref in refs})
+        return out
 
     return call_many
 
@@ -50,7 +52,8 @@ def _timed_call_many(original: Any) -> Any:
 def _timed_gather(refs: dict[str, Any], timeout: float) -> Any:
     began = time.perf_counter()
     out = _gather(refs, timeout)
-    times[f"silos: {_dispatched[-1] if _dispatched else '?'}"].append(time.perf_counter() - began)
+    method = next((_methods.get(r.hex(), "") for r in refs.values()), "") or "?"
+    times[f"silos: {method}"].append(time.perf_counter() - began)
     return out
 
 

@@ -124,3 +124,26 @@ class StopOnce(SignalOnce):
 
     name = "stop_once"
     sig = signal.SIGSTOP
+
+
+@register
+class ShiftOnce(FedPer):
+    """FedPer, except that `silo` starts round `round` from its global weights shifted by 10,
+    once: a finite update far over a sane aggregation.max_update_norm, which the server rejects."""
+
+    name = "shift_once"
+    Params = OnceParams
+
+    def __init__(self, params: OnceParams, train) -> None:
+        super().__init__(params, train)
+        self.shifted = False
+
+    def begin_round(self, silo: SiloTrainer, reference, broadcast) -> None:
+        super().begin_round(silo, reference, broadcast)
+        due = getattr(silo, "committed", 0) + 1 == self.params.round
+        if getattr(silo, "name", "") == self.params.silo and due and not self.shifted:
+            self.shifted = True
+            with torch.no_grad():
+                for name, param in silo.model.named_parameters():
+                    if name in reference:
+                        param.add_(10.0)

@@ -9,6 +9,7 @@ only relays: every message is signed or sealed between silos, or is a share the 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,7 @@ from silo_pfl.messages import RoundReport
 from silo_pfl.runtime.actors import call_many, get
 
 log = logging.getLogger("silo_pfl.rounds")
+Then = Callable[[tuple[Any, Any]], None] | None  # given the new global keys' and broadcast's refs
 
 
 @dataclass
@@ -41,20 +43,31 @@ class Aggregated:
 class PlainSteps:
     """Updates in the clear: nothing before the fit, one call to aggregate."""
 
+    fits_alone = True  # a fit needs nothing from these steps: it can be sent ahead
+
     def __init__(self, server: Any, gather: Any, timeout: float) -> None:
         self.server, self.gather, self.timeout = server, gather, timeout
 
     def prepare(self, live: dict[str, Any], round_: int, attempt: int) -> Prepared:
         return Prepared()
 
-    def aggregate(self, live: dict[str, Any], updates: list[Any], round_: int) -> Aggregated:
+    def aggregate(
+        self, live: dict[str, Any], updates: list[Any], round_: int, then: Then = None
+    ) -> Aggregated:
+        """The server's sum of `updates`. `then(inputs)` is called with the refs of the new
+        global keys and broadcast as soon as they exist, before the report is awaited, so that
+        the next step reaches the silos without waiting for the driver."""
         report_ref, *inputs = self.server.aggregate.options(num_returns=3).remote(*updates)
+        if then is not None:
+            then((inputs[0], inputs[1]))
         report = get(report_ref, f"round {round_}: aggregation", self.timeout)
         return Aggregated(report, (inputs[0], inputs[1]))
 
 
 class SecureSteps(PlainSteps):
     """Bonawitz et al.'s four steps around the fit: advertise, share keys, (mask), unmask."""
+
+    fits_alone = False  # each fit needs its round's keys and its peers' shares
 
     def prepare(self, live: dict[str, Any], round_: int, attempt: int) -> Prepared:
         refs = call_many(live, "advertise", round_, attempt)
@@ -78,10 +91,16 @@ class SecureSteps(PlainSteps):
             return Prepared({}, absent, died | gone, routed)
         return Prepared(routed, absent, died | gone)
 
-    def aggregate(self, live: dict[str, Any], updates: list[Any], round_: int) -> Aggregated:
+    def aggregate(
+        self, live: dict[str, Any], updates: list[Any], round_: int, then: Then = None
+    ) -> Aggregated:
+        """The masked sum, then its unmasking (`then` as for the plain sum, once the unmasking
+        is sent: a silo's next call must not be queued before its reveal)."""
         first = super().aggregate(live, updates, round_)
         request = first.report.unmask
         if request is None:
+            if then is not None:
+                then(first.inputs)
             return first
         survivors = {n: live[n] for n in request.survivors}
         refs = call_many(survivors, "unmask", request)
@@ -89,5 +108,7 @@ class SecureSteps(PlainSteps):
         for name, reason in sorted(absent.items()):
             log.warning("round %d: silo %s revealed no shares: %s", round_, name, reason)
         report_ref, *inputs = self.server.unmask.options(num_returns=3).remote(*reveals.values())
+        if then is not None:
+            then((inputs[0], inputs[1]))
         report = get(report_ref, f"round {round_}: unmasking", self.timeout)
         return Aggregated(report, (inputs[0], inputs[1]), died)

@@ -1,15 +1,21 @@
 """One federated round with a deadline, a quorum and retries; written once, for every algorithm.
 
 An attempt: silos that died are first rejoined (restarted by Ray, they restore their own last
-commit); every silo fits on the global state; the fits that arrive by the deadline (round.timeout_s)
-go to the server, which rejects bad updates and aggregates if a quorum (round.min_silos) is left;
-the silos whose updates were aggregated evaluate the new global state, by the deadline; selection
-runs on those evaluations; those silos commit (checkpoint) the round. Without a quorum nothing is
-committed and the round is tried again, up to round.retries times; every silo then starts again
-from its last commit.
+commit); every silo fits on the global state; the fits that arrive by the deadline
+(round.timeout_s) go to the server, which rejects bad updates and aggregates if a quorum
+(round.min_silos) is left; the silos whose updates were aggregated evaluate the new global state,
+by the deadline (the evaluations are sent with the aggregation, to every silo that sent an update,
+and only those of the aggregated count); selection runs on those evaluations; those silos commit
+(checkpoint) the round. Without a quorum nothing is committed and the round is tried again, up to
+round.retries times; every silo then starts again from its last commit.
 
 Each step is one call per worker for all its silos (`call_many`), whose answers come back per
-silo: a round costs the driver a few calls however many silos there are.
+silo: a round costs the driver a few calls however many silos there are. Where the fit needs
+nothing prepared (`steps.fits_alone`: updates in the clear), the next round's fits are sent with
+a round's commits, each queued behind its silo's commit on its worker: a worker goes from its
+commits straight into its next fits, while the driver collects the commits, the server
+checkpoints the round and the callbacks see it. A silo that dies or rejoins in between is sent
+a fit of its own after it rejoins, as before.
 """
 
 from __future__ import annotations
@@ -55,6 +61,15 @@ class Rejoin:
     num_classes: int
     identity_keys: dict[str, bytes] = field(default_factory=dict)  # under aggregation.secure
     exporters: dict[str, dict[str, Any]] = field(default_factory=dict)  # silo -> its exporters
+
+
+@dataclass
+class Ahead:
+    """A round's fits, sent before it began, with the previous round's commits."""
+
+    round: int
+    began: float  # when they were sent: the round's start
+    refs: dict[str, list[Any]]  # each silo's refs of its fit's two answers
 
 
 def late_reason(timeout: float) -> str:
@@ -126,10 +141,12 @@ class RoundRunner:
         self.inputs: tuple[Any, Any] | None = None
         steps = SecureSteps if cfg.aggregation.secure else PlainSteps
         self.steps = steps(server, gather, self.timeout)
+        self.ahead: Ahead | None = None  # the next round's fits, if already sent
 
     def run(self, round_: int) -> RoundSummary:
         """Run `round_` until an attempt has a quorum; fail, naming who was missing, if none."""
-        began = time.perf_counter()
+        ahead = self.ahead
+        began = ahead.began if ahead is not None and ahead.round == round_ else time.perf_counter()
         failures = []
         for attempt in range(1, self.cfg.round.retries + 2):
             rejoined = self.rejoin_the_dead(round_)
@@ -195,16 +212,21 @@ class RoundRunner:
         if prepared.failure:
             return prepared.failure + _reasons(prepared.absent)
         fitting = live if prepared.inbox is None else {n: live[n] for n in prepared.inbox}
-        fit_refs = call_many(
-            fitting,
-            "fit",
-            global_ref,
-            round_,
-            attempt,
-            broadcast_ref,
-            each=2,
-            per_silo=prepared.inbox,
-        )
+        fit_refs = self._sent_ahead(fitting, round_, attempt, set(rejoined))
+        rest = {n: h for n, h in fitting.items() if n not in fit_refs}
+        if rest:
+            fit_refs.update(
+                call_many(
+                    rest,
+                    "fit",
+                    global_ref,
+                    round_,
+                    attempt,
+                    broadcast_ref,
+                    each=2,
+                    per_silo=prepared.inbox,
+                )
+            )
         fits, absent, died = gather({n: m for n, (_, m) in fit_refs.items()}, self.timeout)
         absent.update(prepared.absent)
         absent.update({n: "not running (restart pending)" for n in self.parties if n not in live})
@@ -214,7 +236,13 @@ class RoundRunner:
                 absent[name] = metrics.withheld
             else:
                 sent[name] = metrics
-        aggregated = self.steps.aggregate(live, [fit_refs[n][0] for n in sent], round_)
+        eval_refs: dict[str, list[Any]] = {}
+
+        def evaluate(inputs: tuple[Any, Any]) -> None:  # sent before the report is read
+            eval_refs.update(call_many({n: live[n] for n in sent}, "evaluate", inputs[0], round_))
+
+        updates = [fit_refs[n][0] for n in sent]
+        aggregated = self.steps.aggregate(live, updates, round_, evaluate if sent else None)
         report = aggregated.report
         self.inputs = aggregated.inputs
         died |= aggregated.died
@@ -223,10 +251,8 @@ class RoundRunner:
         self._mark_dead(died)
         if not report.aggregated:
             return report.reason + _reasons(absent)
-        new_global = self.inputs[0]
-        accepted = {n: live[n] for n in report.accepted}
-        eval_refs = call_many(accepted, "evaluate", new_global, round_)
-        evals, late, died = gather({n: r for n, (r,) in eval_refs.items()}, self.timeout)
+        accepted = {n: eval_refs[n][0] for n in report.accepted}
+        evals, late, died = gather(accepted, self.timeout)
         absent.update(
             {n: f"its update was aggregated, but its evaluation: {r}" for n, r in late.items()}
         )
@@ -235,6 +261,7 @@ class RoundRunner:
         chosen = set(self.selector.choose(ordered))
         keep = {n: n in chosen for n in evals}
         commit_refs = call_many({n: live[n] for n in evals}, "commit", round_, per_silo=keep)
+        self._send_ahead(live, round_ + 1, self.inputs)
         done, failed, died = gather({n: r for n, (r,) in commit_refs.items()}, self.timeout)
         absent.update({n: f"evaluated, but could not commit: {r}" for n, r in failed.items()})
         self._mark_dead(died)
@@ -243,6 +270,26 @@ class RoundRunner:
         for name, reason in sorted(absent.items()):
             log.warning("round %d: silo %s left out: %s", round_, name, reason)
         return self._summary(round_, began, attempt, report, sent, evals, absent, rejoined)
+
+    def _send_ahead(self, live: dict[str, Any], round_: int, inputs: tuple[Any, Any]) -> None:
+        """Send `round_`'s first fits now, on the global keys and broadcast `inputs`, to every
+        silo still alive, if the fit needs nothing prepared and the run has that round."""
+        if not self.steps.fits_alone or round_ > self.cfg.rounds:
+            return
+        alive = {n: h for n, h in live.items() if not self.parties[n].died}
+        global_ref, broadcast_ref = inputs
+        refs = call_many(alive, "fit", global_ref, round_, 1, broadcast_ref, each=2)
+        self.ahead = Ahead(round_, time.perf_counter(), refs)
+
+    def _sent_ahead(
+        self, fitting: dict[str, Any], round_: int, attempt: int, rejoined: set[str]
+    ) -> dict[str, list[Any]]:
+        """The fits of `fitting` already sent for this round and attempt, except to silos that
+        rejoined since (their process died: they are sent a fit of their own)."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None or ahead.round != round_ or attempt != 1:
+            return {}
+        return {n: r for n, r in ahead.refs.items() if n in fitting and n not in rejoined}
 
     def _record_fits(
         self,

@@ -1,0 +1,94 @@
+"""A round's commits and the next round's fits go to each worker together: its silos start
+fitting round r+1 while the driver still ends round r (the server's checkpoint, the callbacks).
+Under secure aggregation a fit needs its round's keys first, so nothing is sent ahead."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from silo_pfl.callbacks import Callback
+from silo_pfl.federation import Federation
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+WAIT_S = 20.0  # how long round 1's end waits for round 2's fits to start
+
+
+class AwaitNextFits(Callback):
+    """At round 1's end, waits (up to WAIT_S) for every silo's fit of round 2 to have begun."""
+
+    def __init__(self, markers: Path) -> None:
+        self.markers = markers
+        self.started: list[str] = []
+        self.silos: list[str] = []
+
+    def on_start(self, config, silos, split) -> None:
+        self.silos = sorted(info.silo for info in silos)
+
+    def on_round_end(self, summary) -> None:
+        if summary.round != 1:
+            return
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            self.started = sorted(p.name for p in self.markers.glob("fit-2-*"))
+            if len(self.started) == len(self.silos):
+                return
+            time.sleep(0.05)
+
+
+def _run(job, tmp_path: Path, *overrides: str):
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    watch = AwaitNextFits(markers)
+    config = job(
+        "jobs/digits_label_skew.yaml",
+        "tracking.enabled=false",
+        "data.num_silos=4",
+        "data.classes_per_silo=3",
+        "rounds=3",
+        "train.local_epochs=1",
+        "plugins=[tests.fit_markers]",
+        "algorithm.name=mark_fits",
+        f"algorithm.mark_fits.marker_dir={markers}",
+        *overrides,
+    )
+    result = Federation(config, callbacks=[watch]).run()
+    return watch, result
+
+
+def test_the_next_rounds_fits_run_while_the_driver_ends_a_round(job, tmp_path):
+    watch, result = _run(job, tmp_path)
+    assert watch.started == [f"fit-2-{silo}" for silo in watch.silos]
+    assert len(result.history) == 3
+    assert all(len(s.participants) == 4 for s in result.history)
+
+
+def test_a_rejected_update_leaves_its_silo_out_though_its_evaluation_was_sent(job, tmp_path):
+    """Evaluations go out with the aggregation, before its report: a silo whose update the
+    server rejects is evaluated too, but its evaluation does not count and it does not commit;
+    it takes part again next round."""
+    config = job(
+        "jobs/digits_label_skew.yaml",
+        "tracking.enabled=false",
+        "data.num_silos=4",
+        "data.classes_per_silo=3",
+        "rounds=3",
+        "train.local_epochs=1",
+        "round.min_silos=3",
+        "aggregation.max_update_norm=100",
+        "plugins=[tests.fault_plugins]",
+        "algorithm.name=shift_once",
+        "algorithm.shift_once.silo=silo_1",
+        "algorithm.shift_once.round=2",
+    )
+    result = Federation(config).run()
+    first, second, third = result.history
+    assert sorted(second.participants) == ["silo_0", "silo_2", "silo_3"]
+    assert sorted(second.silos) == ["silo_0", "silo_2", "silo_3"]
+    assert "exceeds aggregation.max_update_norm=100" in second.absent["silo_1"]
+    assert len(first.participants) == len(third.participants) == 4
+    assert sorted(third.silos) == ["silo_0", "silo_1", "silo_2", "silo_3"]
+    assert result.silos["silo_1"].rounds_taken_part == 2
