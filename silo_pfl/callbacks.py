@@ -30,7 +30,8 @@ class Callback:
         return {}
 
     def on_round_start(self, round_: int) -> None:
-        """Before a round's first attempt."""
+        """Before the driver waits for a round's first attempt (its silos may be fitting
+        already: in the clear, a round's fits are sent with the commits of the round before)."""
 
     def on_round_end(self, summary: RoundSummary) -> None:
         """After a round's aggregation, evaluation and checkpoint."""

@@ -24,6 +24,8 @@ class RoundSummary:
     """One round, as the driver saw it."""
 
     round: int
+    # From the driver's start of the round, or, when its fits were sent with the commits of
+    # the round before, from that round's end: rounds do not overlap, and add up to the run's
     seconds: float
     mean_train_loss: float
     mean_val_accuracy: float

@@ -68,8 +68,8 @@ class Ahead:
     """A round's fits, sent before it began, with the previous round's commits."""
 
     round: int
-    began: float  # when they were sent: the round's start
     refs: dict[str, list[Any]]  # each silo's refs of its fit's two answers
+    began: float = 0.0  # when the previous round ended: this round's start
 
 
 def late_reason(timeout: float) -> str:
@@ -269,7 +269,10 @@ class RoundRunner:
             self.parties[name].committed = round_
         for name, reason in sorted(absent.items()):
             log.warning("round %d: silo %s left out: %s", round_, name, reason)
-        return self._summary(round_, began, attempt, report, sent, evals, absent, rejoined)
+        summary = self._summary(round_, began, attempt, report, sent, evals, absent, rejoined)
+        if self.ahead is not None:
+            self.ahead.began = time.perf_counter()
+        return summary
 
     def _send_ahead(self, live: dict[str, Any], round_: int, inputs: tuple[Any, Any]) -> None:
         """Send `round_`'s first fits now, on the global keys and broadcast `inputs`, to every
@@ -278,8 +281,9 @@ class RoundRunner:
             return
         alive = {n: h for n, h in live.items() if not self.parties[n].died}
         global_ref, broadcast_ref = inputs
-        refs = call_many(alive, "fit", global_ref, round_, 1, broadcast_ref, each=2)
-        self.ahead = Ahead(round_, time.perf_counter(), refs)
+        self.ahead = Ahead(
+            round_, call_many(alive, "fit", global_ref, round_, 1, broadcast_ref, each=2)
+        )
 
     def _sent_ahead(
         self, fitting: dict[str, Any], round_: int, attempt: int, rejoined: set[str]
