@@ -26,6 +26,13 @@ class OnceParams(FedPerParams):
     round: int = 3
 
 
+def strikes_now(params: OnceParams, silo: SiloTrainer) -> bool:
+    """Whether `silo` is the one `params` names, in the round it names (its fit of the round
+    after its last commit)."""
+    due = getattr(silo, "committed", 0) + 1 == params.round
+    return due and getattr(silo, "name", "") == params.silo
+
+
 @register
 class NanOnce(FedPer):
     """FedPer, except that `silo`'s loss is NaN in round `round` (and only then)."""
@@ -65,8 +72,7 @@ class RaiseOnce(FedPer):
 
     def begin_round(self, silo: SiloTrainer, reference, broadcast) -> None:
         super().begin_round(silo, reference, broadcast)
-        due = getattr(silo, "committed", 0) + 1 == self.params.round
-        if getattr(silo, "name", "") == self.params.silo and due and not self.raised:
+        if strikes_now(self.params, silo) and not self.raised:
             self.raised = True
             raise RuntimeError("disk full")
 
@@ -94,9 +100,7 @@ class SignalOnce(FedPer):
 
     def begin_round(self, silo: SiloTrainer, reference, broadcast) -> None:
         super().begin_round(silo, reference, broadcast)
-        due = getattr(silo, "committed", 0) + 1 == self.params.round
-        ours = getattr(silo, "name", "") == self.params.silo
-        self.armed = ours and due and not Path(self.params.marker).exists()
+        self.armed = strikes_now(self.params, silo) and not Path(self.params.marker).exists()
 
     def extra_loss(
         self, model: nn.Module, reference: dict[str, torch.Tensor]
@@ -140,8 +144,7 @@ class ShiftOnce(FedPer):
 
     def begin_round(self, silo: SiloTrainer, reference, broadcast) -> None:
         super().begin_round(silo, reference, broadcast)
-        due = getattr(silo, "committed", 0) + 1 == self.params.round
-        if getattr(silo, "name", "") == self.params.silo and due and not self.shifted:
+        if strikes_now(self.params, silo) and not self.shifted:
             self.shifted = True
             with torch.no_grad():
                 for name, param in silo.model.named_parameters():

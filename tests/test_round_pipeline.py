@@ -15,6 +15,14 @@ from silo_pfl.federation import Federation
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 WAIT_S = 20.0  # how long round 1's end waits for round 2's fits to start
+SMALL = (
+    "jobs/digits_label_skew.yaml",
+    "tracking.enabled=false",
+    "data.num_silos=4",
+    "data.classes_per_silo=3",
+    "rounds=3",
+    "train.local_epochs=1",
+)
 
 
 class AwaitNextFits(Callback):
@@ -39,28 +47,17 @@ class AwaitNextFits(Callback):
             time.sleep(0.05)
 
 
-def _run(job, tmp_path: Path, *overrides: str):
+def test_the_next_rounds_fits_run_while_the_driver_ends_a_round(job, tmp_path):
     markers = tmp_path / "markers"
     markers.mkdir()
     watch = AwaitNextFits(markers)
     config = job(
-        "jobs/digits_label_skew.yaml",
-        "tracking.enabled=false",
-        "data.num_silos=4",
-        "data.classes_per_silo=3",
-        "rounds=3",
-        "train.local_epochs=1",
+        *SMALL,
         "plugins=[tests.fit_markers]",
         "algorithm.name=mark_fits",
         f"algorithm.mark_fits.marker_dir={markers}",
-        *overrides,
     )
     result = Federation(config, callbacks=[watch]).run()
-    return watch, result
-
-
-def test_the_next_rounds_fits_run_while_the_driver_ends_a_round(job, tmp_path):
-    watch, result = _run(job, tmp_path)
     assert watch.started == [f"fit-2-{silo}" for silo in watch.silos]
     assert len(result.history) == 3
     assert all(len(s.participants) == 4 for s in result.history)
@@ -71,12 +68,7 @@ def test_a_rejected_update_leaves_its_silo_out_though_its_evaluation_was_sent(jo
     server rejects is evaluated too, but its evaluation does not count and it does not commit;
     it takes part again next round."""
     config = job(
-        "jobs/digits_label_skew.yaml",
-        "tracking.enabled=false",
-        "data.num_silos=4",
-        "data.classes_per_silo=3",
-        "rounds=3",
-        "train.local_epochs=1",
+        *SMALL,
         "round.min_silos=3",
         "aggregation.max_update_norm=100",
         "plugins=[tests.fault_plugins]",
