@@ -56,13 +56,13 @@ def main() -> None:
     print(f"{JOB} {' '.join(BASE + args.overrides)}; seconds per Federation(config).run()")
     print("| workers | runs (two blocks) | median after each block's first |")
     print("|---|---|---|")
+    medians = {}
     for name, blocks in (("kept warm", kept), ("started each run", fresh)):
-        later = [s for b in blocks for s in b[1:]]
+        medians[name] = statistics.median([s for b in blocks for s in b[1:]])
         runs = " / ".join(", ".join(f"{s:.2f}" for s in b) for b in blocks)
-        print(f"| {name} | {runs} | {statistics.median(later):.2f} |")
-    kept_median = statistics.median([s for b in kept for s in b[1:]])
-    fresh_median = statistics.median([s for b in fresh for s in b[1:]])
-    print(f"started each run / kept warm: {fresh_median / kept_median:.2f}x")
+        print(f"| {name} | {runs} | {medians[name]:.2f} |")
+    ratio = medians["started each run"] / medians["kept warm"]
+    print(f"started each run / kept warm: {ratio:.2f}x")
 
 
 if __name__ == "__main__":
