@@ -11,7 +11,7 @@ import torch
 from silo_pfl.cli import main
 from silo_pfl.data import load_silo_data
 from silo_pfl.federation import Federation
-from silo_pfl.silo import init_model
+from silo_pfl.silo import first_not_finite, init_model
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -204,6 +204,18 @@ def test_diverged_training_is_one_clear_error_naming_the_silo(tmp_path, capsys):
     assert "updates needed (round.min_silos); none from " in err
     assert ", va: training diverged (body." in err, "silos with one reason are named together"
     assert "lower train.lr" in err
+
+
+def test_a_tensor_is_diverged_only_if_a_value_is_nan_or_infinite_not_if_its_sum_overflows():
+    """The divergence check sums first; a sum that overflows from finite values is no divergence."""
+    big = torch.full((4,), 3e38)  # finite, but its float32 sum is inf
+    state = {"a": torch.zeros(3), "b": big, "c": torch.arange(5), "d": torch.ones(2)}
+    assert first_not_finite(state) is None
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        value = torch.ones(6)
+        value[4] = bad
+        assert first_not_finite({**state, "d": value}) == "d"
+    assert first_not_finite({"x": torch.tensor([float("inf"), -float("inf")])}) == "x"
 
 
 @pytest.mark.parametrize("mode", ["best_val", "best_mean_val"])
