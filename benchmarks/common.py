@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: their command line and a fresh local Ray."""
+"""What the benchmark scripts share: their command line, a fresh local Ray, and a federation's
+silos and server as plain objects in one process."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ from typing import Any
 import ray
 
 from silo_pfl.callbacks import Callback
+from silo_pfl.config import FederationConfig, to_dict
+from silo_pfl.data import silo_names
 from silo_pfl.results import RoundSummary
+from silo_pfl.server import Server
+from silo_pfl.silo import Silo
 
 
 def job_parser(doc: str, default_job: str | None = None) -> argparse.ArgumentParser:
@@ -29,6 +34,17 @@ def start_local_ray() -> None:
     ray.init(
         address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING
     )
+
+
+def in_process_federation(cfg: FederationConfig) -> tuple[list[Silo], Server]:
+    """Every silo of `cfg`, set up and built, and its server, in this process (no Ray)."""
+    config = to_dict(cfg)
+    silos = [Silo(config, name) for name in silo_names(cfg.data)]
+    infos = [silo.setup() for silo in silos]
+    classes = max(info.num_classes for info in infos)
+    for silo in silos:
+        silo.build(infos[0].input_shape, classes)
+    return silos, Server(config, infos[0].input_shape, classes)
 
 
 class RoundClock(Callback):

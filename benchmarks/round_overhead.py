@@ -16,27 +16,17 @@ import statistics
 import tempfile
 import time
 
-from common import job_parser, start_local_ray
+from common import in_process_federation, job_parser, start_local_ray
 
 from silo_pfl import checkpoint
-from silo_pfl.config import to_dict
-from silo_pfl.data import silo_names
 from silo_pfl.federation import Federation
 from silo_pfl.selection import Selector
-from silo_pfl.server import Server
 from silo_pfl.settings import load_config
-from silo_pfl.silo import Silo
 
 
 def in_process(cfg) -> list[float]:
     """Seconds per round with every silo in this process, one after another."""
-    config = to_dict(cfg)
-    silos = [Silo(config, name) for name in silo_names(cfg.data)]
-    infos = [silo.setup() for silo in silos]
-    classes = max(info.num_classes for info in infos)
-    for silo in silos:
-        silo.build(infos[0].input_shape, classes)
-    server = Server(config, infos[0].input_shape, classes)
+    silos, server = in_process_federation(cfg)
     selector = Selector(cfg.eval.selection)
     state = server.global_state()
     seconds = []

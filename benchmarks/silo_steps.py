@@ -18,12 +18,10 @@ import statistics
 import tempfile
 import time
 
+from common import in_process_federation
+
 from silo_pfl import checkpoint
-from silo_pfl.config import to_dict
-from silo_pfl.data import silo_names
-from silo_pfl.server import Server
 from silo_pfl.settings import load_config
-from silo_pfl.silo import Silo
 
 JOB = "jobs/digits_label_skew.yaml"
 BASE = ["algorithm.name=fedavg", "model.name=mlp", "tracking.enabled=false"]
@@ -39,13 +37,7 @@ def main() -> None:
     steps: dict[str, list[float]] = {"fit": [], "evaluate": [], "commit": []}
     with tempfile.TemporaryDirectory() as tmp:
         overrides = [*BASE, f"data.num_silos={args.silos}", f"output_dir={tmp}", *args.overrides]
-        config = to_dict(load_config(JOB, overrides))
-        silos = [Silo(config, name) for name in silo_names(load_config(JOB, overrides).data)]
-        infos = [silo.setup() for silo in silos]
-        classes = max(info.num_classes for info in infos)
-        for silo in silos:
-            silo.build(infos[0].input_shape, classes)
-        server = Server(config, infos[0].input_shape, classes)
+        silos, server = in_process_federation(load_config(JOB, overrides))
         for round_ in range(1, WARM_UP + args.rounds + 1):
             began = time.perf_counter()
             updates = [silo.fit(server.global_state(), round_)[0] for silo in silos]

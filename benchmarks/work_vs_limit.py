@@ -24,17 +24,13 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from common import job_parser
+from common import in_process_federation, job_parser
 from limit import PlainSilo
 
 from silo_pfl import checkpoint
 from silo_pfl.aggregation import apply_delta, weighted_mean
-from silo_pfl.config import to_dict
-from silo_pfl.data import silo_names
 from silo_pfl.selection import Selector
-from silo_pfl.server import Server
 from silo_pfl.settings import load_config
-from silo_pfl.silo import Silo
 
 JOB = "jobs/digits_label_skew.yaml"
 BASE = ["algorithm.name=fedavg", "tracking.enabled=false"]
@@ -51,15 +47,9 @@ def main() -> None:
     torch.set_num_threads(1)
     overrides = [*BASE, *args.overrides, f"output_dir={tempfile.mkdtemp()}"]
     cfg = load_config(args.job, overrides)
-    config, names = to_dict(cfg), silo_names(cfg.data)
-    silos = [Silo(config, name) for name in names]
-    infos = [silo.setup() for silo in silos]
-    classes = max(info.num_classes for info in infos)
-    for silo in silos:
-        silo.build(infos[0].input_shape, classes)
-    server = Server(config, infos[0].input_shape, classes)
+    silos, server = in_process_federation(cfg)
     selector = Selector(cfg.eval.selection)
-    plain = [PlainSilo(cfg, name) for name in names]
+    plain = [PlainSilo(cfg, silo.name) for silo in silos]
     state: dict[str, np.ndarray] = {
         k: v.numpy().copy() for k, v in plain[0].model.state_dict().items()
     }
