@@ -18,6 +18,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from silo_pfl import builtin_names
 from silo_pfl.errors import ConfigError, one_line
 from silo_pfl.selection import MODES as SELECTION_MODES
 
@@ -361,6 +362,12 @@ def _require(condition: bool, key: str, allowed: str, value: Any) -> None:
 
 
 def check_ranges(cfg: FederationConfig) -> None:
+    models = builtin_names.MODELS
+    _require(cfg.model.name in models, "model.name", "one of " + ", ".join(models), cfg.model.name)
+    name = cfg.algorithm.get("name", "fedavg")
+    if not cfg.plugins:  # a plugin may register more; the registry checks those, on load
+        algorithms = builtin_names.ALGORITHMS
+        _require(name in algorithms, "algorithm.name", "one of " + ", ".join(algorithms), name)
     t = cfg.train
     _require(cfg.rounds >= 1, "rounds", "an integer >= 1", cfg.rounds)
     _require(t.local_epochs >= 0, "train.local_epochs", "an integer >= 0", t.local_epochs)

@@ -1,6 +1,7 @@
 """`silo-pfl run` starts Ray while it checks its config against the registries (which imports
-torch) on a thread; a config that fails its structural checks never starts Ray, and one that only
-the registries refuse is still a one-line error, with Ray stopped and nothing written."""
+torch) on a thread; a config that fails its structural checks, or names no built-in algorithm or
+model, never starts Ray, and one that only the registries refuse is still a one-line error, with
+Ray stopped and nothing written."""
 
 from __future__ import annotations
 
@@ -81,12 +82,25 @@ def test_run_checks_its_config_on_a_thread_while_ray_starts(tmp_path, ray_tmp):
 
 @pytest.mark.slow
 def test_a_config_only_the_registries_refuse_is_one_line_once_ray_is_stopped(tmp_path, ray_tmp):
-    _refused(ray_tmp, tmp_path, "algorithm.name=nope", "algorithm.name: got 'nope', expected one")
+    _refused(ray_tmp, tmp_path, "algorithm.fedprox.mu=-1", "algorithm.fedprox.mu: got -1.0")
     assert len(_sessions(ray_tmp)) == 1  # Ray had started beside the check
     assert _alive_under(ray_tmp) == []
 
 
 @pytest.mark.slow
-def test_a_config_refused_by_its_structure_never_starts_ray(tmp_path, ray_tmp):
-    _refused(ray_tmp, tmp_path, "rounds=abc", "rounds: ")
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("rounds=abc", "rounds: "),
+        ("algorithm.name=fedavgg", "algorithm.name: got 'fedavgg', expected one of apfl, ditto,"),
+        ("model.name=vit", "model.name: got 'vit', expected one of cnn_small, cnn_small_bn,"),
+    ],
+    ids=["structure", "algorithm-name", "model-name"],
+)
+def test_a_config_refused_by_its_structure_or_a_builtin_name_never_starts_ray(
+    tmp_path, ray_tmp, override, message
+):
+    """A misspelt algorithm or model is refused by the first check, from the built-in names
+    (no plugins listed), before torch is imported or Ray started."""
+    _refused(ray_tmp, tmp_path, override, message)
     assert _sessions(ray_tmp) == []

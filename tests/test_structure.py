@@ -7,7 +7,9 @@ import ast
 from pathlib import Path
 
 import silo_pfl
+from silo_pfl import builtin_names
 from silo_pfl.algorithms import ALGORITHMS
+from silo_pfl.models import MODELS
 
 PACKAGE = Path(silo_pfl.__file__).parent
 SHARED = [
@@ -32,6 +34,16 @@ def _imports(path: Path) -> set[str]:
 def test_config_imports_neither_the_algorithms_nor_the_data_sources():
     imported = _imports(PACKAGE / "config.py")
     assert not {m for m in imported if m.startswith(("silo_pfl.algorithms", "silo_pfl.data"))}
+
+
+def test_the_builtin_names_the_config_checks_first_are_the_registries():
+    """config.check_ranges refuses names outside builtin_names before torch is imported; the
+    registries decide. Plugins loaded by other tests may have added algorithms: only the
+    package's own count."""
+    own = {n for n, cls in ALGORITHMS.items() if cls.__module__.startswith("silo_pfl.algorithms.")}
+    assert set(builtin_names.ALGORITHMS) == own
+    assert set(builtin_names.MODELS) == set(MODELS)
+    assert not {m for m in _imports(PACKAGE / "builtin_names.py") if "__future__" not in m}
 
 
 def test_the_silo_server_and_orchestrator_never_name_an_algorithm():
