@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,9 +86,16 @@ class SignalParams(OnceParams):
     marker: str = ""
 
 
+# A fit sent ahead starts as soon as the silo's commit returns, while the commit's answer may
+# still be on its way to the driver: a process killed or stopped in that instant loses it, and
+# the driver counts the commit as failed. The fault waits this long first, so that it strikes
+# the fit, as the tests mean, and not the previous round's commit.
+ANSWER_SENT_S = 0.5
+
+
 class SignalOnce(FedPer):
     """FedPer, except that `silo`'s process sends itself `sig` in the middle of its training in
-    round `round` (at its first batch's loss), once."""
+    round `round` (at its first batch's loss, `ANSWER_SENT_S` after the fit began), once."""
 
     Params = SignalParams
     sig: signal.Signals
@@ -107,6 +115,7 @@ class SignalOnce(FedPer):
     ) -> torch.Tensor | None:
         if self.armed:
             self.armed = False
+            time.sleep(ANSWER_SENT_S)
             Path(self.params.marker).write_text(str(os.getpid()))
             os.kill(os.getpid(), self.sig)
         return super().extra_loss(model, reference)
