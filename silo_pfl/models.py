@@ -225,7 +225,6 @@ MODELS: dict[str, ModelFactory] = {
     "resnet18": resnet18,
     "transformer": transformer,
 }
-MODEL_NAMES = frozenset(MODELS)
 # The models whose head is one nn.Linear (tests build each to check), which MoEHead can replace.
 LINEAR_HEAD_MODELS = frozenset({"mlp", "cnn_small", "cnn_small_bn", "resnet18", "transformer"})
 

@@ -23,7 +23,7 @@ from silo_pfl.config import (
 )
 from silo_pfl.data import all_silo_names, data_config, silo_names
 from silo_pfl.errors import ConfigError, typed_line
-from silo_pfl.models import MODEL_NAMES, build_model, check_adapters, check_hidden
+from silo_pfl.models import build_model, check_adapters, check_hidden
 from silo_pfl.server_optimizers import resolve_server_optimizer
 from silo_pfl.split import compute_split, parse_rules
 
@@ -116,10 +116,7 @@ def _import_plugins(modules: list[str]) -> None:
 
 
 def _check_model(cfg: FederationConfig) -> None:
-    if cfg.model.name not in MODEL_NAMES:
-        raise ConfigError(
-            f"model.name: got {cfg.model.name!r}, expected one of {', '.join(sorted(MODEL_NAMES))}"
-        )
+    """What the model's registry knows beyond its name (`config.check_ranges` checks that)."""
     check_adapters(cfg.model.name, cfg.model.adapter_dim)
     if cfg.model.hidden and min(cfg.model.hidden) < 1:
         raise ConfigError(f"model.hidden: got {list(cfg.model.hidden)}, expected widths >= 1")
