@@ -1,4 +1,5 @@
-"""Shared fixtures: one local Ray instance per test session, and per-test output directories."""
+"""Shared fixtures: one local Ray instance per test session, the loopback cluster, and per-test
+output directories; and the order that keeps the cluster's life short."""
 
 from __future__ import annotations
 
@@ -8,6 +9,15 @@ import os
 import pytest
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests on the shared loopback cluster run last, one after another, each file's in its
+    own order: the cluster starts for the first of them and stops as the session ends. Idle, its
+    five nodes and MLflow server take a quarter of a core (`benchmarks/idle_cluster.py`), which
+    every test run beside them paid while they waited between test_cluster.py and
+    test_ray_jobs.py and after it."""
+    items.sort(key=lambda item: "loopback_cluster" in getattr(item, "fixturenames", ()))
 
 
 @pytest.fixture(scope="session")
