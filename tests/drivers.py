@@ -3,6 +3,7 @@ stop exactly what it started, by process group), from the repository's root."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,3 +29,12 @@ def run_driver(args: list[str], env: dict[str, str], timeout: float = 300) -> tu
     proc = start_driver(args, env, stdout=subprocess.DEVNULL)
     _, err = proc.communicate(timeout=timeout)
     return proc.returncode, err
+
+
+def joining_env() -> dict[str, str]:
+    """A driver's environment that joins this session's local Ray (`ray_local`), as a Ray Job's
+    joins its cluster."""
+    import ray
+
+    address = ray.get_runtime_context().gcs_address
+    return {**os.environ, "RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from drivers import run_driver, start_driver
+from drivers import joining_env, run_driver, start_driver
 
 from silo_pfl import checkpoint
 from silo_pfl.callbacks import Callback
@@ -220,18 +220,10 @@ def test_a_silo_whose_training_turns_to_nan_sends_nothing_that_round(tmp_path, u
     assert result.history[3].silos["cleveland"] != undisturbed.history[3].silos["cleveland"]
 
 
-def _joining_env() -> dict[str, str]:
-    """A driver's environment that joins this session's local Ray, as a Ray Job's would."""
-    import ray
-
-    address = ray.get_runtime_context().gcs_address
-    return {**os.environ, "RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"}
-
-
 def _sigkilled_then_resumed(tmp_path: Path, overrides: list[str], kill_after: int) -> Path:
     """`silo-pfl run` killed with SIGKILL once round `kill_after` is done, then `--resume`."""
     command = ["run", JOB, *overrides]
-    env = _joining_env()
+    env = joining_env()
     proc = start_driver(command, env, stderr=subprocess.DEVNULL)
     try:
         assert proc.stdout is not None
@@ -292,7 +284,7 @@ def test_two_runs_of_one_federation_run_side_by_side(tmp_path):
         *("run", JOB, "rounds=3", "tracking.enabled=false"),
         *(f"output_dir={tmp_path / 'runs'}", "--quiet", "--results"),
     ]
-    env = _joining_env()
+    env = joining_env()
     procs = [
         start_driver([*command, str(tmp_path / f"{i}.json")], env, stdout=subprocess.DEVNULL)
         for i in range(2)

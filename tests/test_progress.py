@@ -1,8 +1,9 @@
-"""The CLI's progress over rounds: a tqdm bar under a pseudo-terminal, plain lines in a pipe."""
+"""The CLI's progress over rounds: a tqdm bar under a pseudo-terminal, plain lines in a pipe.
+The drivers join the session's local Ray, as a Ray Job's driver joins its cluster: what is
+printed does not depend on who started Ray."""
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import shutil
@@ -10,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from drivers import joining_env
 
 RUN = ["run", "jobs/heart_disease.yaml", "rounds=3", "tracking.enabled=false"]
 LINE = re.compile(
@@ -22,8 +24,10 @@ def _argv(tmp_path) -> list[str]:
     return [sys.executable, "-m", "silo_pfl", *RUN, f"output_dir={tmp_path / 'runs'}"]
 
 
-def test_a_pipe_gets_one_plain_line_per_round(tmp_path):
-    done = subprocess.run(_argv(tmp_path), capture_output=True, text=True, timeout=300)
+def test_a_pipe_gets_one_plain_line_per_round(ray_local, tmp_path):
+    done = subprocess.run(
+        _argv(tmp_path), capture_output=True, text=True, timeout=300, env=joining_env()
+    )
     assert done.returncode == 0, done.stderr
     assert "\r" not in done.stdout and "\x1b[" not in done.stdout
     rounds = [m for m in map(LINE.match, done.stdout.splitlines()) if m]
@@ -33,13 +37,13 @@ def test_a_pipe_gets_one_plain_line_per_round(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("script") is None, reason="needs script(1) from util-linux")
-def test_a_terminal_gets_a_bar_with_eta_val_and_the_slowest_silo(tmp_path):
+def test_a_terminal_gets_a_bar_with_eta_val_and_the_slowest_silo(ray_local, tmp_path):
     command = shlex.join(_argv(tmp_path))
     done = subprocess.run(
         ["script", "-qec", command, "/dev/null"],
         capture_output=True,
         timeout=300,
-        env={**os.environ, "COLUMNS": "120", "TERM": "xterm"},
+        env={**joining_env(), "COLUMNS": "120", "TERM": "xterm"},
         stdin=subprocess.DEVNULL,
     )
     screen = done.stdout.decode()  # bytes: universal newlines would turn each redraw's \r to \n
