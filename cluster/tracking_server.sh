@@ -31,6 +31,10 @@ fi
 
 # No network beyond the federation: MLflow's usage telemetry stays off unless asked for.
 export MLFLOW_DISABLE_TELEMETRY="${MLFLOW_DISABLE_TELEMETRY:-true}"
+# Runs, models and artifacts only: MLflow's job execution (a task queue of seven consumer
+# processes beside the server, for its GenAI jobs) stays off unless asked for. A federation never
+# submits a job, and idle they took CPU all the same (docs/BENCHMARKS.md, "idle_cluster.py").
+export MLFLOW_SERVER_ENABLE_JOB_EXECUTION="${MLFLOW_SERVER_ENABLE_JOB_EXECUTION:-false}"
 
 mkdir -p "$MLFLOW_DIR/artifacts"
 MLFLOW_DIR="$(cd "$MLFLOW_DIR" && pwd)"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import pickle
 import subprocess
 import sys
@@ -166,9 +167,10 @@ def mlflow_server(tmp_path):
     command += ["--port", str(port), "--backend-store-uri", f"sqlite:///{store}"]
     command += ["--artifacts-destination", str(artifacts), "--workers", "1"]
     log = tmp_path / "mlflow-server.log"
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # as tracking_server.sh
     with log.open("w") as out:
         server = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
         wait_for_http(f"http://127.0.0.1:{port}/health", server, log, "mlflow server", 120)

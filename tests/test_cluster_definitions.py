@@ -480,7 +480,9 @@ def test_tracking_server_script_execs_mlflow(tmp_path):
     stub = bin_dir / "mlflow"
     stub.write_text(
         f"#!{sys.executable}\nimport json, os, sys\n"
-        f"json.dump({{'pid': os.getpid(), 'argv': sys.argv[1:]}}, open({str(record)!r}, 'w'))\n"
+        "seen = {'pid': os.getpid(), 'argv': sys.argv[1:], "
+        "'jobs': os.environ.get('MLFLOW_SERVER_ENABLE_JOB_EXECUTION')}\n"
+        f"json.dump(seen, open({str(record)!r}, 'w'))\n"
     )
     stub.chmod(0o755)
     path = f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin"
@@ -503,12 +505,15 @@ def test_tracking_server_script_execs_mlflow(tmp_path):
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
     assert argv[argv.index("--port") + 1] == "5000"
     assert argv[-2:] == ["--workers", "1"]
+    assert seen["jobs"] == "false"  # no task queue of seven processes a federation never uses
 
-    env.update(HOST="10.10.0.10", PORT="5123")
+    env.update(HOST="10.10.0.10", PORT="5123", MLFLOW_SERVER_ENABLE_JOB_EXECUTION="true")
     subprocess.run(["bash", str(CLUSTER / "tracking_server.sh")], env=env, check=True)
-    argv = json.loads(record.read_text())["argv"]
+    seen = json.loads(record.read_text())
+    argv = seen["argv"]
     assert argv[argv.index("--host") + 1] == "10.10.0.10"
     assert argv[argv.index("--port") + 1] == "5123"
+    assert seen["jobs"] == "true"  # an operator who asks for MLflow's jobs gets them
 
     env["PATH"] = f"/usr/bin{os.pathsep}/bin"  # no mlflow: a clear failure, not a hang
     missing = subprocess.run(

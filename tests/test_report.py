@@ -239,6 +239,7 @@ def mlflow_ui(runs, tmp_path):
     command = [str(BIN / "mlflow"), "ui", "--backend-store-uri", runs.uri]
     command += ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"  # as cluster/tracking_server.sh runs it
     with log.open("w") as output:
         server = subprocess.Popen(
             command, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
