@@ -1,31 +1,41 @@
-"""The CPU an idle Ray takes from the machine: the tests' loopback cluster, and one local node.
+"""The CPU that idle services take from the machine: the tests' loopback cluster, one local Ray
+node, and the federation's MLflow tracking server with MLflow's job execution on and off.
 
-    python benchmarks/idle_cluster.py [--seconds 20] [--repeats 3]
+    python benchmarks/idle_cluster.py [--seconds 15] [--repeats 3]
 
 Samples the CPU time of every process on the machine (/proc), so run it on a quiet machine:
-first with nothing started (the baseline), then with the test suite's loopback cluster up and
-idle (`tests/loopback_cluster.py`: `cluster/local_cluster.py`'s head, a node per hospital and an
-MLflow server), then with a local Ray as the suite's `ray_local` starts it (one node, no
-dashboard). Prints one table, in cores: what each takes while it does nothing.
+first with nothing started (the baseline), then with each of these up and idle in turn: the test
+suite's loopback cluster (`tests/loopback_cluster.py`: `cluster/local_cluster.py`'s head, a node
+per hospital and a tracking server), a local Ray as the suite's `ray_local` starts it (one node,
+no dashboard), and `cluster/tracking_server.sh` (SQLite store) as it runs by default (job
+execution off) and with MLFLOW_SERVER_ENABLE_JOB_EXECUTION=true (MLflow's own default). Prints
+one table: the CPU seconds from each start until SETTLE_S after it answered, then the cores it
+takes while it does nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import ray
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from loopback_cluster import start
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from loopback_cluster import start  # noqa: E402
 
-SETTLE_S = 10.0  # after a start, before sampling: the start's own work is over
+SETTLE_S = 30.0  # after a start answered, before sampling: the start's own work is over
+TRACKING_PORT = 5097
 
 
 def machine_cpu_seconds() -> float:
@@ -53,14 +63,17 @@ def idle_cores(seconds: float, repeats: int) -> list[float]:
 
 
 def measured(name: str, up: Callable[[], Callable[[], None]], args: argparse.Namespace) -> str:
-    """A table row: `up()` starts something and returns how to stop it."""
+    """A table row: `up()` starts something, returns once it answers, and returns how to stop
+    it."""
+    cpu = machine_cpu_seconds()
     down = up()
     try:
         time.sleep(SETTLE_S)
+        started = machine_cpu_seconds() - cpu
         samples = idle_cores(args.seconds, args.repeats)
     finally:
         down()
-    return f"| {name} | {min(samples):.3f} | {max(samples):.3f} |"
+    return f"| {name} | {started:.1f} | {min(samples):.3f} | {max(samples):.3f} |"
 
 
 def loopback_cluster() -> Callable[[], None]:
@@ -81,20 +94,61 @@ def local_ray() -> Callable[[], None]:
     return ray.shutdown
 
 
+def tracking_server(jobs: str | None) -> Callable[[], Callable[[], None]]:
+    """`cluster/tracking_server.sh` in a session of its own, with MLFLOW_SERVER_ENABLE_JOB_EXECUTION
+    set to `jobs` (None: the script's default)."""
+
+    def up() -> Callable[[], None]:
+        env = {k: v for k, v in os.environ.items() if k != "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"}
+        env.update(PORT=str(TRACKING_PORT), MLFLOW_DIR=tempfile.mkdtemp(prefix="idle_mlflow"))
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        if jobs is not None:
+            env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = jobs
+        script = str(ROOT / "cluster" / "tracking_server.sh")
+        server = subprocess.Popen(
+            ["bash", script], env=env, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{TRACKING_PORT}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            raise RuntimeError("the tracking server did not answer in 120 s")
+
+        def down() -> None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=30)
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(server.pid, signal.SIGKILL)
+
+        return down
+
+    return up
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     rows = [measured("nothing started (baseline)", lambda: lambda: None, args)]
     rows.append(measured("the tests' loopback cluster, idle", loopback_cluster, args))
     rows.append(measured("a local Ray as `ray_local` starts it, idle", local_ray, args))
+    rows.append(measured("tracking_server.sh as it runs (jobs off)", tracking_server(None), args))
+    jobs_on = tracking_server("true")
+    rows.append(measured("tracking_server.sh, MLflow's job execution on", jobs_on, args))
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(
-        f"\nthe machine's CPU use in cores, {args.repeats} windows of {args.seconds:g} s each "
-        f"after {SETTLE_S:g} s to settle; load average {load}\n"
+        f"\nthe machine's CPU: from each start to {SETTLE_S:g} s after it answered (CPU s), then "
+        f"in cores over {args.repeats} windows of {args.seconds:g} s; load average {load}\n"
     )
-    print("| running | cores (min) | cores (max) |\n|---|---|---|")
+    print("| running | start-up (CPU s) | idle cores (min) | idle cores (max) |")
+    print("|---|---|---|---|")
     print("\n".join(rows))
 
 
