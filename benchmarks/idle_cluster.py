@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import os
 import signal
 import subprocess
@@ -32,6 +31,7 @@ import ray
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+import session_ray  # noqa: E402
 from loopback_cluster import start  # noqa: E402
 
 SETTLE_S = 30.0  # after a start answered, before sampling: the start's own work is over
@@ -83,14 +83,7 @@ def loopback_cluster() -> Callable[[], None]:
 
 
 def local_ray() -> Callable[[], None]:
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        logging_level=logging.WARNING,
-        _system_config={"metrics_report_interval_ms": 1000},
-    )
+    session_ray.start()
     return ray.shutdown
 
 

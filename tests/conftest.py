@@ -3,10 +3,10 @@ output directories; and the order that keeps the cluster's life short."""
 
 from __future__ import annotations
 
-import logging
 import os
 
 import pytest
+import session_ray
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
@@ -26,17 +26,7 @@ def ray_local():
     import ray
 
     if not ray.is_initialized():
-        ray.init(
-            address="local",
-            num_cpus=2,
-            include_dashboard=False,
-            log_to_driver=False,
-            logging_level=logging.WARNING,
-            # As cluster/local_cluster.py starts a cluster: every process, and every driver that
-            # joins it, sends its metrics each second (Ray's default is 10 s), so a run that
-            # joins waits 1 s, not 10, at its end for its last figures to be sent.
-            _system_config={"metrics_report_interval_ms": 1000},
-        )
+        session_ray.start()
     yield ray
     from silo_pfl.runtime.session import shutdown_local
 

@@ -1,0 +1,23 @@
+"""The local Ray a test session shares (conftest's `ray_local`), as one function, so that
+`benchmarks/idle_cluster.py` measures the same instance."""
+
+from __future__ import annotations
+
+import logging
+
+
+def start() -> None:
+    """Start a fresh local Ray in this process: 2 CPUs, no dashboard, quiet."""
+    import ray
+
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level=logging.WARNING,
+        # As cluster/local_cluster.py starts a cluster: every process, and every driver that
+        # joins it, sends its metrics each second (Ray's default is 10 s), so a run that joins
+        # waits 1 s, not 10, at its end for its last figures to be sent.
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
