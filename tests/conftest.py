@@ -13,10 +13,8 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests on the shared loopback cluster run last, one after another, each file's in its
-    own order: the cluster starts for the first of them and stops as the session ends. Idle, its
-    five nodes and MLflow server take a quarter of a core (`benchmarks/idle_cluster.py`), which
-    every test run beside them paid while they waited between test_cluster.py and
-    test_ray_jobs.py and after it."""
+    own order: the cluster starts for the first of them and stops as the session ends, so it
+    idles beside no other test (docs/BENCHMARKS.md, "The loopback cluster's tests last")."""
     items.sort(key=lambda item: "loopback_cluster" in getattr(item, "fixturenames", ()))
 
 
