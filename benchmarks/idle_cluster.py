@@ -16,14 +16,11 @@ takes while it does nothing.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 import session_ray  # noqa: E402
 from loopback_cluster import start  # noqa: E402
+from processes import stop_group, wait_for_http  # noqa: E402
 
 SETTLE_S = 30.0  # after a start answered, before sampling: the start's own work is over
 TRACKING_PORT = 5097
@@ -97,27 +95,19 @@ def tracking_server(jobs: str | None) -> Callable[[], Callable[[], None]]:
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         if jobs is not None:
             env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = jobs
-        script = str(ROOT / "cluster" / "tracking_server.sh")
+        log = Path(env["MLFLOW_DIR"]) / "server.log"
         server = subprocess.Popen(
-            ["bash", script], env=env, stderr=subprocess.DEVNULL, start_new_session=True
+            ["bash", str(ROOT / "cluster" / "tracking_server.sh")],
+            env=env,
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{TRACKING_PORT}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            raise RuntimeError("the tracking server did not answer in 120 s")
+        url = f"http://127.0.0.1:{TRACKING_PORT}/health"
+        wait_for_http(url, server, log, "tracking_server.sh", 120)
 
         def down() -> None:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(timeout=30)
-            finally:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(server.pid, signal.SIGKILL)
+            stop_group(server, 30)
 
         return down
 

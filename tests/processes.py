@@ -3,6 +3,7 @@ stopping it with everything it started, by its process group (never by name)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -15,15 +16,15 @@ import pytest
 
 
 def stop_group(proc: subprocess.Popen, timeout: float = 15) -> None:
-    """SIGTERM the process group of `proc` (started with start_new_session=True); SIGKILL it if
-    it is still there after `timeout` seconds."""
+    """SIGTERM the process group of `proc` (started with start_new_session=True); once `proc`
+    has exited, or after `timeout` seconds, SIGKILL whatever of its group is left."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    proc.wait()
 
 
 def wait_for_http(url: str, proc: subprocess.Popen, log: Path, what: str, seconds: float) -> None:
