@@ -96,10 +96,11 @@ def tracking_server(jobs: str | None) -> Callable[[], Callable[[], None]]:
         if jobs is not None:
             env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = jobs
         log = Path(env["MLFLOW_DIR"]) / "server.log"
+        output = log.open("w")
         server = subprocess.Popen(
             ["bash", str(ROOT / "cluster" / "tracking_server.sh")],
             env=env,
-            stdout=log.open("w"),
+            stdout=output,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
@@ -108,6 +109,7 @@ def tracking_server(jobs: str | None) -> Callable[[], Callable[[], None]]:
 
         def down() -> None:
             stop_group(server, 30)
+            output.close()
 
         return down
 
