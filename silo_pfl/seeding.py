@@ -11,6 +11,8 @@ import random
 
 import numpy as np
 
+from silo_pfl import numpy_generator
+
 
 def derive_seed(seed: int, *names: object) -> int:
     """A 63-bit seed for the purpose `names`, derived from the federation seed."""
@@ -33,11 +35,12 @@ def seed_everything(seed: int) -> None:
 
 
 def generators() -> tuple[object, object, object]:
-    """Python's, numpy's and torch's global generator states as the libraries give them: the
-    cheap way to set a process's generators aside and back (`set_generators`), not to save."""
+    """Python's, numpy's and torch's global generator states, in their cheapest form (numpy's:
+    `numpy_generator.get`): the way to set a process's generators aside and back
+    (`set_generators`), not to save."""
     import torch
 
-    return random.getstate(), np.random.get_state(), torch.get_rng_state()
+    return random.getstate(), numpy_generator.get(), torch.get_rng_state()
 
 
 def set_generators(states: tuple[object, object, object]) -> None:
@@ -46,7 +49,7 @@ def set_generators(states: tuple[object, object, object]) -> None:
 
     python, numpy, torch_state = states
     random.setstate(python)  # type: ignore[arg-type]
-    np.random.set_state(numpy)  # type: ignore[arg-type]
+    numpy_generator.put(numpy)  # type: ignore[arg-type]
     torch.set_rng_state(torch_state)  # type: ignore[arg-type]
 
 
@@ -57,7 +60,7 @@ def rng_state() -> dict[str, object]:
     import torch
 
     version, words, gauss_next = random.getstate()
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    kind, keys, pos, has_gauss, gauss = numpy_generator.legacy(numpy_generator.get())
     return {
         "python": [version, np.array(words, dtype=np.uint32).tobytes(), gauss_next],
         "numpy": [kind, keys.astype(np.uint32).tobytes(), pos, has_gauss, gauss],
@@ -72,5 +75,6 @@ def set_rng_state(state: dict[str, object]) -> None:
     version, words, gauss_next = state["python"]  # type: ignore[misc]
     random.setstate((version, tuple(np.frombuffer(words, np.uint32).tolist()), gauss_next))
     kind, keys, pos, has_gauss, gauss = state["numpy"]  # type: ignore[misc]
-    np.random.set_state((kind, np.frombuffer(keys, np.uint32).copy(), pos, has_gauss, gauss))
+    numpy_state = (kind, np.frombuffer(keys, np.uint32).copy(), pos, has_gauss, gauss)
+    numpy_generator.put(("state", numpy_state))
     torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))  # type: ignore[arg-type]
