@@ -79,12 +79,15 @@ def write_atomic(path: Path, data: bytes, reuse: Path | None = None) -> None:
     else:
         fd, tmp = os.open(reuse, os.O_WRONLY), str(reuse)
     try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.truncate()
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.ftruncate(fd, len(data))
             if block is None:
-                handle.flush()
-                os.fsync(handle.fileno())
+                os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -198,9 +201,8 @@ def save_model(directory: Path, round_: int, state: dict[str, Any]) -> str:
 def _write_round(directory: Path, round_: int, suffix: str, data: bytes) -> Path:
     """Write the file of `round_`; the oldest beyond the newest KEEP is recycled into it (hidden
     first, so that it is never read again), any other beyond them pruned."""
-    directory.mkdir(parents=True, exist_ok=True)
+    files = _files(directory, create=True)
     path = path_of(directory, round_, suffix)
-    files = _files(directory)
     stale = [files[old] for old in sorted({*files, round_})[:-KEEP] if old in files]
     block: _Block | None = getattr(_open, "block", None)
     oldest = stale[0] if stale else None
@@ -245,11 +247,15 @@ def rounds(directory: Path) -> list[int]:
     return sorted(_files(directory))
 
 
-def _files(directory: Path) -> dict[int, Path]:
-    """Each round's file in `directory`."""
-    if not directory.is_dir():
+def _files(directory: Path, create: bool = False) -> dict[int, Path]:
+    """Each round's file in `directory` (made first if `create` and it is missing)."""
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        if create:
+            directory.mkdir(parents=True, exist_ok=True)
         return {}
-    return {int(m.group(1)): e for e in directory.iterdir() if (m := _NAME.match(e.name))}
+    return {int(m.group(1)): directory / n for n in names if (m := _NAME.match(n))}
 
 
 def load(directory: Path, round_: int, sha256: str | None = None) -> dict[str, Any]:
