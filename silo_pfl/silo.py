@@ -53,7 +53,14 @@ from silo_pfl.secure.params import secure_params
 from silo_pfl.seeding import derive_seed, rng_state, seed_everything, set_rng_state
 from silo_pfl.settings import from_dict, split_rules
 from silo_pfl.split import Split, compute_split
-from silo_pfl.training import ExtraLoss, evaluate, shared_tensor, to_tensors, train_epochs
+from silo_pfl.training import (
+    ExtraLoss,
+    copy_into,
+    evaluate,
+    shared_tensor,
+    to_tensors,
+    train_epochs,
+)
 
 CHECKPOINTS = "checkpoints"
 # The selected personalized models: a checkpoint (its state_dict) for each round that kept one,
@@ -248,7 +255,7 @@ class Silo:
         if set(global_state) != set(self.split.global_keys):
             raise ValueError(f"silo {self.name}: received keys differ from its global keys")
         incoming = {k: shared_tensor(v) for k, v in global_state.items()}
-        self.model.load_state_dict(incoming, strict=False)
+        copy_into(self.model, incoming, f"silo {self.name}")
         return incoming
 
     def train(

@@ -8,12 +8,14 @@ import warnings
 
 import numpy as np
 import pytest
+import torch
 
 from silo_pfl.algorithms import ALGORITHMS
 from silo_pfl.config import to_dict
 from silo_pfl.data import silo_names
 from silo_pfl.server import Server
 from silo_pfl.silo import Silo
+from silo_pfl.training import copy_into
 
 JOB = "jobs/digits_label_skew.yaml"
 # BatchNorm (fedbn's local keys, integer batch counters among the global keys), few rows.
@@ -54,6 +56,35 @@ def test_the_silo_keeps_the_received_arrays_in_place_and_copies_them_once_into_i
         assert np.shares_memory(incoming[key].numpy(), array), key  # the reference: no copy
         assert not np.shares_memory(model[key].numpy(), array), key  # the model: its own copy
         assert np.array_equal(model[key].numpy(), array), key
+
+
+def test_a_received_key_the_model_lacks_or_of_another_shape_is_an_error_naming_the_silo(job):
+    silos, server = federation(job, "fedavg")
+    silo = silos[0]
+    key = next(k for k, v in server.global_state().items() if np.asarray(v).ndim == 2)
+    model = silo.model
+    before = model.state_dict()[key].clone()
+    wrong = torch.zeros(before.shape[::-1])
+    with pytest.raises(ValueError) as info:
+        copy_into(model, {key: wrong}, f"silo {silo.name}")
+    assert str(info.value).startswith(f"silo {silo.name}: {key} of shape {tuple(wrong.shape)}")
+    assert f"the model has shape {tuple(before.shape)}" in str(info.value)
+    with pytest.raises(ValueError, match="body.nothing of shape .*: the model has no such key"):
+        copy_into(model, {"body.nothing": torch.zeros(1)}, f"silo {silo.name}")
+    assert torch.equal(model.state_dict()[key], before)
+
+
+def test_copying_into_the_model_sets_parameters_and_integer_buffers_without_tracking_grad(job):
+    silos, server = federation(job, "fedavg")
+    model = silos[0].model
+    state = {k: torch.from_numpy(np.array(v)) for k, v in server.global_state().items()}
+    shifted = {k: v + 3 for k, v in state.items()}
+    assert any(not v.is_floating_point() for v in shifted.values()), "an integer buffer is covered"
+    copy_into(model, shifted, "silo x")
+    after = model.state_dict()
+    for key, value in shifted.items():
+        assert torch.equal(after[key], value), key
+    assert all(p.grad_fn is None and p.requires_grad for p in model.parameters())
 
 
 @pytest.mark.parametrize(
