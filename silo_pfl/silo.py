@@ -56,7 +56,7 @@ from silo_pfl.split import Split, compute_split
 from silo_pfl.training import (
     ExtraLoss,
     copy_into,
-    evaluate,
+    evaluate_parts,
     shared_tensor,
     to_tensors,
     train_epochs,
@@ -139,8 +139,12 @@ class Silo:
         data: SiloData = load_silo_data(self.cfg.data, self.name, self.cfg.seed)
         self.data = data
         self.train_xy = to_tensors(data.x_train, data.y_train)
-        self.val_xy = to_tensors(data.x_val, data.y_val)
-        self.test_xy = to_tensors(data.x_test, data.y_test)
+        self.held_out_xy = to_tensors(  # validation rows, then test rows: for evaluate_parts
+            np.concatenate([data.x_val, data.x_test]), np.concatenate([data.y_val, data.y_test])
+        )
+        val_rows = len(data.y_val)
+        self.val_xy = self.held_out_xy[0][:val_rows], self.held_out_xy[1][:val_rows]
+        self.test_xy = self.held_out_xy[0][val_rows:], self.held_out_xy[1][val_rows:]
         if resume and not self.dir.is_dir():
             raise FederationError(f"silo {self.name}: no state to resume from in {self.dir}")
         if not resume:
@@ -433,8 +437,8 @@ class Silo:
         silo's own local keys; an algorithm may personalize further (fine-tuning, Ditto)."""
         self._load_global(global_state)
         self._evaluated = self.algorithm.personalized_model(self, round_)
-        val = evaluate(self._evaluated, *self.val_xy)
-        test = evaluate(self._evaluated, *self.test_xy)
+        sizes = len(self.val_xy[1]), len(self.test_xy[1])
+        val, test = evaluate_parts(self._evaluated, *self.held_out_xy, sizes)
         self._last = EvalMetrics(
             self.name,
             round_,
