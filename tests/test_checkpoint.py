@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,6 +95,34 @@ def test_without_syncfs_a_block_fsyncs_each_file_and_directory_as_it_ends(tmp_pa
         _write(tmp_path / "b", range(1))
         assert not fsyncs
     assert len(fsyncs) == 3 + 2  # three checkpoints, one file each, then two directories
+
+
+def _sectors_written(path: Path) -> int | None:
+    """Sectors written so far by the block device that holds `path` (Linux's /sys), or None."""
+    device = os.stat(path).st_dev
+    stat = Path(f"/sys/dev/block/{os.major(device)}:{os.minor(device)}/stat")
+    try:
+        return int(stat.read_text().split()[6])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+@pytest.mark.skipif(checkpoint._SYNC_FILE_RANGE is None, reason="this OS has no sync_file_range")
+def test_inside_a_block_a_large_file_starts_to_the_disk_as_it_is_written(tmp_path):
+    """So that the block's sync at its end waits for less. Left alone, the file's pages would
+    wait in memory for that sync (or for the kernel's 30 s expiry): here the device writes them
+    while the block is still open."""
+    before = _sectors_written(tmp_path)
+    if before is None:
+        pytest.skip("no statistics for the block device of this directory")
+    size = 64 << 20
+    assert size >= checkpoint.WRITEBACK_BYTES
+    with checkpoint.durable_together():
+        checkpoint.save_model(tmp_path, 1, {"w": torch.ones(size // 4)})
+        deadline = time.monotonic() + 20
+        while (_sectors_written(tmp_path) - before) * 512 < size and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (_sectors_written(tmp_path) - before) * 512 >= size
 
 
 def test_a_corrupted_checkpoint_is_named_and_the_previous_good_round_is_used(tmp_path, caplog):
