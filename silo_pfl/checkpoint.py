@@ -36,7 +36,7 @@ import re
 import secrets
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,8 @@ _MAGIC = b"silo_pfl checkpoint sha256="
 _HEADER = len(_MAGIC) + 64 + 1  # the magic, the digest in hex, a newline
 log = logging.getLogger("silo_pfl.checkpoint")
 _open = threading.local()  # .block: this thread's durable_together block, if one is open
+Buffer = bytes | bytearray | memoryview
+Writer = Callable[[int], int]  # writes a file's content into its descriptor; returns its size
 
 
 @dataclass
@@ -71,10 +73,11 @@ def path_of(directory: Path, round_: int, suffix: str = CHECKPOINT) -> Path:
     return directory / f"round-{round_:06d}{suffix}"
 
 
-def write_atomic(path: Path, data: bytes, reuse: Path | None = None) -> None:
+def write_atomic(path: Path, data: bytes | Writer, reuse: Path | None = None) -> None:
     """Write `data` to a temporary file beside `path`, then rename it; on disk when this returns,
-    or when the enclosing `durable_together` block ends. `reuse`, a hidden file no longer needed
-    (`_hidden`), is that temporary file, overwritten in place: nothing is freed or allocated."""
+    or when the enclosing `durable_together` block ends. `data` is the bytes, or a Writer that
+    writes them into the open file. `reuse`, a hidden file no longer needed (`_hidden`), is that
+    temporary file, overwritten in place: nothing is freed or allocated."""
     block: _Block | None = getattr(_open, "block", None)
     if reuse is None:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -82,14 +85,12 @@ def write_atomic(path: Path, data: bytes, reuse: Path | None = None) -> None:
         fd, tmp = os.open(reuse, os.O_WRONLY), str(reuse)
     try:
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.ftruncate(fd, len(data))
+            size = data(fd) if callable(data) else _write_all(fd, data)
+            os.ftruncate(fd, size)
             if block is None:
                 os.fsync(fd)
             else:
-                _start_writeback(fd, len(data))
+                _start_writeback(fd, size)
         finally:
             os.close(fd)
         os.replace(tmp, path)
@@ -100,6 +101,55 @@ def write_atomic(path: Path, data: bytes, reuse: Path | None = None) -> None:
         _fsync(path.parent)
     else:
         block.written.add(path)
+
+
+def _write_all(fd: int, data: Buffer) -> int:
+    """Write all of `data` at the file's offset; return its size in bytes."""
+    view = memoryview(data).cast("B")
+    size = len(view)
+    while view:
+        view = view[os.write(fd, view) :]
+    return size
+
+
+class _HashingFile:
+    """The file object torch.save writes into: each tensor's bytes go from its own memory to the
+    file descriptor, hashed (SHA-256) on the way, never gathered into one copy of the whole;
+    torch's many small writes are gathered into one."""
+
+    GATHER = 1 << 16
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.sha256, self.size = fd, hashlib.sha256(), 0
+        self._small = bytearray()
+
+    def write(self, data: Buffer) -> int:
+        view = memoryview(data).cast("B")
+        self.sha256.update(view)
+        self.size += len(view)
+        if len(view) < self.GATHER:
+            self._small += view
+            if len(self._small) >= self.GATHER:
+                self.flush()
+        else:
+            self.flush()
+            _write_all(self.fd, view)
+        return len(view)
+
+    def flush(self) -> None:
+        if self._small:
+            _write_all(self.fd, self._small)
+            self._small.clear()
+
+
+def _torch_save(state: dict[str, Any], fd: int) -> _HashingFile:
+    """torch.save's bytes of `state` written at the file's offset, in its plain pickle format
+    (not its zip archive: a third cheaper for a silo's few small tensors, and read back by
+    torch.load all the same)."""
+    out = _HashingFile(fd)
+    torch.save(state, out, _use_new_zipfile_serialization=False)
+    out.flush()
+    return out
 
 
 def append_line(path: Path, line: bytes) -> None:
@@ -191,31 +241,35 @@ def _prune(paths: list[Path]) -> None:
         path.unlink(missing_ok=True)
 
 
-def _serialised(state: dict[str, Any]) -> bytes:
-    """torch.save's bytes of `state`, in its plain pickle format (not its zip archive): a third
-    cheaper to write for a silo's few small tensors, and read back by torch.load all the same."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer, _use_new_zipfile_serialization=False)
-    return buffer.getvalue()
-
-
 def save(directory: Path, round_: int, state: dict[str, Any]) -> Path:
     """Write `state` as the checkpoint of `round_`: its header (the SHA-256 of what follows),
     then its bytes, in one file (see the module's docstring for what is recycled or pruned)."""
-    data = _serialised(state)
-    header = _MAGIC + hashlib.sha256(data).hexdigest().encode() + b"\n"
-    return _write_round(directory, round_, CHECKPOINT, header + data)
+
+    def write(fd: int) -> int:
+        os.lseek(fd, _HEADER, os.SEEK_SET)
+        written = _torch_save(state, fd)
+        os.pwrite(fd, _MAGIC + written.sha256.hexdigest().encode() + b"\n", 0)
+        return _HEADER + written.size
+
+    return _write_round(directory, round_, CHECKPOINT, write)
 
 
 def save_model(directory: Path, round_: int, state: dict[str, Any]) -> str:
     """Write a model's `state` as torch.save's bytes alone, for round `round_`; return their
     SHA-256, for the caller's next checkpoint to hold (`load` checks the file against it)."""
-    data = _serialised(state)
-    _write_round(directory, round_, MODEL, data)
-    return hashlib.sha256(data).hexdigest()
+    digest = ""
+
+    def write(fd: int) -> int:
+        nonlocal digest
+        written = _torch_save(state, fd)
+        digest = written.sha256.hexdigest()
+        return written.size
+
+    _write_round(directory, round_, MODEL, write)
+    return digest
 
 
-def _write_round(directory: Path, round_: int, suffix: str, data: bytes) -> Path:
+def _write_round(directory: Path, round_: int, suffix: str, data: Writer) -> Path:
     """Write the file of `round_`; the oldest beyond the newest KEEP is recycled into it (hidden
     first, so that it is never read again), any other beyond them pruned."""
     files = _files(directory, create=True)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
 import logging
 import os
 import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -186,6 +189,30 @@ def test_a_model_file_is_torch_s_own_and_checked_against_the_digest_given(tmp_pa
         f"checkpoint {path}: corrupted (its SHA-256 differs from the checkpoint that selected it)"
     )
     assert other != digest
+
+
+def test_a_large_state_goes_to_its_file_without_a_copy_of_the_whole_in_memory(tmp_path):
+    """torch.save writes each tensor from its own memory into the file, hashed on the way: the
+    process allocates no buffer of the file's size (tracemalloc sees every bytes, bytearray and
+    BytesIO buffer; a tensor's own memory is torch's, not Python's). The files are torch.save's
+    bytes all the same, the checkpoint's headed by their SHA-256."""
+    state = {f"w{i}": torch.randn(1 << 20) for i in range(4)}  # 16 MiB
+    expected = io.BytesIO()
+    torch.save(state, expected, _use_new_zipfile_serialization=False)
+    payload = expected.getvalue()
+    del expected
+    tracemalloc.start()
+    try:
+        digest = checkpoint.save_model(tmp_path, 1, state)
+        path = checkpoint.save(tmp_path, 2, state)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    size = len(payload)
+    assert peak < size / 8
+    assert checkpoint.path_of(tmp_path, 1, checkpoint.MODEL).read_bytes() == payload
+    assert digest == hashlib.sha256(payload).hexdigest()
+    assert path.read_bytes() == b"silo_pfl checkpoint sha256=" + digest.encode() + b"\n" + payload
 
 
 def test_each_run_has_its_own_directory_and_resume_finds_the_latest(tmp_path):
