@@ -124,20 +124,21 @@ class _HashingFile:
         self._small = bytearray()
 
     def write(self, data: Buffer) -> int:
-        view = memoryview(data).cast("B")
-        self.sha256.update(view)
-        self.size += len(view)
-        if len(view) < self.GATHER:
-            self._small += view
+        size = data.nbytes if isinstance(data, memoryview) else len(data)
+        if size < self.GATHER:
+            self._small += data
             if len(self._small) >= self.GATHER:
                 self.flush()
         else:
             self.flush()
-            _write_all(self.fd, view)
-        return len(view)
+            self.sha256.update(data)
+            _write_all(self.fd, data)
+        self.size += size
+        return size
 
     def flush(self) -> None:
         if self._small:
+            self.sha256.update(self._small)
             _write_all(self.fd, self._small)
             self._small.clear()
 
