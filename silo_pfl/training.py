@@ -97,6 +97,8 @@ def evaluate_parts(
     eval mode, cost the same for a few rows as for many."""
     if sum(sizes) != len(x):
         raise ValueError(f"evaluate_parts: parts of {sum(sizes)} rows in all, for {len(x)} rows")
+    if len(x) == 0:
+        return [EvalResult(float("nan"), float("nan"), 0) for _ in sizes]
     model.eval()
     losses, hits = [], []
     for start in range(0, len(x), batch_size):
@@ -104,15 +106,15 @@ def evaluate_parts(
         target = y[start : start + batch_size]
         losses.append(nn.functional.cross_entropy(logits, target, reduction="none"))
         hits.append(logits.argmax(dim=1) == target)
-    loss = torch.cat(losses) if losses else torch.zeros(0)
-    hit = torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool)
+    loss, hit = torch.cat(losses), torch.cat(hits)
     results, start = [], 0
     for size in sizes:
         if size == 0:
             results.append(EvalResult(float("nan"), float("nan"), 0))
             continue
         part = slice(start, start + size)
-        accuracy, mean_loss = int(hit[part].sum()) / size, float(loss[part].sum()) / size
+        mean_loss = float(loss[part].sum(dtype=torch.float64)) / size
+        accuracy = int(hit[part].sum()) / size
         results.append(EvalResult(accuracy, mean_loss, size))
         start += size
     return results

@@ -50,6 +50,10 @@ def test_an_empty_part_has_no_score_and_the_parts_must_cover_the_rows(job):
     assert whole.accuracy == evaluate(silo.model, x, y).accuracy
     with pytest.raises(ValueError, match="parts of"):
         evaluate_parts(silo.model, x, y, (1, len(y)))
+    silo.model.train()
+    nothing = evaluate_parts(silo.model, x[:0], y[:0], (0, 0))
+    assert [r.count for r in nothing] == [0, 0] and all(math.isnan(r.loss) for r in nothing)
+    assert silo.model.training, "no rows: the model is not even switched to eval mode"
 
 
 def test_a_silo_scores_its_validation_and_test_rows_in_one_call_of_its_model(job):
