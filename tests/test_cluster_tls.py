@@ -27,6 +27,7 @@ SILOS = ("cleveland", "hungarian")
 TLS_VARS = ("RAY_USE_TLS", "RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT")
 START_TIMEOUT = 180.0
 PROBE_TIMEOUT = 30.0
+PROBE_PATIENCE_S = 5
 
 # Joins the cluster at argv[1] and prints how many nodes are alive: the probe of who can join.
 _JOIN_SCRIPT = """
@@ -41,6 +42,15 @@ def _client_env(token: str, tls: dict[str, str]) -> dict[str, str]:
     """This environment without any Ray address or TLS setting, plus the token and `tls`."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and k not in TLS_VARS}
     return {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, **tls}
+
+
+def _probe_env(token: str, tls: dict[str, str]) -> dict[str, str]:
+    """A join probe's environment: `_client_env`, with Ray's patience for an unreachable GCS
+    cut from 60 s to PROBE_PATIENCE_S, so that a refused client gives up inside the probe's time
+    rather than being killed at its end. Both probes get the same budget, so TLS is the only
+    difference between them."""
+    patience = {"RAY_gcs_rpc_server_reconnect_timeout_s": str(PROBE_PATIENCE_S)}
+    return {**_client_env(token, tls), **patience}
 
 
 def _markers_of(token: str) -> set[str]:
@@ -145,7 +155,7 @@ def test_a_federation_over_tls_and_no_client_without_it(tmp_path):
 
         # A client with the token alone tries to join, meanwhile (it may take PROBE_TIMEOUT s).
         plain_started = time.monotonic()
-        plain = _start_join(info["address"], _client_env(token, {}))
+        plain = _start_join(info["address"], _probe_env(token, {}))
 
         # The federation, joined with the token and the TLS variables: each silo on its node.
         results = tmp_path / "results.json"
@@ -175,7 +185,7 @@ def test_a_federation_over_tls_and_no_client_without_it(tmp_path):
 
         # The same probe joins with the TLS variables, and cannot with the token alone.
         started = time.monotonic()
-        code, out = _end_join(_start_join(info["address"], _client_env(token, tls)), started)
+        code, out = _end_join(_start_join(info["address"], _probe_env(token, tls)), started)
         assert code == 0 and f"joined {1 + len(SILOS)}" in out, out[-2000:]
         code, out = _end_join(plain, plain_started)
         assert code != 0, f"a client without TLS joined the TLS cluster: {out[-2000:]}"
