@@ -9,7 +9,8 @@ model.name=mlp model.hidden=[2048,512] rounds=6 tracking.enabled=false (10 silos
 
 - prg: `silo_pfl.secure.prg.apply_stream` on one core, in GB/s of key stream (8 bytes a word),
   best of --repeats (target >= 3 GB/s), and `apply_streams` with the 10 keys of a silo's mask
-  at 10 silos, against the raw AES-256-CTR, AES-256-GCM (whose counter mode the masks use) and
+  at 10 silos, against the raw AES-256-CTR and AES-256-GCM (the two engines that make the
+  masks' words, `silo_pfl.secure.prg.engine` naming the one this process timed faster) and
   ChaCha20 of `cryptography` over the same bytes in one call, and a numpy uint64 add of the
   same vector;
 - cost: one whole round of the protocol in this process, each step of each silo timed, for
@@ -49,7 +50,7 @@ from machine import load_average, wait_for_quiet
 
 from silo_pfl.data import silo_names
 from silo_pfl.federation import Federation
-from silo_pfl.secure import identity
+from silo_pfl.secure import identity, prg
 from silo_pfl.secure.aggregator import SecureAggregator
 from silo_pfl.secure.client import SecureClient
 from silo_pfl.secure.fixed_point import encode
@@ -106,7 +107,7 @@ def prg_rates(words: int, repeats: int) -> dict[str, float]:
         "apply_stream": lambda: apply_stream(vector, key, +1),
         f"apply_streams, {STREAMS_KEYS} keys": lambda: apply_streams(vector, keys),
         "AES-256-CTR, one call": aes,
-        "AES-256-GCM, one call (what the masks run)": gcm,
+        "AES-256-GCM, one call": gcm,
         "ChaCha20, one call": chacha,
         "numpy uint64 add": lambda: np.add(vector, other, out=vector),
     }
@@ -121,7 +122,10 @@ def prg_rates(words: int, repeats: int) -> dict[str, float]:
 def section_prg(repeats: int) -> None:
     """Mask generation in GB/s on one core."""
     columns = {words: prg_rates(words, repeats) for words in PRG_WORDS}
-    print(f"\nGB/s of key stream on one core, best of {repeats}; load average {load_average()}\n")
+    print(
+        f"\nGB/s of key stream on one core, best of {repeats}; the masks' engine here: "
+        f"{prg.engine().upper()}; load average {load_average()}\n"
+    )
     print("| | " + " | ".join(f"{w:,} words ({8 * w / 1e6:.1f} MB)" for w in PRG_WORDS) + " |")
     print("|---|" + "---|" * len(PRG_WORDS))
     for name in columns[PRG_WORDS[0]]:

@@ -23,7 +23,7 @@ from silo_pfl.cli import main
 from silo_pfl.errors import FederationError, SiloPflError
 from silo_pfl.federation import Federation
 from silo_pfl.messages import SiloUpdate
-from silo_pfl.secure import identity, shamir
+from silo_pfl.secure import identity, prg, shamir
 from silo_pfl.secure.aggregator import SecureRoundError
 from silo_pfl.secure.fixed_point import decode_mean, encode
 from silo_pfl.secure.messages import Advertisement, UnmaskRequest, digest
@@ -285,16 +285,26 @@ def test_mask_streams_are_uniform_and_keyed():
     assert _chi_square_p(a) > 1e-6
 
 
-def test_a_mask_stream_is_aes_256_gcm_encrypting_zeros_a_nonce_a_chunk():
+@pytest.mark.parametrize("engine", sorted(prg.ENGINES))
+def test_a_mask_stream_is_aes_256_gcm_encrypting_zeros_a_nonce_a_chunk(engine, monkeypatch):
     """The key stream is AES-256's counter mode as GCM runs it, keyed by the whole 32-byte key:
     chunk c of the vector is AES-256-GCM's ciphertext of zeros under the nonce c, its tag
-    dropped (words little-endian)."""
+    dropped (words little-endian). Both engines make exactly these words."""
+    monkeypatch.setattr(prg, "engine", lambda: engine)
     key, length = bytes(range(32)), 2 * CHUNK_WORDS + 7
     expected = b"".join(
         AESGCM(key).encrypt(c.to_bytes(12, "big"), bytes(8 * size), None)[:-16]
         for c, size in enumerate((CHUNK_WORDS, CHUNK_WORDS, 7))
     )
     assert stream(key, length).astype("<u8").tobytes() == expected
+
+
+def test_each_process_makes_its_masks_with_the_engine_it_timed_faster():
+    timings = {"gcm": [3.0, 1.0, 2.0], "ctr": [1.5, 1.5, 1.5]}  # each engine's tries, in turn
+    assert prg.faster(lambda name: timings[name].pop(0)) == "gcm"  # the least of its tries
+    assert prg.faster({"gcm": 2.0, "ctr": 1.0}.get) == "ctr"
+    assert prg.faster({"gcm": 1.0, "ctr": 1.0}.get) == "gcm"
+    assert prg.engine() in prg.ENGINES and prg.engine() == prg.engine()
 
 
 @pytest.mark.parametrize(
