@@ -20,10 +20,9 @@ slice of whole chunks each.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
+from functools import cache, partial
 
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, CipherContext, algorithms, modes
@@ -68,13 +67,14 @@ def _cpu_seconds(name: str) -> float:
     return time.thread_time() - start
 
 
-@functools.cache
+@cache
 def engine() -> str:
     """The faster engine on this CPU, timed once per process."""
     return faster(_cpu_seconds)
 
 
 def _apply_slice(
+    encryptor_of: Callable[[bytes, bytes], CipherContext],
     vector: np.ndarray,
     keys: Sequence[tuple[bytes, int]],
     plus: Sequence[np.ndarray],
@@ -82,7 +82,6 @@ def _apply_slice(
     end: int,
 ) -> None:
     """apply_streams on vector[first:end]; `first` is a multiple of CHUNK_WORDS."""
-    encryptor_of = ENGINES[engine()]
     buffer = bytearray(8 * BLOCK_WORDS + 15)
     ciphers: list[tuple[CipherContext, int]] = []
     for start in range(first, end, BLOCK_WORDS):
@@ -115,8 +114,8 @@ def apply_streams(
     for key, sign in keys:
         if len(key) != 32 or sign not in (1, -1):
             raise ValueError("a mask key has 32 bytes and a sign of +1 or -1")
-    engine()  # timed here, once, not on the slices' threads at once
-    for_slices(vector.size, CHUNK_WORDS, threads, partial(_apply_slice, vector, keys, plus))
+    work = partial(_apply_slice, ENGINES[engine()], vector, keys, plus)
+    for_slices(vector.size, CHUNK_WORDS, threads, work)
 
 
 def apply_stream(vector: np.ndarray, key: bytes, sign: int) -> None:
