@@ -1,31 +1,49 @@
-"""Aggregation of silo updates: the weighted mean of deltas, keyed by state_dict name."""
+"""Aggregation of silo updates: the weighted mean of deltas, keyed by state_dict name.
+
+numpy only: the server process does not import torch. The weighted mean works the keys of one
+dtype as one vector, block by block: each block of an update is read once from memory into a
+float64 temporary that stays in the core's cache, and a long vector is cut into slices over the
+process's cores (`silo_pfl.slices`; numpy lets go of the GIL on each block). Every value is
+worked on its own, so the bits depend neither on the blocks nor on the threads.
+"""
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Mapping, Sequence
-from functools import partial
+import bisect
+import itertools
+import math
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
-import torch
 
 from silo_pfl.slices import CORES, for_slices
 
 State = dict[str, np.ndarray]
 
-SLICE = 1 << 15  # values: slices of a large key start at multiples of this
-THREADED_VALUES = 1 << 18  # a key of at least this many values is shared out over the cores
+SLICE = 1 << 16  # values: slices of a long vector start at multiples of this (whole blocks)
+THREADED_VALUES = 1 << 18  # a vector of at least this many values is shared out over the cores
+BLOCK = 1 << 16  # values per step: the float64 temporary (512 KiB a thread) stays in L2
 
 
 def weighted_mean(deltas: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]) -> State:
     """Per key, sum_i (w_i / sum_j w_j) * delta_i, in the given order.
 
-    A floating-point key is accumulated in its own dtype by one fused multiply-add per value and
-    update (torch's `add_(alpha=)`: one rounding each, the same result on any number of threads),
-    so each delta is read once, in place, at memory speed. float32's relative error, about
-    N * 6e-8 over N silos, is far below any update's noise. Integer keys (BatchNorm's batch
-    counters) are accumulated in float64. A large key is cut into slices over the process's cores
-    (`silo_pfl.slices`); the small keys go together, one call per update."""
+    A float32 (or float16) key is accumulated in its own dtype, rounded as one fused multiply-add
+    per value and update would be: acc = dtype(float64(acc) + scale * float64(delta)), with
+    scale = w_i / sum_j w_j rounded to the key's dtype. The product is exact in float64 (24-bit by
+    24-bit mantissas), the sum is rounded in float64 and then to float32, so the result is the
+    same on any number of threads. float32's relative error, about N * 6e-8 over N silos, is far
+    below any update's noise. float64 keys are accumulated in float64 (product and sum rounded
+    each), and so are integer keys (BatchNorm's batch counters), converted as they are read.
+
+    The keys that accumulate in one dtype are laid end to end in one result vector (each key's
+    mean is a view of it), worked `BLOCK` values at a time: for each block, each update in turn
+    is scaled into a float64 temporary (a block of several small keys is gathered into it first)
+    and added, so the many small keys of a model cost a few numpy calls per block and update, not
+    per key, and nothing of an update's size is allocated. Each delta is read once, where it is
+    (Ray's read-only arrays are fine; the inputs are never written); a non-contiguous one is
+    copied first. A vector of `THREADED_VALUES` values or more is cut into slices of whole
+    blocks, one a thread, over the process's cores."""
     if not deltas:
         raise ValueError("no updates to aggregate")
     if len(deltas) != len(weights):
@@ -33,50 +51,80 @@ def weighted_mean(deltas: Sequence[Mapping[str, np.ndarray]], weights: Sequence[
     total = float(sum(weights))
     if total <= 0 or min(weights) < 0:
         raise ValueError(f"weights must be >= 0 with a positive sum, got {list(weights)}")
-    scales = [weight / total for weight in weights]
-    with warnings.catch_warnings():  # Ray's store hands out read-only arrays; they are only read
-        warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
-        columns = {key: _flat_floats([delta[key] for delta in deltas]) for key in deltas[0]}
-    means = {key: np.zeros(column[0].numel(), _dtype(column[0])) for key, column in columns.items()}
-    small = [key for key, acc in means.items() if acc.size < THREADED_VALUES]
-    _scaled_sums(
-        [torch.from_numpy(means[key]) for key in small],
-        [[columns[key][i] for key in small] for i in range(len(deltas))],
-        scales,
-    )
-    for key in means.keys() - set(small):
-        work = partial(_scaled_slice, torch.from_numpy(means[key]), columns[key], scales)
-        for_slices(means[key].size, SLICE, CORES, work)
-    return {key: means[key].reshape(np.shape(deltas[0][key])) for key in deltas[0]}
+    shapes = {key: np.shape(value) for key, value in deltas[0].items()}
+    groups: dict[np.dtype, list[str]] = {}
+    for key, value in deltas[0].items():
+        groups.setdefault(_accumulator(np.asarray(value).dtype), []).append(key)
+    means: State = {}
+    for dtype, keys in groups.items():
+        starts = [0, *itertools.accumulate(math.prod(shapes[key]) for key in keys)]
+        flat = np.zeros(starts[-1], dtype)
+        sources = [[np.asarray(delta[key]).reshape(-1) for key in keys] for delta in deltas]
+        wide = np.promote_types(dtype, np.float64)
+        scales = [wide.type(dtype.type(weight / total)) for weight in weights]
+        work = _blocks(flat, starts, sources, scales)
+        if flat.size >= THREADED_VALUES:
+            for_slices(flat.size, SLICE, CORES, work)
+        else:
+            work(0, flat.size)
+        for key, first, end in zip(keys, starts, starts[1:], strict=False):
+            means[key] = flat[first:end].reshape(shapes[key])
+    return {key: means[key] for key in deltas[0]}
 
 
-def _flat_floats(arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
-    """Each array as a flat tensor over its own memory; integers as float64 copies."""
-    flat = [np.asarray(a).reshape(-1) for a in arrays]
-    if flat[0].dtype.kind != "f":
-        flat = [a.astype(np.float64) for a in flat]
-    return [torch.from_numpy(a) for a in flat]
+def _accumulator(dtype: np.dtype) -> np.dtype:
+    """The dtype a key is accumulated in: its own if floating, float64 otherwise."""
+    return dtype if dtype.kind == "f" else np.dtype(np.float64)
 
 
-def _dtype(tensor: torch.Tensor) -> np.dtype:
-    return tensor[:0].numpy().dtype
+def _blocks(
+    flat: np.ndarray,
+    starts: list[int],
+    sources: list[list[np.ndarray]],
+    scales: Sequence[np.floating],
+) -> Callable[[int, int], None]:
+    """work(first, end): flat[first:end] += scales[i] * (update i's keys laid end to end, as cut
+    at `starts`)[first:end] for each update i in order, one block of `BLOCK` values after the
+    other, in a float64 (or wider) temporary of the thread's own; flat is rounded to its dtype
+    after each update if that is narrower."""
+    wide = np.promote_types(flat.dtype, np.float64)
+    narrow = wide != flat.dtype
+
+    def work(first: int, end: int) -> None:
+        temporary = np.empty(min(BLOCK, end - first), wide)
+        for low in range(first, end, BLOCK):
+            high = min(end, low + BLOCK)
+            acc, tmp = flat[low:high], temporary[: high - low]
+            pieces = _pieces(starts, low, high)
+            for update, scale in zip(sources, scales, strict=True):
+                if len(pieces) == 1:
+                    key, lo, hi = pieces[0]
+                    np.multiply(update[key][lo:hi], scale, out=tmp, dtype=wide)
+                else:
+                    parts = [update[key][lo:hi] for key, lo, hi in pieces]
+                    np.concatenate(parts, out=tmp, casting="same_kind")
+                    np.multiply(tmp, scale, out=tmp)
+                if narrow:
+                    np.add(tmp, acc, out=tmp)
+                    np.copyto(acc, tmp, casting="same_kind")
+                else:
+                    np.add(acc, tmp, out=acc)
+
+    return work
 
 
-def _scaled_sums(
-    outs: list[torch.Tensor], updates: Sequence[list[torch.Tensor]], scales: Sequence[float]
-) -> None:
-    """outs[k] += scales[i] * updates[i][k] for each update i in order: one fused multiply-add per
-    value (outs start at zero)."""
-    if outs:
-        for update, scale in zip(updates, scales, strict=True):
-            torch._foreach_add_(outs, update, alpha=scale)
-
-
-def _scaled_slice(
-    flat: torch.Tensor, sources: list[torch.Tensor], scales: Sequence[float], first: int, end: int
-) -> None:
-    """`_scaled_sums` of one slice of a key."""
-    _scaled_sums([flat[first:end]], [[source[first:end]] for source in sources], scales)
+def _pieces(starts: list[int], low: int, high: int) -> list[tuple[int, int, int]]:
+    """(key, first, end) of each key's values in [low, high) of the keys laid end to end, cut at
+    `starts`."""
+    pieces = []
+    key = bisect.bisect_right(starts, low) - 1
+    while low < high:
+        end = min(high, starts[key + 1])
+        if end > low:
+            pieces.append((key, low - starts[key], end - starts[key]))
+        low = end
+        key += 1
+    return pieces
 
 
 def apply_delta(state: Mapping[str, np.ndarray], delta: Mapping[str, np.ndarray]) -> State:

@@ -1,9 +1,12 @@
 """Aggregation weights, on known numbers; the weighted mean and the step on resnet18-sized
-updates: one fused multiply-add per value and update in the key's dtype, bit for bit on any
-number of threads, within float32's rounding of the float64 formula, with no temporaries of an
-update's size."""
+updates: in numpy, without torch, one fused multiply-add's rounding per value and update in the
+key's dtype, bit for bit on any number of threads and any block size, within float32's rounding
+of the float64 formula, with no temporaries of an update's size."""
 
+import subprocess
+import sys
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -103,17 +106,100 @@ def test_weighted_mean_rounds_once_per_update_in_float32_near_the_float64_formul
 def test_the_weighted_mean_shared_out_over_cores_is_the_same_bits(
     resnet18_updates, monkeypatch, cores
 ):
-    """A large key is cut into slices on several threads; each slice is worked as the whole."""
+    """The float32 keys, laid end to end, are cut into slices on several threads; each slice is
+    worked as the whole."""
     _, updates = resnet18_updates
     weights = [5, 80, 13]
     monkeypatch.setattr(aggregation, "CORES", 1)
     alone = weighted_mean(updates, weights)
     monkeypatch.setattr(aggregation, "CORES", cores)
-    shared = [k for k, v in updates[0].items() if v.size >= THREADED_VALUES]
-    assert shared, "resnet18 has keys large enough to share out"
+    shared = sum(v.size for v in updates[0].values() if v.dtype == np.float32)
+    assert shared >= THREADED_VALUES, "resnet18's float32 keys are shared out"
     mean = weighted_mean(updates, weights)
     for key, value in alone.items():
         assert np.array_equal(mean[key], value), key
+
+
+def fused(deltas, weights, key):
+    """`fused_float32` for a float32 or float16 key, or the float64 formula for any other."""
+    dtype = np.asarray(deltas[0][key]).dtype
+    if dtype.kind != "f" or dtype.itemsize == 8:
+        return formula([{key: d[key]} for d in deltas], weights)[key]
+    total = float(sum(weights))
+    acc = np.zeros(np.shape(deltas[0][key]), dtype=dtype)
+    for delta, weight in zip(deltas, weights, strict=True):
+        scale = np.float64(dtype.type(weight / total))
+        acc = (acc.astype(np.float64) + scale * delta[key].astype(np.float64)).astype(dtype)
+    return acc
+
+
+SHAPES = {"scalar": (), "empty": (0,), "one": (1,), "small": (5000,), "wide": (70, 1000),
+          "f64": (3000,), "counter": (), "int32": (7,), "f16": (100,), "none": (0, 3),
+          "large": (300, 1001)}  # fmt: skip
+
+
+def odd_update(rng, silo):
+    """Keys of every size and dtype, read-only as Ray's store hands them out; silo 1's "wide" is
+    Fortran-ordered."""
+    update = {}
+    for key, shape in SHAPES.items():
+        if key == "counter":
+            value = np.full(shape, 3 + silo, dtype=np.int64)
+        elif key == "int32":
+            value = rng.integers(-5, 5, shape).astype(np.int32)
+        elif key == "f64":
+            value = rng.normal(size=shape)
+        elif key == "f16":
+            value = rng.normal(size=shape).astype(np.float16)
+        else:
+            value = np.asarray(rng.random(shape, dtype=np.float32) - 0.5)
+        if key == "wide" and silo == 1:
+            value = np.asfortranarray(value)
+        value.flags.writeable = False
+        update[key] = value
+    return update
+
+
+@pytest.mark.parametrize(
+    ("block", "slice_", "threaded", "cores"),
+    [(1 << 16, 1 << 16, 1 << 18, 1), (4096, 4096, 8192, 1), (4096, 8192, 8192, 3),
+     (1024, 1024, 1, 2), (3000, 6000, 1, 4)],
+)  # fmt: skip
+def test_keys_of_every_size_and_dtype_across_blocks_and_threads(
+    monkeypatch, block, slice_, threaded, cores
+):
+    """Blocks that span several keys, keys that span several blocks and slices, empty keys and
+    scalars, float16, float64 and integers, read-only and non-contiguous inputs: each key is
+    its formula, bit for bit where rounded in its dtype, and the inputs are left as they were."""
+    rng = np.random.default_rng(1)
+    updates = [odd_update(rng, silo) for silo in range(5)]
+    before = [{k: v.copy() for k, v in update.items()} for update in updates]
+    weights = [3, 0, 7, 11, 2]
+    for name, value in [("BLOCK", block), ("SLICE", slice_), ("THREADED_VALUES", threaded),
+                        ("CORES", cores)]:  # fmt: skip
+        monkeypatch.setattr(aggregation, name, value)
+    mean = weighted_mean(updates, weights)
+    assert list(mean) == list(SHAPES)
+    for key, shape in SHAPES.items():
+        expected = fused(updates, weights, key)
+        assert mean[key].shape == shape and mean[key].dtype == expected.dtype, key
+        if expected.dtype.itemsize < 8:
+            assert mean[key].tobytes() == expected.tobytes(), key
+        else:
+            np.testing.assert_allclose(mean[key], expected, rtol=1e-15, atol=0)
+    for update, copy in zip(updates, before, strict=True):
+        for key, value in update.items():
+            assert np.array_equal(value, copy[key]), key
+
+
+def test_importing_the_aggregation_does_not_import_torch():
+    """The server aggregates without torch: importing it would cost a second or two at start."""
+    code = "import sys, silo_pfl.aggregation; print('torch' in sys.modules)"
+    root = Path(aggregation.__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == "False", done.stdout + done.stderr
 
 
 @pytest.mark.parametrize(("size", "parts"), [(1, 4), (10, 3), (3 * 1024 + 5, 2), (8192, 16)])
