@@ -1,8 +1,24 @@
 """Checkpoints: one party's state after a round, written atomically and verified when read.
 
-A checkpoint is one file, `round-NNNNNN.ckpt`: a header line holding the SHA-256 of the rest, then
-torch.save's bytes of plain containers and tensors (read back with `weights_only=True`). A file
-whose header is missing or cut short is partial; one whose bytes do not match its header is
+A checkpoint is one file, `round-NNNNNN.ckpt`: a header line holding the SHA-256 of the rest (the
+payload), then the payload, of one of two kinds, which the header's magic (its text before
+the digest) tells apart, so that `load` needs no argument to read either:
+
+- `save`: torch.save's bytes of plain containers and tensors, read back with `weights_only=True`
+  (the silos' checkpoints). Header `silo_pfl checkpoint sha256=<hex>`.
+- `save_arrays`: plain containers, numpy arrays and numpy scalars, for a party that imports no
+  torch (the server's checkpoints: the server process never imports torch, nor does this module
+  until a torch checkpoint or model is saved or read). Header `silo_pfl arrays     sha256=<hex>`
+  (padded to the torch header's length). The payload is pickle protocol 5 with each array's
+  bytes out of band: the stream's length (8 bytes, little-endian), the stream, then each buffer
+  as its length (8 bytes) and its bytes, zero-padded before them so that they start at a
+  multiple of 64 bytes into the payload. The arrays go from their own memory to the file (only
+  a read-only or non-contiguous one is copied first), and come back writable and 64-byte
+  aligned, views of one buffer the size of the file. They are read back by an unpickler that
+  builds nothing but numpy arrays, dtypes and scalars (`_ALLOWED`), and `save_arrays` refuses,
+  before it writes, anything that would need more.
+
+A file whose header is missing or cut short is partial; one whose bytes do not match its header is
 corrupted. Either is named in one line and skipped for the previous good round. A silo's selected
 model is `round-NNNNNN.pt` (`save_model`), torch.save's bytes alone, as MLflow ships and serves
 them: its SHA-256 goes into the silo's next checkpoint, which `load` checks it against.
@@ -28,10 +44,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
+import importlib
 import io
 import logging
 import os
+import pickle
 import re
 import secrets
 import tempfile
@@ -41,15 +60,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
 from silo_pfl.errors import FederationError
 
 KEEP = 3
 CHECKPOINT, MODEL = ".ckpt", ".pt"  # a verified checkpoint; a selected model's plain file
 _NAME = re.compile(r"^round-(\d{6})(\.ckpt|\.pt)$")
-_MAGIC = b"silo_pfl checkpoint sha256="
+_MAGIC = b"silo_pfl checkpoint sha256="  # torch.save's bytes follow
+_ARRAYS_MAGIC = b"silo_pfl arrays".ljust(len(_MAGIC) - 7) + b"sha256="  # the same length
 _HEADER = len(_MAGIC) + 64 + 1  # the magic, the digest in hex, a newline
+_ALIGN = 64  # an arrays payload's buffers start this aligned: in the payload, and in memory
+_ALLOWED = frozenset(  # all that an arrays checkpoint's pickle may name (numpy 2)
+    {
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy._core.multiarray", "_reconstruct"),  # an array pickled in band
+        ("numpy._core.multiarray", "scalar"),  # a numpy scalar
+        ("numpy._core.numeric", "_frombuffer"),  # an array whose bytes are out of band
+    }
+)
 log = logging.getLogger("silo_pfl.checkpoint")
 _open = threading.local()  # .block: this thread's durable_together block, if one is open
 Buffer = bytes | bytearray | memoryview
@@ -113,9 +143,9 @@ def _write_all(fd: int, data: Buffer) -> int:
 
 
 class _HashingFile:
-    """The file object torch.save writes into: each tensor's bytes go from its own memory to the
-    file descriptor, hashed (SHA-256) on the way, never gathered into one copy of the whole;
-    torch's many small writes are gathered into one."""
+    """The file object torch.save (or `_arrays_save`) writes into: each tensor's or array's bytes
+    go from its own memory to the file descriptor, hashed (SHA-256) on the way, never gathered
+    into one copy of the whole; many small writes are gathered into one."""
 
     GATHER = 1 << 16
 
@@ -147,10 +177,128 @@ def _torch_save(state: dict[str, Any], fd: int) -> _HashingFile:
     """torch.save's bytes of `state` written at the file's offset, in its plain pickle format
     (not its zip archive: a third cheaper for a silo's few small tensors, and read back by
     torch.load all the same)."""
+    import torch  # here, not above: the server, which saves arrays, never imports torch
+
     out = _HashingFile(fd)
     torch.save(state, out, _use_new_zipfile_serialization=False)
     out.flush()
     return out
+
+
+def _torch_load(payload: Buffer) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(payload), weights_only=True)
+
+
+@functools.cache
+def _allowed_ids() -> frozenset[int]:
+    """The ids of the objects `_ALLOWED` names (alive as long as numpy is)."""
+    return frozenset(id(getattr(importlib.import_module(m), n)) for m, n in _ALLOWED)
+
+
+class _ArraysPickler(pickle.Pickler):
+    """Pickles plain containers, numpy arrays, dtypes and scalars, each array's bytes out of band
+    (protocol 5); refuses (TypeError) anything else, which `_ArraysUnpickler` would not read."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is np.ndarray:
+            _check_dtype(obj.dtype)
+            flags = obj.flags
+            if obj.dtype.hasobject or (
+                flags.writeable and (flags.c_contiguous or flags.f_contiguous)
+            ):
+                return NotImplemented  # out of band as it is (an object array: in band)
+            # A view of scattered memory is made contiguous, to go out of band; a read-only
+            # array is copied, so that it too comes back writable.
+            copy = np.array(obj, order="F" if flags.f_contiguous else "C")
+            return copy.__reduce_ex__(5)
+        if isinstance(obj, np.dtype):
+            _check_dtype(obj)
+            return NotImplemented
+        if isinstance(obj, np.generic | bytearray | pickle.PickleBuffer):
+            return NotImplemented
+        if id(obj) in _allowed_ids():  # the functions and classes numpy's own pickles name
+            return NotImplemented
+        kind = type(obj)
+        raise TypeError(
+            f"save_arrays: cannot save a {kind.__module__}.{kind.__qualname__}: only plain "
+            "containers (dict, list, tuple, set, str, bytes, int, float, bool, None), numpy "
+            "arrays (not subclasses) and numpy scalars"
+        )
+
+
+def _check_dtype(dtype: np.dtype) -> None:
+    if dtype.kind == "T":  # numpy 2's StringDType pickles through more than `_ALLOWED`
+        raise TypeError(f"save_arrays: cannot save an array of {dtype}")
+
+
+class _ArraysUnpickler(pickle.Unpickler):
+    """Reads back what `_ArraysPickler` wrote, building nothing but what `_ALLOWED` names: like
+    torch's weights_only, a file that names anything else (os.system, ...) fails to load."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in an arrays checkpoint")
+
+
+def _length(size: int) -> bytes:
+    return size.to_bytes(8, "little")
+
+
+def _arrays_save(state: Any, fd: int) -> _HashingFile:
+    """The arrays payload of `state` (see the module's docstring), at the file's offset: the
+    pickle stream holds no array's bytes, which go from their memory to the file."""
+    stream, buffers = io.BytesIO(), []
+    _ArraysPickler(stream, protocol=5, buffer_callback=buffers.append).dump(state)
+    out = _HashingFile(fd)
+    out.write(_length(stream.getbuffer().nbytes))
+    out.write(stream.getbuffer())
+    del stream
+    zeros = bytes(_ALIGN)
+    for buffer in buffers:
+        raw = buffer.raw()
+        out.write(_length(raw.nbytes))
+        out.write(zeros[: -out.size % _ALIGN])
+        out.write(raw)
+    out.flush()
+    return out
+
+
+def _arrays_load(payload: memoryview) -> Any:
+    """The state of an arrays payload: its arrays are views of `payload`'s own memory."""
+    end = len(payload)
+
+    def length(at: int) -> int:
+        if at + 8 > end:
+            raise ValueError("a length runs past the end of the payload")
+        return int.from_bytes(payload[at : at + 8], "little")
+
+    at = 8 + length(0)
+    if at > end:
+        raise ValueError("the pickle stream runs past the end of the payload")
+    stream, buffers = payload[8:at], []
+    while at < end:
+        size = length(at)
+        at += 8
+        at += -at % _ALIGN
+        if at + size > end:
+            raise ValueError("a buffer runs past the end of the payload")
+        buffers.append(payload[at : at + size])
+        at += size
+    return _ArraysUnpickler(io.BytesIO(stream), buffers=buffers).load()
+
+
+def _read_aligned(handle: io.FileIO) -> memoryview:
+    """The rest of the file, read into writable memory that starts at a multiple of _ALIGN."""
+    size = max(os.fstat(handle.fileno()).st_size - handle.tell(), 0)
+    memory = bytearray(size + _ALIGN - 1)
+    start = -ctypes.addressof(ctypes.c_char.from_buffer(memory)) % _ALIGN
+    view, got = memoryview(memory)[start : start + size], 0
+    while got < size and (count := handle.readinto(view[got:])):
+        got += count
+    return view[:got]
 
 
 def append_line(path: Path, line: bytes) -> None:
@@ -243,16 +391,31 @@ def _prune(paths: list[Path]) -> None:
 
 
 def save(directory: Path, round_: int, state: dict[str, Any]) -> Path:
-    """Write `state` as the checkpoint of `round_`: its header (the SHA-256 of what follows),
-    then its bytes, in one file (see the module's docstring for what is recycled or pruned)."""
+    """Write `state` (containers and tensors) as the checkpoint of `round_`: its header (the
+    SHA-256 of what follows), then torch.save's bytes, in one file (see the module's docstring
+    for what is recycled or pruned)."""
+    return _write_round(directory, round_, CHECKPOINT, _headed(_MAGIC, _torch_save, state))
+
+
+def save_arrays(directory: Path, round_: int, state: Any) -> Path:
+    """Write `state` (plain containers, numpy arrays and numpy scalars) as the checkpoint of
+    `round_`, without torch: its header, then its arrays payload (see the module's docstring).
+    `load` gives it back, its arrays writable; anything it could not, `state` holding any other
+    object, raises TypeError here and writes nothing."""
+    return _write_round(directory, round_, CHECKPOINT, _headed(_ARRAYS_MAGIC, _arrays_save, state))
+
+
+def _headed(magic: bytes, payload: Callable[[Any, int], _HashingFile], state: Any) -> Writer:
+    """A Writer of a checkpoint: the payload written after room for its header, then the
+    header, which holds the payload's SHA-256."""
 
     def write(fd: int) -> int:
         os.lseek(fd, _HEADER, os.SEEK_SET)
-        written = _torch_save(state, fd)
-        os.pwrite(fd, _MAGIC + written.sha256.hexdigest().encode() + b"\n", 0)
+        written = payload(state, fd)
+        os.pwrite(fd, magic + written.sha256.hexdigest().encode() + b"\n", 0)
         return _HEADER + written.size
 
-    return _write_round(directory, round_, CHECKPOINT, write)
+    return write
 
 
 def save_model(directory: Path, round_: int, state: dict[str, Any]) -> str:
@@ -330,30 +493,42 @@ def _files(directory: Path, create: bool = False) -> dict[int, Path]:
     return {int(m.group(1)): directory / n for n in names if (m := _NAME.match(n))}
 
 
-def load(directory: Path, round_: int, sha256: str | None = None) -> dict[str, Any]:
-    """The checkpoint of `round_`, after checking it against its header; or the model of
+def load(directory: Path, round_: int, sha256: str | None = None) -> Any:
+    """The checkpoint of `round_`, after checking it against its header: torch's kind (`save`)
+    with its tensors, the arrays kind (`save_arrays`) with numpy arrays. Or the model of
     `round_` (`save_model`), checked against `sha256` when it is given."""
     path = _existing(directory, round_)
     if path is None:
         expected = path_of(directory, round_, CHECKPOINT if sha256 is None else MODEL)
         raise CheckpointError(f"checkpoint {expected}: not found")
-    data = path.read_bytes()
-    if path.suffix == CHECKPOINT:
-        header, data = data[:_HEADER], data[_HEADER:]
-        if len(header) < _HEADER or not header.startswith(_MAGIC) or header[-1:] != b"\n":
-            raise CheckpointError(f"checkpoint {path}: partial (no complete header)")
-        sha256, source = header[len(_MAGIC) : -1].decode("ascii", "replace"), "its header"
-    else:
-        source = "the checkpoint that selected it"
+    decode: Callable[[Any], Any] = _torch_load
+    with open(path, "rb", buffering=0) as handle:
+        if path.suffix == CHECKPOINT:
+            header = handle.read(_HEADER)
+            magic = header[: len(_MAGIC)]
+            if len(header) < _HEADER or magic not in _KINDS or header[-1:] != b"\n":
+                raise CheckpointError(f"checkpoint {path}: partial (no complete header)")
+            sha256, source = header[len(_MAGIC) : -1].decode("ascii", "replace"), "its header"
+            read, decode = _KINDS[magic]
+            data = read(handle)
+        else:
+            data, source = handle.readall(), "the checkpoint that selected it"
     if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
         raise CheckpointError(f"checkpoint {path}: corrupted (its SHA-256 differs from {source})")
     try:
-        return torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as exc:  # a digest that matches, but bytes torch cannot read
+        return decode(data)
+    except Exception as exc:  # a digest that matches, but bytes that cannot be read back
         raise CheckpointError(f"checkpoint {path}: unreadable ({type(exc).__name__})") from None
 
 
-def load_latest(directory: Path) -> tuple[int, dict[str, Any]] | None:
+# What follows each kind's header: how to read it, and how to decode it.
+_KINDS: dict[bytes, tuple[Callable[[io.FileIO], Any], Callable[[Any], Any]]] = {
+    _MAGIC: (io.FileIO.readall, _torch_load),
+    _ARRAYS_MAGIC: (_read_aligned, _arrays_load),
+}
+
+
+def load_latest(directory: Path) -> tuple[int, Any] | None:
     """The newest good checkpoint; a newer partial or corrupted one is logged and skipped."""
     for round_ in reversed(rounds(directory)):
         try:

@@ -6,10 +6,15 @@ import hashlib
 import io
 import logging
 import os
+import pickle
+import subprocess
+import sys
+import textwrap
 import time
 import tracemalloc
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from plain_federation import federation, play_round
@@ -22,9 +27,13 @@ from silo_pfl.settings import load_config
 from silo_pfl.silo import SELECTED
 
 
-def _write(tmp_path, rounds):
+def _write(tmp_path, rounds, kind="torch"):
     for round_ in rounds:
-        checkpoint.save(tmp_path, round_, {"round": round_, "w": torch.full((3,), float(round_))})
+        if kind == "torch":
+            state = {"round": round_, "w": torch.full((3,), float(round_))}
+            checkpoint.save(tmp_path, round_, state)
+        else:
+            checkpoint.save_arrays(tmp_path, round_, {"round": round_, "w": np.full(3, round_)})
 
 
 def test_only_the_newest_checkpoints_are_kept_and_read_back_exactly(tmp_path):
@@ -128,8 +137,11 @@ def test_inside_a_block_a_large_file_starts_to_the_disk_as_it_is_written(tmp_pat
         assert (_sectors_written(tmp_path) - before) * 512 >= size
 
 
-def test_a_corrupted_checkpoint_is_named_and_the_previous_good_round_is_used(tmp_path, caplog):
-    _write(tmp_path, range(3))
+@pytest.mark.parametrize("kind", ["torch", "arrays"])
+def test_a_corrupted_checkpoint_is_named_and_the_previous_good_round_is_used(
+    tmp_path, caplog, kind
+):
+    _write(tmp_path, range(3), kind)
     newest = checkpoint.path_of(tmp_path, 2)
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -145,9 +157,10 @@ def test_a_corrupted_checkpoint_is_named_and_the_previous_good_round_is_used(tmp
     assert f"checkpoint {newest}: corrupted" in caplog.text
 
 
+@pytest.mark.parametrize("kind", ["torch", "arrays"])
 @pytest.mark.parametrize("keep", [0, 20, 90])
-def test_a_checkpoint_cut_inside_its_header_is_partial(tmp_path, caplog, keep):
-    _write(tmp_path, range(2))
+def test_a_checkpoint_cut_inside_its_header_is_partial(tmp_path, caplog, keep, kind):
+    _write(tmp_path, range(2), kind)
     newest = checkpoint.path_of(tmp_path, 1)
     newest.write_bytes(newest.read_bytes()[:keep])
     with pytest.raises(checkpoint.CheckpointError, match=r"round-000001.ckpt: partial \(no comp"):
@@ -213,6 +226,179 @@ def test_a_large_state_goes_to_its_file_without_a_copy_of_the_whole_in_memory(tm
     assert checkpoint.path_of(tmp_path, 1, checkpoint.MODEL).read_bytes() == payload
     assert digest == hashlib.sha256(payload).hexdigest()
     assert path.read_bytes() == b"silo_pfl checkpoint sha256=" + digest.encode() + b"\n" + payload
+
+
+def test_importing_the_module_and_saving_arrays_imports_no_torch(tmp_path):
+    """The server, which imports no torch (a second or two at its start), writes and reads its
+    checkpoints through this module: importing it, and saving and loading arrays, must not."""
+    script = textwrap.dedent(
+        """
+        import sys
+        from pathlib import Path
+
+        import numpy as np
+
+        from silo_pfl import checkpoint
+
+        directory = Path(sys.argv[1])
+        with checkpoint.durable_together():
+            checkpoint.save_arrays(directory, 1, {"w": np.arange(3.0), "round": 1})
+        checkpoint.save_arrays(directory, 2, {"w": np.arange(4.0), "round": 2})
+        assert checkpoint.load(directory, 1)["w"].tolist() == [0.0, 1.0, 2.0]
+        assert checkpoint.load_latest(directory)[1]["round"] == 2
+        imported = sorted(name for name in sys.modules if name.split(".")[0] == "torch")
+        print(len(imported), imported[:3])
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "0 []\n", f"torch was imported: {done.stdout}"
+
+
+def _same(expected, got):
+    """`got` is `expected` read back: the same types, dtypes, shapes and values; arrays
+    writable and 64-byte aligned."""
+    assert type(got) is type(expected)
+    if isinstance(expected, np.ndarray):
+        assert (got.dtype, got.shape) == (expected.dtype, expected.shape)
+        assert np.array_equal(got, expected)
+        assert got.flags.writeable and got.ctypes.data % 64 == 0
+    elif isinstance(expected, dict):
+        assert list(got) == list(expected)
+        for key in expected:
+            _same(expected[key], got[key])
+    elif isinstance(expected, list | tuple):
+        assert len(got) == len(expected)
+        for item, back in zip(expected, got, strict=True):
+            _same(item, back)
+    else:
+        assert got == expected
+        if isinstance(expected, np.generic):
+            assert got.dtype == expected.dtype
+
+
+def test_an_arrays_checkpoint_gives_back_writable_arrays_of_the_same_dtype_shape_values(tmp_path):
+    rng = np.random.default_rng(0)
+    state = {
+        "round": 7,
+        "global": {
+            "w": rng.standard_normal((64, 32)).astype(np.float32),
+            "counts": np.arange(10, dtype=np.int64),
+            "b": rng.standard_normal(5),
+            "big": rng.standard_normal(1 << 20),  # 8 MiB
+        },
+        "optimizer": {"step": np.array(3.5), "beta": np.float32(0.9), "t": np.int64(12)},
+        "flags": [np.bool_(True), True, None, "fedavg", b"\x00\xff", 1.25, (1, "two")],
+        "views": {
+            "strided": np.arange(24.0).reshape(4, 6)[:, ::2],  # made contiguous on the way
+            "fortran": np.asfortranarray(np.arange(6, dtype=np.int32).reshape(2, 3)),
+            "read_only": np.frombuffer(bytes(range(16)), dtype=np.uint8),  # comes back writable
+            "empty": np.zeros((0, 3), dtype=np.float32),
+            "records": np.array([(1, 2.0)], dtype=[("a", "<i4"), ("b", "<f8")]),
+        },
+        "driver": {"selector": {"va": [0.5, 3.0]}, "mlflow_run": None},
+    }
+    path = checkpoint.save_arrays(tmp_path, 7, state)
+    assert path == checkpoint.path_of(tmp_path, 7)
+    back = checkpoint.load(tmp_path, 7)
+    _same(state, back)
+    assert back["views"]["fortran"].flags.f_contiguous
+    back["global"]["big"][:] = 0.0  # writable in place, and of no effect on the file
+    assert np.array_equal(checkpoint.load(tmp_path, 7)["global"]["big"], state["global"]["big"])
+    assert checkpoint.load_latest(tmp_path)[0] == 7
+
+
+def test_save_arrays_refuses_what_it_could_not_read_back_and_writes_nothing(tmp_path):
+    class Custom:
+        pass
+
+    for wrong in (torch.ones(2), Custom(), np.ma.masked_array([1.0]), 1j, print):
+        with pytest.raises(TypeError, match=r"^save_arrays: cannot save a "):
+            checkpoint.save_arrays(tmp_path, 1, {"ok": np.ones(2), "wrong": [wrong]})
+    assert not list(tmp_path.iterdir())
+
+
+class _Evil:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_an_arrays_checkpoint_that_names_anything_but_numpy_s_own_is_unreadable(tmp_path):
+    """Like torch's weights_only: a pickle that would call os.system is refused, not run, even
+    though its SHA-256 matches its header."""
+    marker = tmp_path / "called"
+    stream = pickle.dumps({"w": _Evil(marker)}, protocol=5)
+    payload = len(stream).to_bytes(8, "little") + stream
+    digest = hashlib.sha256(payload).hexdigest().encode()
+    path = checkpoint.path_of(tmp_path, 1)
+    path.write_bytes(b"silo_pfl arrays     sha256=" + digest + b"\n" + payload)
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        checkpoint.load(tmp_path, 1)
+    assert str(info.value) == f"checkpoint {path}: unreadable (UnpicklingError)"
+    assert not marker.exists()
+
+
+def test_load_tells_the_two_kinds_apart_by_their_header(tmp_path):
+    """Callers load either kind alike; a file of either kind is recycled into the next."""
+    assert len(checkpoint._ARRAYS_MAGIC) == len(checkpoint._MAGIC)
+    checkpoint.save(tmp_path, 0, {"w": torch.ones(2)})
+    checkpoint.save_arrays(tmp_path, 1, {"w": np.ones(2)})
+    checkpoint.save(tmp_path, 2, {"w": torch.zeros(1000)})
+    inode = checkpoint.path_of(tmp_path, 0).stat().st_ino
+    checkpoint.save_arrays(tmp_path, 3, {"w": np.arange(3)})  # in round 0's torch file
+    assert checkpoint.path_of(tmp_path, 3).stat().st_ino == inode
+    assert checkpoint.rounds(tmp_path) == [1, 2, 3]
+    assert checkpoint.path_of(tmp_path, 3).read_bytes().startswith(b"silo_pfl arrays     sha256=")
+    assert isinstance(checkpoint.load(tmp_path, 1)["w"], np.ndarray)
+    assert isinstance(checkpoint.load(tmp_path, 2)["w"], torch.Tensor)
+    round_, state = checkpoint.load_latest(tmp_path)
+    assert round_ == 3 and state["w"].tolist() == [0, 1, 2]
+    checkpoint.save(tmp_path, 4, {"w": torch.full((2,), 4.0)})  # into round 1's arrays file
+    assert checkpoint.load(tmp_path, 4)["w"].tolist() == [4.0, 4.0]
+
+
+def test_arrays_go_to_their_file_and_back_without_a_copy_of_the_whole(tmp_path):
+    """Each array's bytes go from its memory to the file (pickle's out-of-band buffers), hashed
+    on the way; reading back allocates the file's size once, and the arrays are views of it.
+    The layout: the header, then the stream's length and the stream, then each buffer's length
+    and its bytes, starting at a multiple of 64 into the payload."""
+    state = {f"w{i}": np.random.default_rng(i).standard_normal(1 << 20) for i in range(2)}
+    size = sum(array.nbytes for array in state.values())  # 16 MiB
+    tracemalloc.start()
+    try:
+        path = checkpoint.save_arrays(tmp_path, 1, state)
+        _, saving = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        back = checkpoint.load(tmp_path, 1)
+        _, loading = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert saving < size / 8
+    assert loading < size * 1.25
+    _same(state, back)
+    data = path.read_bytes()
+    header, payload = data[: checkpoint._HEADER], data[checkpoint._HEADER :]
+    digest = hashlib.sha256(payload).hexdigest().encode()
+    assert header == b"silo_pfl arrays     sha256=" + digest + b"\n"
+    at = 8 + int.from_bytes(payload[:8], "little")
+    assert len(payload[8:at]) < 1000  # the stream: no array's bytes
+    for array in state.values():
+        length = int.from_bytes(payload[at : at + 8], "little")
+        at += 8
+        assert set(payload[at : at + -at % 64]) <= {0}
+        at += -at % 64
+        assert payload[at : at + length] == array.tobytes()
+        at += length
+    assert at == len(payload)
 
 
 def test_each_run_has_its_own_directory_and_resume_finds_the_latest(tmp_path):
