@@ -15,6 +15,7 @@ from silo_pfl.config import FederationConfig, to_dict
 from silo_pfl.data import silo_names
 from silo_pfl.results import RoundSummary
 from silo_pfl.server import Server
+from silo_pfl.server_start import new_server
 from silo_pfl.silo import Silo
 
 
@@ -44,7 +45,7 @@ def in_process_federation(cfg: FederationConfig) -> tuple[list[Silo], Server]:
     classes = max(info.num_classes for info in infos)
     for silo in silos:
         silo.build(infos[0].input_shape, classes)
-    return silos, Server(config, infos[0].input_shape, classes)
+    return silos, new_server(config, infos[0].input_shape, classes)
 
 
 class RoundClock(Callback):

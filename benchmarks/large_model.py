@@ -54,7 +54,7 @@ from silo_pfl.data import load_silo_data, silo_names
 from silo_pfl.federation import Federation
 from silo_pfl.messages import SiloUpdate
 from silo_pfl.runtime.packing import pack
-from silo_pfl.server import Server
+from silo_pfl.server_start import new_server
 from silo_pfl.settings import load_config
 from silo_pfl.silo import Silo
 
@@ -129,7 +129,7 @@ def model_inputs(cfg: FederationConfig) -> tuple[tuple[int, ...], int]:
 def plain_silos(cfg: FederationConfig, groups: list[list[str]]) -> dict[str, float]:
     """On the slowest worker: its silos' evaluations, commits and share of the data path."""
     config = to_dict(cfg)
-    start = ray.put(Server(config, *model_inputs(cfg)).global_state())
+    start = ray.put(new_server(config, *model_inputs(cfg)).global_state())
     seconds: dict[str, dict[str, float]] = {"evaluate": {}, "commit": {}, "data": {}}
     for name in silo_names(cfg.data):
         silo = Silo(config, name)
@@ -187,7 +187,7 @@ def plain_server(cfg: FederationConfig) -> dict[str, float]:
     updates read; in seconds, its checkpoint of a round, its two puts of the global state and
     getting the updates from the store and aggregating them."""
     config = to_dict(cfg)
-    server = Server(config, *model_inputs(cfg))
+    server = new_server(config, *model_inputs(cfg))
     names = silo_names(cfg.data)
     deltas = random_updates(server.global_state(), len(names))
     weights = [16 + i for i in range(len(names))]
@@ -226,7 +226,7 @@ def main() -> None:
         groups = pack(cfg, names, ray.cluster_resources().get("CPU", 1))
         rounds, training = federation(cfg, groups)
         outside = min(r - t for r, t in zip(rounds, training, strict=True))
-        start = Server(to_dict(cfg), *model_inputs(cfg)).global_state()
+        start = new_server(to_dict(cfg), *model_inputs(cfg)).global_state()
         states = [{k: v.copy() for k, v in start.items()} for _ in range(len(names) + 2)]
         moved = sum(v.nbytes for state in states for v in state.values())
         move = object_store_move(states)

@@ -5,16 +5,14 @@ from __future__ import annotations
 import io
 import logging
 import time
-from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from silo_pfl import checkpoint
 from silo_pfl.aggregation import State, flatten, unflatten, weighted_mean
-from silo_pfl.algorithms import build_algorithm
-from silo_pfl.data import silo_names
+from silo_pfl.config import merge_config
 from silo_pfl.messages import RoundReport, SiloUpdate
 from silo_pfl.round_log import RoundLog
 from silo_pfl.run_dir import server_dir
@@ -24,12 +22,19 @@ from silo_pfl.secure.identity import configured_keys
 from silo_pfl.secure.messages import Advertisement, Reveal, SealedShares
 from silo_pfl.secure.params import secure_params
 from silo_pfl.server_optimizers import ServerOptimizer
-from silo_pfl.settings import from_dict, split_rules
-from silo_pfl.silo import init_model
-from silo_pfl.split import compute_split
-from silo_pfl.strategy import Aggregate
+from silo_pfl.strategy import Aggregate, ServerStrategy
 
 log = logging.getLogger("silo_pfl.server")
+
+
+@dataclass(frozen=True)
+class ServerStart:
+    """What the server starts from, built where torch is (`server_start.server_start`)."""
+
+    state: State  # the initial global keys
+    parameters: frozenset[str]  # which of them are parameters (the server optimizer's to step)
+    strategy: ServerStrategy  # the algorithm's server part, over `state`
+    silos: tuple[str, ...]  # the federation's silos
 
 
 class Server:
@@ -43,31 +48,22 @@ class Server:
     ones still make a quorum (round.min_silos). Under aggregation.secure it runs the server's
     side of the protocol (`SecureAggregator`): it receives only masked vectors, and learns only
     the sum of the survivors' updates, once they have revealed the shares that unmask it.
+
+    It needs no torch: its model's initial global keys and its strategy come in `start`, and
+    its checkpoints are numpy's (`checkpoint.save_arrays`).
     """
 
-    def __init__(
-        self,
-        config: dict[str, Any],
-        input_shape: Sequence[int],
-        num_classes: int,
-        run_id: str = "default",
-    ) -> None:
-        self.cfg = from_dict(config)
-        model = init_model(self.cfg, tuple(input_shape), num_classes)
-        self.split = compute_split(model, split_rules(self.cfg))
-        state = model.state_dict()
-        self.state: State = {k: state[k].numpy().copy() for k in self.split.global_keys}
-        self.strategy = build_algorithm(self.cfg.algorithm, self.cfg.train).server_strategy(
-            self.state
-        )
-        parameters = {name for name, _ in model.named_parameters()} & set(self.state)
-        self.optimizer = ServerOptimizer(self.cfg.server, parameters)
+    def __init__(self, config: dict[str, Any], start: ServerStart, run_id: str = "default") -> None:
+        self.cfg = merge_config(config)  # validated by the driver; no registry is needed here
+        self.state: State = dict(start.state)
+        self.strategy = start.strategy
+        self.optimizer = ServerOptimizer(self.cfg.server, set(start.parameters))
         # Every update's delta and extras, flattened: what is averaged (and masked, under secure).
         self.flat_shapes = {
             k: v.shape for k, v in flatten(self.state, self._extras_of(self.state)).items()
         }
         self.masked_shape = (vector_length(self.flat_shapes),)  # of every update under secure
-        names = silo_names(self.cfg.data)
+        names = list(start.silos)
         self.enrolled = frozenset(names)
         self.protocol: SecureAggregator | None = None
         self.quorum = self.cfg.round.min_silos or len(self.enrolled)
@@ -291,13 +287,13 @@ class Server:
                 self.history.append(round_, driver["summary"])
             saved = {
                 "round": round_,
-                "global": _tensors(self.state),
-                "strategy": {k: _tensors(v) for k, v in self.strategy.state_dict().items()},
-                "optimizer": {k: _tensors(v) for k, v in self.optimizer.state_dict().items()},
+                "global": self.state,
+                "strategy": self.strategy.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
                 "driver": {k: v for k, v in driver.items() if k != "summary"},
                 "logged": self.history.rounds,
             }
-            checkpoint.save(self.dir, round_, saved)
+            checkpoint.save_arrays(self.dir, round_, saved)
 
     def resume(self) -> dict[str, Any]:
         """Load the newest good checkpoint; return the driver's part of it, with the history of
@@ -306,7 +302,7 @@ class Server:
         if found is None:
             raise checkpoint.CheckpointError(f"server: no good checkpoint in {self.dir}")
         round_, saved = found
-        loaded = {k: v.numpy() for k, v in saved["global"].items()}
+        loaded = _arrays(saved["global"])
         if set(loaded) != set(self.state) or any(
             loaded[k].shape != self.state[k].shape for k in loaded
         ):
@@ -341,9 +337,7 @@ def _finite(values: State) -> bool:
     return all(bool(np.isfinite(v).all()) for v in values.values())
 
 
-def _tensors(state: State) -> dict[str, torch.Tensor]:
-    return {k: torch.from_numpy(np.array(v)) for k, v in state.items()}
-
-
-def _arrays(state: dict[str, torch.Tensor]) -> State:
-    return {k: v.numpy() for k, v in state.items()}
+def _arrays(values: dict[str, Any]) -> State:
+    """Arrays as a checkpoint holds them; one written before the server stopped importing torch
+    holds tensors (`checkpoint.load` imports torch to read it)."""
+    return {k: v.numpy() if hasattr(v, "numpy") else v for k, v in values.items()}

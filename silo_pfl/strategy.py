@@ -5,6 +5,10 @@ of each named extra the algorithm's updates carry (SCAFFOLD's control-variate de
 `Aggregate`. Being a mean of sums, it is also what secure aggregation yields. The strategy turns
 it into the new global keys, through the server optimizer (server.optimizer), and may keep state
 of its own (control variates), checkpointed with the server and sent to the silos each round.
+
+Strategies live here, not in their algorithm's file: the server process imports no torch, and an
+algorithm's module does. The driver builds the strategy and hands it to the server
+(`server.ServerStart`), so a plugin's strategy works too, at the cost of its module's imports.
 """
 
 from __future__ import annotations
@@ -12,8 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
+
 from silo_pfl.aggregation import State
 from silo_pfl.server_optimizers import ServerOptimizer
+
+CONTROL_VARIATE = "control_variate"  # SCAFFOLD's extra
 
 
 @dataclass(frozen=True)
@@ -51,3 +59,29 @@ class ServerStrategy:
 
     def load_state_dict(self, saved: dict[str, State]) -> None:
         """Restore what `state_dict` returned."""
+
+
+class ControlVariates(ServerStrategy):
+    """SCAFFOLD's server part (algorithms.scaffold): the server's control variate c, broadcast
+    each round and moved by the participation-scaled mean of the silos' Delta c_i."""
+
+    extras = (CONTROL_VARIATE,)
+
+    def __init__(self, global_state: State) -> None:
+        super().__init__(global_state)
+        self.dtypes = {k: v.dtype for k, v in global_state.items()}
+        self.c: State = {k: np.zeros(v.shape, np.float64) for k, v in global_state.items()}
+
+    def apply(self, state: State, aggregate: Aggregate, optimizer: ServerOptimizer) -> State:
+        for key, change in aggregate.extras[CONTROL_VARIATE].items():
+            self.c[key] = self.c[key] + aggregate.participation * change
+        return optimizer.step(state, aggregate.delta)
+
+    def broadcast(self) -> dict[str, State]:
+        return {CONTROL_VARIATE: {k: v.astype(self.dtypes[k]) for k, v in self.c.items()}}
+
+    def state_dict(self) -> dict[str, State]:
+        return {"c": dict(self.c)}
+
+    def load_state_dict(self, saved: dict[str, State]) -> None:
+        self.c = dict(saved["c"])

@@ -8,6 +8,7 @@ import numpy as np
 from silo_pfl.config import to_dict
 from silo_pfl.messages import FitMetrics, RoundReport, SiloUpdate
 from silo_pfl.server import Server
+from silo_pfl.server_start import new_server
 from silo_pfl.silo import Silo
 
 SILOS = ("cleveland", "hungarian")
@@ -26,7 +27,7 @@ def federation(
     identities = {i.silo: i.identity_key for i in infos if i.identity_key}
     for silo in members:
         silo.build(infos[0].input_shape, infos[0].num_classes, identities)
-    return members, Server(config, infos[0].input_shape, infos[0].num_classes)
+    return members, new_server(config, infos[0].input_shape, infos[0].num_classes)
 
 
 def fit_all(

@@ -30,7 +30,7 @@ from silo_pfl.callbacks import Callback
 from silo_pfl.config import to_dict
 from silo_pfl.errors import DataError
 from silo_pfl.federation import Federation
-from silo_pfl.server import Server
+from silo_pfl.server_start import new_server
 from silo_pfl.settings import load_config
 from silo_pfl.silo import Silo
 from silo_pfl.tracking.exporter import LocalExporter
@@ -119,7 +119,7 @@ def test_nothing_a_silo_returns_holds_a_canary(tmp_path):
     handed_out = [silo.setup() for silo in silos]
     shape, classes = handed_out[0].input_shape, handed_out[0].num_classes
     handed_out += [silo.build(shape, classes) for silo in silos]
-    server = Server(config, shape, classes)
+    server = new_server(config, shape, classes)
     for silo in silos:
         silo.attach({"local": LocalExporter()})
     for round_ in range(1, ROUNDS + 1):

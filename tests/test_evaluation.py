@@ -11,6 +11,7 @@ import torch
 from silo_pfl.config import to_dict
 from silo_pfl.data import silo_names
 from silo_pfl.server import Server
+from silo_pfl.server_start import new_server
 from silo_pfl.silo import Silo
 from silo_pfl.training import evaluate, evaluate_parts
 
@@ -24,7 +25,7 @@ def built_silo(job) -> tuple[Silo, Server]:
     silo = Silo(config, silo_names(cfg.data)[0])
     info = silo.setup()
     silo.build(info.input_shape, info.num_classes)
-    return silo, Server(config, info.input_shape, info.num_classes)
+    return silo, new_server(config, info.input_shape, info.num_classes)
 
 
 def test_each_part_scores_as_evaluate_scores_it_alone(job):

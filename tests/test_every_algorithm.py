@@ -14,7 +14,7 @@ from silo_pfl.algorithms import ALGORITHMS
 from silo_pfl.config import to_dict
 from silo_pfl.data import silo_names
 from silo_pfl.errors import ConfigError
-from silo_pfl.server import Server
+from silo_pfl.server_start import new_server
 from silo_pfl.silo import Silo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def test_every_algorithm_runs_on_every_job_or_refuses_in_one_line(
         shape, classes = infos[0].input_shape, max(i.num_classes for i in infos)
         for silo in silos:
             silo.build(shape, classes)
-        server = Server(config, shape, classes)
+        server = new_server(config, shape, classes)
         state, broadcast = server.global_state(), server.broadcast()
         updates = [silo.fit(state, 1, 1, broadcast)[0] for silo in silos]
         assert server.aggregate(*updates).aggregated, (name, algorithm)

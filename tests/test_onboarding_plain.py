@@ -10,7 +10,7 @@ from silo_pfl.algorithms import ALGORITHMS
 from silo_pfl.config import to_dict
 from silo_pfl.errors import ConfigError
 from silo_pfl.onboarding import alone_config, joining_config
-from silo_pfl.server import Server
+from silo_pfl.server_start import new_server
 from silo_pfl.silo import Silo
 from silo_pfl.tracking.trained_run import TrainedRun
 
@@ -21,7 +21,7 @@ SHAPE, CLASSES = (13,), 2
 def _trained(job, *overrides: str) -> TrainedRun:
     """A 'trained' federation without the late hospital va: its initial global keys will do."""
     cfg = job(JOB, "data.late_silos=[va]", "tracking.enabled=false", *overrides)
-    server = Server(to_dict(cfg), SHAPE, CLASSES)
+    server = new_server(to_dict(cfg), SHAPE, CLASSES)
     founders = {"cleveland": {"test_accuracy": 0.8}, "hungarian": {"test_accuracy": 0.7}}
     state = {k: np.array(v) for k, v in server.global_state().items()}
     return TrainedRun("run-1", to_dict(cfg), SHAPE, CLASSES, state, {"silos": founders})

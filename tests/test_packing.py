@@ -14,7 +14,7 @@ from silo_pfl.config import to_dict
 from silo_pfl.errors import ConfigError
 from silo_pfl.federation import Federation
 from silo_pfl.runtime.packing import pack
-from silo_pfl.server import Server
+from silo_pfl.server_start import new_server
 from silo_pfl.silo import CHECKPOINTS, SELECTED
 from silo_pfl.silo_group import SiloGroup
 
@@ -58,7 +58,7 @@ def _rounds(groups: list[SiloGroup], config: dict, rounds: int, order: tuple) ->
     infos = [where[n].call(n, "setup") for n in order]
     for name in order:
         where[name].call(name, "build", infos[0].input_shape, infos[0].num_classes)
-    server = Server(config, infos[0].input_shape, infos[0].num_classes)
+    server = new_server(config, infos[0].input_shape, infos[0].num_classes)
     seen: dict[str, list] = {name: [] for name in order}
     for round_ in range(1, rounds + 1):
         state = server.global_state()

@@ -12,7 +12,7 @@ from plain_federation import aggregate, fit_all
 
 from silo_pfl.config import to_dict
 from silo_pfl.messages import SiloUpdate
-from silo_pfl.server import Server
+from silo_pfl.server_start import new_server
 from silo_pfl.silo import Silo
 
 
@@ -59,7 +59,7 @@ def test_nothing_a_silo_hands_out_holds_a_local_key(job, algorithm, model, sourc
     shape, classes = handed_out[0].input_shape, handed_out[0].num_classes
     keys = {info.silo: info.identity_key for info in handed_out if info.identity_key}
     handed_out += [silo.build(shape, classes, keys) for silo in silos]
-    server = Server(config, shape, classes)
+    server = new_server(config, shape, classes)
     local_keys = set(silos[0].split.local_keys)
     assert local_keys, "the algorithm under test keeps some keys local"
     global_state = server.global_state()
@@ -97,7 +97,7 @@ def test_server_refuses_an_update_with_a_local_key(job):
     silo = Silo(config, "hungarian")
     info = silo.setup()
     silo.build(info.input_shape, info.num_classes)
-    server = Server(config, info.input_shape, info.num_classes)
+    server = new_server(config, info.input_shape, info.num_classes)
     update, _ = silo.fit(server.global_state(), 1)
     leaked = {**update.delta, "head.weight": np.zeros((2, 32), dtype=np.float32)}
     report = server.aggregate(SiloUpdate("hungarian", 1, update.num_examples, leaked))

@@ -7,14 +7,16 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
+import torch
 from plain_federation import federation, play_round
 
 from silo_pfl import checkpoint
 from silo_pfl.config import to_dict
 from silo_pfl.results import RoundSummary
 from silo_pfl.round_log import RoundLog
-from silo_pfl.server import Server
+from silo_pfl.server_start import new_server
 
 HOSPITALS = ("cleveland", "hungarian", "switzerland", "va")
 
@@ -51,7 +53,7 @@ def test_a_server_checkpoint_holds_one_summary_a_round_and_resume_reads_them_all
     saved = checkpoint.load(server.dir, 3)
     assert saved["driver"] == {"selector": {"*": [0.5, -1.0]}}, "no history in the checkpoint"
     assert saved["logged"] == 3
-    resumed = Server(to_dict(server.cfg), (13,), 2)
+    resumed = new_server(to_dict(server.cfg), (13,), 2)
     driver = resumed.resume()
     assert driver["selector"] == {"*": [0.5, -1.0]}
     assert _same(driver["history"], [_summary(r) for r in (1, 2, 3)])
@@ -68,7 +70,7 @@ def test_resume_cuts_off_a_round_logged_after_the_last_good_checkpoint(job, tmp_
     server.history.append(3, _summary(3))  # the crash came before checkpoint 3
     with server.history.path.open("ab") as log:
         log.write(b'{"round": 4, "summ')
-    resumed = Server(to_dict(server.cfg), (13,), 2)
+    resumed = new_server(to_dict(server.cfg), (13,), 2)
     assert [s["round"] for s in resumed.resume()["history"]] == [1, 2]
     for silo in silos:
         silo.restore(2)
@@ -98,15 +100,18 @@ def test_a_round_is_logged_only_after_the_one_before(tmp_path):
 
 
 def test_a_checkpoint_from_before_the_log_resumes_with_its_own_history(job, tmp_path):
-    """Older checkpoints carried the whole history in their driver part, and no log."""
+    """Older checkpoints carried the whole history in their driver part, and no log, and held
+    torch's tensors (the server imported torch then)."""
     silos, server = federation(job, "fedavg", f"output_dir={tmp_path}", silos=HOSPITALS)
     play_round(silos, server, 1, commit=True)
     server.checkpoint(1, {"summary": _summary(1)})
     saved = checkpoint.load(server.dir, 1)
     del saved["logged"]
     saved["driver"] = {"history": [_summary(1)], "selector": {}}
+    saved["global"] = {k: torch.from_numpy(v) for k, v in saved["global"].items()}
     server.history.path.unlink()
     checkpoint.save(server.dir, 1, saved)
-    resumed = Server(to_dict(server.cfg), (13,), 2)
+    resumed = new_server(to_dict(server.cfg), (13,), 2)
     assert _same(resumed.resume()["history"], [_summary(1)])
+    assert all(np.array_equal(resumed.state[k], v.numpy()) for k, v in saved["global"].items())
     assert _same(RoundLog(resumed.dir).read(1), [_summary(1)])

@@ -47,7 +47,7 @@ def _run(tmp_path: Path, *overrides: str) -> tuple[FederationResult, Path]:
 
 def _global(run_dir: Path, round_: int) -> dict[str, np.ndarray]:
     saved = checkpoint.load(run_dir / "server", round_)["global"]
-    return {k: v.numpy().astype(np.float64) for k, v in saved.items()}
+    return {k: v.astype(np.float64) for k, v in saved.items()}
 
 
 def _assert_exact_sum(result: FederationResult, record: Path, round_: int, included) -> None:

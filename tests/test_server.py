@@ -11,6 +11,7 @@ import pytest
 from silo_pfl.config import to_dict
 from silo_pfl.messages import SiloUpdate
 from silo_pfl.server import Server
+from silo_pfl.server_start import new_server
 from silo_pfl.silo import Silo
 
 
@@ -22,14 +23,14 @@ def _round_one(job, *overrides: str) -> tuple[Server, list[SiloUpdate]]:
         silo = Silo(config, name)
         info = silo.setup()
         silo.build(info.input_shape, info.num_classes)
-        server = Server(config, info.input_shape, info.num_classes)
+        server = new_server(config, info.input_shape, info.num_classes)
         updates.append(silo.fit(server.global_state(), 1)[0])
     return server, updates
 
 
 def _fresh(server: Server) -> Server:
     """Another server of the same federation, at round 0."""
-    return Server(to_dict(server.cfg), (13,), 2)
+    return new_server(to_dict(server.cfg), (13,), 2)
 
 
 @pytest.fixture
@@ -120,7 +121,7 @@ def test_an_update_over_the_norm_bound_is_rejected(job):
     larger = max(norms, key=norms.get)
     bound_key = f"aggregation.max_update_norm={bound}"
     bounded_cfg = job("jobs/heart_disease.yaml", "round.min_silos=1", bound_key)
-    bounded = Server(to_dict(bounded_cfg), (13,), 2)
+    bounded = new_server(to_dict(bounded_cfg), (13,), 2)
     report = bounded.aggregate(hungarian, va)
     assert f"exceeds aggregation.max_update_norm={bound:g}" in report.rejected[larger]
     assert report.accepted == tuple(n for n in ("hungarian", "va") if n != larger)

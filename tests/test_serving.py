@@ -12,7 +12,7 @@ import torch
 from serving import predict, served
 
 from silo_pfl.config import to_dict
-from silo_pfl.server import Server
+from silo_pfl.server_start import new_server
 from silo_pfl.settings import load_config
 from silo_pfl.silo import Silo, init_model
 from silo_pfl.tracking.exporter import MlflowExporter
@@ -26,7 +26,7 @@ def _registered_silo(
     node = Silo(to_dict(cfg), silo)
     info = node.setup()
     node.build(info.input_shape, info.num_classes)
-    server = Server(to_dict(cfg), info.input_shape, info.num_classes)
+    server = new_server(to_dict(cfg), info.input_shape, info.num_classes)
     node.attach({"mlflow": MlflowExporter(store, "tracking.uri", cfg.name, "-")})
     for round_ in (1, 2):
         update, _ = node.fit(server.global_state(), round_)

@@ -11,7 +11,7 @@ from plain_federation import federation, play_round
 from silo_pfl.aggregation import weighted_mean
 from silo_pfl.config import to_dict
 from silo_pfl.errors import ConfigError
-from silo_pfl.server import Server
+from silo_pfl.server_start import new_server
 from silo_pfl.silo import Silo
 from silo_pfl.split import PrivacyError
 
@@ -98,7 +98,7 @@ def test_the_servers_state_is_checkpointed_and_resumes_bit_exactly(job, algorith
     server.checkpoint(2, {})
     play_round(silos, server, 3, commit=True)
     after = server.global_state(), server.broadcast()
-    resumed = Server(to_dict(server.cfg), (13,), 2)
+    resumed = new_server(to_dict(server.cfg), (13,), 2)
     resumed.resume()
     for silo in silos:
         silo.restore(2)

@@ -14,7 +14,7 @@ from mlflow import MlflowClient
 
 from silo_pfl.cli import main
 from silo_pfl.config import to_dict
-from silo_pfl.server import Server
+from silo_pfl.server_start import new_server
 from silo_pfl.settings import load_config
 from silo_pfl.silo import Silo
 from silo_pfl.tracking.exporter import MlflowExporter
@@ -86,7 +86,7 @@ def _trained_silo(tmp_path, silo: str) -> Silo:
     node = Silo(to_dict(cfg), silo)
     info = node.setup()
     node.build(info.input_shape, info.num_classes)
-    server = Server(to_dict(cfg), info.input_shape, info.num_classes)
+    server = new_server(to_dict(cfg), info.input_shape, info.num_classes)
     for round_ in (1, 2):
         update, _ = node.fit(server.global_state(), round_)
         assert server.aggregate(update).aggregated

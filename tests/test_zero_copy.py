@@ -14,6 +14,7 @@ from silo_pfl.algorithms import ALGORITHMS
 from silo_pfl.config import to_dict
 from silo_pfl.data import silo_names
 from silo_pfl.server import Server
+from silo_pfl.server_start import new_server
 from silo_pfl.silo import Silo
 from silo_pfl.training import copy_into
 
@@ -41,7 +42,7 @@ def federation(job, algorithm: str) -> tuple[list[Silo], Server]:
     classes = max(info.num_classes for info in infos)
     for silo in silos:
         silo.build(infos[0].input_shape, classes)
-    return silos, Server(config, infos[0].input_shape, classes)
+    return silos, new_server(config, infos[0].input_shape, classes)
 
 
 def test_the_silo_keeps_the_received_arrays_in_place_and_copies_them_once_into_its_model(job):

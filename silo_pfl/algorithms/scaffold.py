@@ -17,42 +17,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from silo_pfl.aggregation import State
 from silo_pfl.algorithms import register
 from silo_pfl.algorithms.base import Algorithm, SiloTrainer
 from silo_pfl.config import FederationConfig
 from silo_pfl.errors import ConfigError
-from silo_pfl.server_optimizers import ServerOptimizer
-from silo_pfl.strategy import Aggregate, ServerStrategy
+from silo_pfl.strategy import CONTROL_VARIATE as EXTRA
+from silo_pfl.strategy import ControlVariates
 from silo_pfl.training import shared_tensor
 
-EXTRA = "control_variate"
 PREFIX = "scaffold.c."
-
-
-class ScaffoldStrategy(ServerStrategy):
-    """The server's control variate c: broadcast each round, moved by the silos' Delta c_i."""
-
-    extras = (EXTRA,)
-
-    def __init__(self, global_state: State) -> None:
-        super().__init__(global_state)
-        self.dtypes = {k: v.dtype for k, v in global_state.items()}
-        self.c: State = {k: np.zeros(v.shape, np.float64) for k, v in global_state.items()}
-
-    def apply(self, state: State, aggregate: Aggregate, optimizer: ServerOptimizer) -> State:
-        for key, change in aggregate.extras[EXTRA].items():
-            self.c[key] = self.c[key] + aggregate.participation * change
-        return optimizer.step(state, aggregate.delta)
-
-    def broadcast(self) -> dict[str, State]:
-        return {EXTRA: {k: v.astype(self.dtypes[k]) for k, v in self.c.items()}}
-
-    def state_dict(self) -> dict[str, State]:
-        return {"c": dict(self.c)}
-
-    def load_state_dict(self, saved: dict[str, State]) -> None:
-        self.c = dict(saved["c"])
 
 
 @register
@@ -60,7 +33,7 @@ class Scaffold(Algorithm):
     """FedAvg's local SGD, corrected by control variates; Delta c_i travels with the delta."""
 
     name = "scaffold"
-    Strategy = ScaffoldStrategy
+    Strategy = ControlVariates
 
     def __init__(self, params, train) -> None:
         super().__init__(params, train)

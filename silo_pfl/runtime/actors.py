@@ -20,13 +20,11 @@ from silo_pfl import checkpoint
 from silo_pfl.config import FederationConfig
 from silo_pfl.config_views import actor_view
 from silo_pfl.errors import FederationError, SiloPflError, typed_line
-from silo_pfl.messages import CallFailed, RoundReport, SiloUpdate
+from silo_pfl.messages import CallFailed
 from silo_pfl.runtime import host_pool
-from silo_pfl.runtime.metrics import ServerMetrics, SiloMetrics
+from silo_pfl.runtime.metrics import SiloMetrics
 from silo_pfl.runtime.placement import actor_options, server_selector, silo_selector
-from silo_pfl.secure.aggregator import SecureRoundError
-from silo_pfl.secure.messages import Advertisement, Reveal, SealedShares
-from silo_pfl.server import Server
+from silo_pfl.runtime.server_host import ServerHost
 from silo_pfl.silo_group import API, SiloGroup
 
 # Actor id (hex) -> what it is ("silo va", "the server"), so a death can be reported by name.
@@ -207,81 +205,6 @@ class _SiloMethod:
 
     def options(self, **options: Any) -> _SiloMethod:
         return _SiloMethod(self.actor_method.options(**options), self.silo, self.first)
-
-
-class ServerHost:
-    """The server in a Ray worker: it starts as soon as the run does, and builds the model once
-    the silos have told the driver its input shape and classes. Like a silo worker it is opened
-    for a run and closed after it."""
-
-    def __init__(self) -> None:
-        self.config: dict[str, Any] = {}
-        self.run_id = ""
-        self.metrics: ServerMetrics | None = None
-        self.server: Any = None
-
-    def open(
-        self,
-        config: dict[str, Any],
-        run_id: str = "default",
-        metric_tags: dict[str, str] | None = None,
-    ) -> None:
-        self.config, self.run_id, self.server = config, run_id, None
-        self.metrics = ServerMetrics(metric_tags) if metric_tags is not None else None
-
-    def close(self) -> None:
-        self.config, self.server, self.metrics = {}, None, None
-        gc.collect()
-
-    def build(self, input_shape: Sequence[int], num_classes: int) -> None:
-        self.server = Server(self.config, tuple(input_shape), num_classes, self.run_id)
-
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
-
-    def global_state(self) -> Any:
-        return self.server.global_state()
-
-    def broadcast(self) -> Any:
-        return self.server.broadcast()
-
-    def aggregate(self, *updates: SiloUpdate) -> tuple[RoundReport, Any, Any]:
-        """The round's report, and what the next step reads (call with num_returns=3): the
-        global keys and the strategy's broadcast as they now are, aggregated or not."""
-        return self._reported(self.server.aggregate(*updates))
-
-    def unmask(self, *reveals: Reveal) -> tuple[RoundReport, Any, Any]:
-        """Secure aggregation's last step; returns like `aggregate`."""
-        return self._reported(self.server.unmask(*reveals))
-
-    def _reported(self, report: RoundReport) -> tuple[RoundReport, Any, Any]:
-        if self.metrics is not None and report.unmask is None:
-            self.metrics.aggregated(report)
-        return report, self.server.global_state(), self.server.broadcast()
-
-    def enroll(self, round_: int, attempt: int, adverts: list[Advertisement]) -> str:
-        """Secure aggregation, step 1; '' or why the attempt cannot go on."""
-        try:
-            self.server.enroll(round_, attempt, adverts)
-        except SecureRoundError as exc:
-            return str(exc)
-        return ""
-
-    def route(self, bundles: list[SealedShares]) -> dict[str, dict[str, bytes]] | str:
-        """Secure aggregation, step 2: the silos' inboxes, or why the attempt cannot go on."""
-        try:
-            return self.server.route(bundles)
-        except SecureRoundError as exc:
-            return str(exc)
-
-    def checkpoint(self, round_: int, driver: dict[str, Any]) -> None:
-        self.server.checkpoint(round_, driver)
-
-    def resume(self) -> dict[str, Any]:
-        return self.server.resume()
-
-    def state_bytes(self) -> bytes:
-        return self.server.state_bytes()
 
 
 def start_silos(

@@ -37,6 +37,7 @@ from silo_pfl.runtime.rounds import Party, Rejoin, RoundRunner
 from silo_pfl.runtime.session import ray_session
 from silo_pfl.secure.identity import relayed
 from silo_pfl.selection import Selector
+from silo_pfl.server_start import server_start
 
 GLOBAL_STATE_FILE = "global_state.npz"
 
@@ -107,10 +108,13 @@ class Orchestrator:
                 resuming = bool(self.resume)
                 infos = self._each(actors, names, "setup", "silo set-up", resuming)
                 input_shape, num_classes = model_shape(infos)
-                built = server.build.remote(input_shape, num_classes)
                 identity_keys = relayed(self.cfg, {i.silo: i.identity_key for i in infos})
-                split: SplitInfo = self._each(
-                    actors, names, "build", "silo model", input_shape, num_classes, identity_keys
+                models = [
+                    actors[n].build.remote(input_shape, num_classes, identity_keys) for n in names
+                ]
+                built = server.build.remote(server_start(self.cfg, input_shape, num_classes))
+                split: SplitInfo = get(
+                    models, "silo model", self.timeout, [f"silo {n}" for n in names]
                 )[0]
                 get(built, "the server's model", self.timeout)
                 silos = {n: actors[n] for n in names}
