@@ -2,7 +2,7 @@
 
 numpy only: the server process does not import torch. The weighted mean works the keys of one
 dtype as one vector, block by block: each block of an update is read once from memory into a
-float64 temporary that stays in the core's cache, and a long vector is cut into slices over the
+temporary that stays in the core's cache, and a long vector is cut into slices over the
 process's cores (`silo_pfl.slices`; numpy lets go of the GIL on each block). Every value is
 worked on its own, so the bits depend neither on the blocks nor on the threads.
 """
@@ -20,25 +20,26 @@ from silo_pfl.slices import CORES, for_slices
 
 State = dict[str, np.ndarray]
 
-SLICE = 1 << 16  # values: slices of a long vector start at multiples of this (whole blocks)
+SLICE = 1 << 17  # values: slices of a long vector start at multiples of this (whole blocks)
 THREADED_VALUES = 1 << 18  # a vector of at least this many values is shared out over the cores
-BLOCK = 1 << 16  # values per step: the float64 temporary (512 KiB a thread) stays in L2
+BLOCK = 1 << 17  # values per step: a thread's temporary (512 KiB of float32) stays in L2
 
 
 def weighted_mean(deltas: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]) -> State:
     """Per key, sum_i (w_i / sum_j w_j) * delta_i, in the given order.
 
-    A float32 (or float16) key is accumulated in its own dtype, rounded as one fused multiply-add
-    per value and update would be: acc = dtype(float64(acc) + scale * float64(delta)), with
-    scale = w_i / sum_j w_j rounded to the key's dtype. The product is exact in float64 (24-bit by
-    24-bit mantissas), the sum is rounded in float64 and then to float32, so the result is the
-    same on any number of threads. float32's relative error, about N * 6e-8 over N silos, is far
-    below any update's noise. float64 keys are accumulated in float64 (product and sum rounded
-    each), and so are integer keys (BatchNorm's batch counters), converted as they are read.
+    A float32 key is accumulated in float32: acc = f32(acc + f32(scale * delta)), with scale =
+    w_i / sum_j w_j rounded to float32, two roundings per value and update, the same on any
+    number of threads. Its relative error, about 2N * 6e-8 over N silos, is far below any
+    update's noise, and float32 arithmetic runs at memory speed where float64's would not. A
+    float16 key is accumulated in its own dtype as one fused multiply-add would round it (the
+    product exact in float64, the sum rounded in float64, then to float16). float64 keys are
+    accumulated in float64, and so are integer keys (BatchNorm's batch counters), converted as
+    they are read.
 
     The keys that accumulate in one dtype are laid end to end in one result vector (each key's
     mean is a view of it), worked `BLOCK` values at a time: for each block, each update in turn
-    is scaled into a float64 temporary (a block of several small keys is gathered into it first)
+    is scaled into a temporary (a block of several small keys is gathered into it first)
     and added, so the many small keys of a model cost a few numpy calls per block and update, not
     per key, and nothing of an update's size is allocated. Each delta is read once, where it is
     (Ray's read-only arrays are fine; the inputs are never written); a non-contiguous one is
@@ -58,9 +59,9 @@ def weighted_mean(deltas: Sequence[Mapping[str, np.ndarray]], weights: Sequence[
     means: State = {}
     for dtype, keys in groups.items():
         starts = [0, *itertools.accumulate(math.prod(shapes[key]) for key in keys)]
-        flat = np.zeros(starts[-1], dtype)
+        flat = np.empty(starts[-1], dtype)  # the first update writes every value
         sources = [[np.asarray(delta[key]).reshape(-1) for key in keys] for delta in deltas]
-        wide = np.promote_types(dtype, np.float64)
+        wide = _working(dtype)
         scales = [wide.type(dtype.type(weight / total)) for weight in weights]
         work = _blocks(flat, starts, sources, scales)
         if flat.size >= THREADED_VALUES:
@@ -77,6 +78,12 @@ def _accumulator(dtype: np.dtype) -> np.dtype:
     return dtype if dtype.kind == "f" else np.dtype(np.float64)
 
 
+def _working(dtype: np.dtype) -> np.dtype:
+    """The dtype a key's products and sums are taken in: float32 in float32 (numpy's fastest,
+    at memory speed), any other in float64 or wider."""
+    return dtype if dtype == np.float32 else np.promote_types(dtype, np.float64)
+
+
 def _blocks(
     flat: np.ndarray,
     starts: list[int],
@@ -85,9 +92,9 @@ def _blocks(
 ) -> Callable[[int, int], None]:
     """work(first, end): flat[first:end] += scales[i] * (update i's keys laid end to end, as cut
     at `starts`)[first:end] for each update i in order, one block of `BLOCK` values after the
-    other, in a float64 (or wider) temporary of the thread's own; flat is rounded to its dtype
-    after each update if that is narrower."""
-    wide = np.promote_types(flat.dtype, np.float64)
+    other, in a temporary of the thread's own in the working dtype (`_working`); flat is rounded
+    to its dtype after each update if that is narrower."""
+    wide = _working(flat.dtype)
     narrow = wide != flat.dtype
 
     def work(first: int, end: int) -> None:
@@ -96,18 +103,21 @@ def _blocks(
             high = min(end, low + BLOCK)
             acc, tmp = flat[low:high], temporary[: high - low]
             pieces = _pieces(starts, low, high)
-            for update, scale in zip(sources, scales, strict=True):
+            for i, (update, scale) in enumerate(zip(sources, scales, strict=True)):
+                direct = i == 0 and not narrow  # the first update's product is the sum so far
+                out = acc if direct else tmp
                 if len(pieces) == 1:
                     key, lo, hi = pieces[0]
-                    np.multiply(update[key][lo:hi], scale, out=tmp, dtype=wide)
+                    np.multiply(update[key][lo:hi], scale, out=out, dtype=wide)
                 else:
                     parts = [update[key][lo:hi] for key, lo, hi in pieces]
-                    np.concatenate(parts, out=tmp, casting="same_kind")
-                    np.multiply(tmp, scale, out=tmp)
+                    np.concatenate(parts, out=out, casting="same_kind")
+                    np.multiply(out, scale, out=out)
                 if narrow:
-                    np.add(tmp, acc, out=tmp)
+                    if i:
+                        np.add(tmp, acc, out=tmp)
                     np.copyto(acc, tmp, casting="same_kind")
-                else:
+                elif not direct:
                     np.add(acc, tmp, out=acc)
 
     return work

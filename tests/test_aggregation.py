@@ -1,7 +1,7 @@
 """Aggregation weights, on known numbers; the weighted mean and the step on resnet18-sized
-updates: in numpy, without torch, one fused multiply-add's rounding per value and update in the
-key's dtype, bit for bit on any number of threads and any block size, within float32's rounding
-of the float64 formula, with no temporaries of an update's size."""
+updates: in numpy, without torch, float32 accumulated in float32 (a rounding of the product and
+one of the sum per value and update), bit for bit on any number of threads and any block size,
+within float32's rounding of the float64 formula, with no temporaries of an update's size."""
 
 import subprocess
 import sys
@@ -71,19 +71,16 @@ def formula(deltas, weights):
     return mean
 
 
-def fused_float32(deltas, weights, key):
-    """What one rounding per value and update gives: acc = round32(acc + scale32 * delta), with
-    the product exact and the sum rounded once more in float64 first (float64 holds the product
-    exactly; its rounding of the sum agrees with float32's here)."""
+def float32_sums(deltas, weights, key):
+    """What float32 arithmetic gives: acc = f32(acc + f32(scale32 * delta)), update by update."""
     total = float(sum(weights))
     acc = np.zeros(np.shape(deltas[0][key]), dtype=np.float32)
     for delta, weight in zip(deltas, weights, strict=True):
-        scale = np.float64(np.float32(weight / total))
-        acc = (acc.astype(np.float64) + scale * delta[key].astype(np.float64)).astype(np.float32)
+        acc = acc + np.float32(weight / total) * delta[key]
     return acc
 
 
-def test_weighted_mean_rounds_once_per_update_in_float32_near_the_float64_formula(
+def test_weighted_mean_sums_in_float32_near_the_float64_formula(
     resnet18_updates,
 ):
     _, updates = resnet18_updates
@@ -95,7 +92,7 @@ def test_weighted_mean_rounds_once_per_update_in_float32_near_the_float64_formul
         assert mean[key].shape == value.shape
         if updates[0][key].dtype == np.float32:
             assert mean[key].dtype == np.float32
-            assert np.array_equal(mean[key], fused_float32(updates, weights, key)), key
+            assert np.array_equal(mean[key], float32_sums(updates, weights, key)), key
             np.testing.assert_allclose(mean[key], value, rtol=1e-6, atol=1e-7)
         else:  # the integer batch counters, in float64
             assert mean[key].dtype == np.float64
@@ -120,9 +117,13 @@ def test_the_weighted_mean_shared_out_over_cores_is_the_same_bits(
         assert np.array_equal(mean[key], value), key
 
 
-def fused(deltas, weights, key):
-    """`fused_float32` for a float32 or float16 key, or the float64 formula for any other."""
+def rounded(deltas, weights, key):
+    """`float32_sums` for a float32 key; for a float16 key one fused multiply-add's rounding per
+    update (the product exact and the sum rounded in float64, then to float16); the float64
+    formula for any other."""
     dtype = np.asarray(deltas[0][key]).dtype
+    if dtype == np.float32:
+        return float32_sums(deltas, weights, key)
     if dtype.kind != "f" or dtype.itemsize == 8:
         return formula([{key: d[key]} for d in deltas], weights)[key]
     total = float(sum(weights))
@@ -181,7 +182,7 @@ def test_keys_of_every_size_and_dtype_across_blocks_and_threads(
     mean = weighted_mean(updates, weights)
     assert list(mean) == list(SHAPES)
     for key, shape in SHAPES.items():
-        expected = fused(updates, weights, key)
+        expected = rounded(updates, weights, key)
         assert mean[key].shape == shape and mean[key].dtype == expected.dtype, key
         if expected.dtype.itemsize < 8:
             assert mean[key].tobytes() == expected.tobytes(), key
