@@ -71,13 +71,20 @@ _MAGIC = b"silo_pfl checkpoint sha256="  # torch.save's bytes follow
 _ARRAYS_MAGIC = b"silo_pfl arrays".ljust(len(_MAGIC) - 7) + b"sha256="  # the same length
 _HEADER = len(_MAGIC) + 64 + 1  # the magic, the digest in hex, a newline
 _ALIGN = 64  # an arrays payload's buffers start this aligned: in the payload, and in memory
-_ALLOWED = frozenset(  # all that an arrays checkpoint's pickle may name (numpy 2)
+_CORE = "numpy._core" if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else "numpy.core"
+_ALLOWED = frozenset(  # all that an arrays checkpoint's pickle may name (numpy 2's and 1's)
     {
         ("numpy", "ndarray"),
         ("numpy", "dtype"),
-        ("numpy._core.multiarray", "_reconstruct"),  # an array pickled in band
-        ("numpy._core.multiarray", "scalar"),  # a numpy scalar
-        ("numpy._core.numeric", "_frombuffer"),  # an array whose bytes are out of band
+        *(
+            name
+            for core in ("numpy._core", "numpy.core")
+            for name in (
+                (f"{core}.multiarray", "_reconstruct"),  # an array pickled in band
+                (f"{core}.multiarray", "scalar"),  # a numpy scalar
+                (f"{core}.numeric", "_frombuffer"),  # an array whose bytes are out of band
+            )
+        ),
     }
 )
 log = logging.getLogger("silo_pfl.checkpoint")
@@ -193,8 +200,12 @@ def _torch_load(payload: Buffer) -> Any:
 
 @functools.cache
 def _allowed_ids() -> frozenset[int]:
-    """The ids of the objects `_ALLOWED` names (alive as long as numpy is)."""
-    return frozenset(id(getattr(importlib.import_module(m), n)) for m, n in _ALLOWED)
+    """The ids of the objects `_ALLOWED` names in the installed numpy (alive as long as it is)."""
+    return frozenset(
+        id(getattr(importlib.import_module(m), n))
+        for m, n in _ALLOWED
+        if m == "numpy" or m.startswith(f"{_CORE}.")
+    )
 
 
 class _ArraysPickler(pickle.Pickler):

@@ -347,6 +347,19 @@ def test_an_arrays_checkpoint_that_names_anything_but_numpy_s_own_is_unreadable(
     assert not marker.exists()
 
 
+def test_an_arrays_checkpoint_in_numpy_1_s_names_is_read(tmp_path):
+    """numpy 1 pickles an array through numpy.core's names, numpy 2 through numpy._core's: the
+    requirements admit both, so either reads back."""
+    stream = pickle.dumps({"w": np.arange(4.0)}, protocol=3).replace(b"numpy._core", b"numpy.core")
+    assert b"numpy.core.multiarray" in stream
+    payload = len(stream).to_bytes(8, "little") + stream
+    digest = hashlib.sha256(payload).hexdigest().encode()
+    checkpoint.path_of(tmp_path, 1).write_bytes(
+        b"silo_pfl arrays     sha256=" + digest + b"\n" + payload
+    )
+    assert np.array_equal(checkpoint.load(tmp_path, 1)["w"], np.arange(4.0))
+
+
 def test_load_tells_the_two_kinds_apart_by_their_header(tmp_path):
     """Callers load either kind alike; a file of either kind is recycled into the next."""
     assert len(checkpoint._ARRAYS_MAGIC) == len(checkpoint._MAGIC)
