@@ -31,11 +31,9 @@ def weighted_mean(deltas: Sequence[Mapping[str, np.ndarray]], weights: Sequence[
     A float32 key is accumulated in float32: acc = f32(acc + f32(scale * delta)), with scale =
     w_i / sum_j w_j rounded to float32, two roundings per value and update, the same on any
     number of threads. Its relative error, about 2N * 6e-8 over N silos, is far below any
-    update's noise, and float32 arithmetic runs at memory speed where float64's would not. A
-    float16 key is accumulated in its own dtype as one fused multiply-add would round it (the
-    product exact in float64, the sum rounded in float64, then to float16). float64 keys are
-    accumulated in float64, and so are integer keys (BatchNorm's batch counters), converted as
-    they are read.
+    update's noise, and float32 arithmetic runs at memory speed where float64's would not. Every
+    other key (float64, float16, BatchNorm's integer batch counters) is accumulated in float64,
+    converted as it is read, and its mean is float64.
 
     The keys that accumulate in one dtype are laid end to end in one result vector (each key's
     mean is a view of it), worked `BLOCK` values at a time: for each block, each update in turn
@@ -61,8 +59,7 @@ def weighted_mean(deltas: Sequence[Mapping[str, np.ndarray]], weights: Sequence[
         starts = [0, *itertools.accumulate(math.prod(shapes[key]) for key in keys)]
         flat = np.empty(starts[-1], dtype)  # the first update writes every value
         sources = [[np.asarray(delta[key]).reshape(-1) for key in keys] for delta in deltas]
-        wide = _working(dtype)
-        scales = [wide.type(dtype.type(weight / total)) for weight in weights]
+        scales = [dtype.type(weight / total) for weight in weights]
         work = _blocks(flat, starts, sources, scales)
         if flat.size >= THREADED_VALUES:
             for_slices(flat.size, SLICE, CORES, work)
@@ -74,14 +71,9 @@ def weighted_mean(deltas: Sequence[Mapping[str, np.ndarray]], weights: Sequence[
 
 
 def _accumulator(dtype: np.dtype) -> np.dtype:
-    """The dtype a key is accumulated in: its own if floating, float64 otherwise."""
-    return dtype if dtype.kind == "f" else np.dtype(np.float64)
-
-
-def _working(dtype: np.dtype) -> np.dtype:
-    """The dtype a key's products and sums are taken in: float32 in float32 (numpy's fastest,
-    at memory speed), any other in float64 or wider."""
-    return dtype if dtype == np.float32 else np.promote_types(dtype, np.float64)
+    """The dtype a key is accumulated in: float32 in float32 (numpy's fastest, at memory speed),
+    any other in float64."""
+    return dtype if dtype == np.float32 else np.dtype(np.float64)
 
 
 def _blocks(
@@ -92,32 +84,24 @@ def _blocks(
 ) -> Callable[[int, int], None]:
     """work(first, end): flat[first:end] += scales[i] * (update i's keys laid end to end, as cut
     at `starts`)[first:end] for each update i in order, one block of `BLOCK` values after the
-    other, in a temporary of the thread's own in the working dtype (`_working`); flat is rounded
-    to its dtype after each update if that is narrower."""
-    wide = _working(flat.dtype)
-    narrow = wide != flat.dtype
+    other, through a temporary of the thread's own."""
 
     def work(first: int, end: int) -> None:
-        temporary = np.empty(min(BLOCK, end - first), wide)
+        temporary = np.empty(min(BLOCK, end - first), flat.dtype)
         for low in range(first, end, BLOCK):
             high = min(end, low + BLOCK)
             acc, tmp = flat[low:high], temporary[: high - low]
             pieces = _pieces(starts, low, high)
             for i, (update, scale) in enumerate(zip(sources, scales, strict=True)):
-                direct = i == 0 and not narrow  # the first update's product is the sum so far
-                out = acc if direct else tmp
+                out = tmp if i else acc  # the first update's product is the sum so far
                 if len(pieces) == 1:
                     key, lo, hi = pieces[0]
-                    np.multiply(update[key][lo:hi], scale, out=out, dtype=wide)
+                    np.multiply(update[key][lo:hi], scale, out=out, dtype=flat.dtype)
                 else:
                     parts = [update[key][lo:hi] for key, lo, hi in pieces]
                     np.concatenate(parts, out=out, casting="same_kind")
                     np.multiply(out, scale, out=out)
-                if narrow:
-                    if i:
-                        np.add(tmp, acc, out=tmp)
-                    np.copyto(acc, tmp, casting="same_kind")
-                elif not direct:
+                if i:
                     np.add(acc, tmp, out=acc)
 
     return work

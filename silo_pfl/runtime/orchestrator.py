@@ -108,13 +108,10 @@ class Orchestrator:
                 resuming = bool(self.resume)
                 infos = self._each(actors, names, "setup", "silo set-up", resuming)
                 input_shape, num_classes = model_shape(infos)
-                identity_keys = relayed(self.cfg, {i.silo: i.identity_key for i in infos})
-                models = [
-                    actors[n].build.remote(input_shape, num_classes, identity_keys) for n in names
-                ]
                 built = server.build.remote(server_start(self.cfg, input_shape, num_classes))
-                split: SplitInfo = get(
-                    models, "silo model", self.timeout, [f"silo {n}" for n in names]
+                identity_keys = relayed(self.cfg, {i.silo: i.identity_key for i in infos})
+                split: SplitInfo = self._each(
+                    actors, names, "build", "silo model", input_shape, num_classes, identity_keys
                 )[0]
                 get(built, "the server's model", self.timeout)
                 silos = {n: actors[n] for n in names}
