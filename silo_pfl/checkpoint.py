@@ -17,16 +17,21 @@ the digest) tells apart, so that `load` needs no argument to read either:
   aligned, views of one buffer the size of the file. They are read back by an unpickler that
   builds nothing but numpy arrays, dtypes and scalars (`_ALLOWED`), and `save_arrays` refuses,
   before it writes, anything that would need more.
+- `save_unhashed`: the arrays kind with no digest in its header (dashes), for files written every
+  round and read rarely (a silo's model of each round, in case it is selected), where hashing
+  would cost more than writing. It is read back unchecked but for its structure: a file cut
+  short is refused. Whoever takes something from it to keep hashes that (`save_model`).
 
 A file whose header is missing or cut short is partial; one whose bytes do not match its header is
 corrupted. Either is named in one line and skipped for the previous good round. A silo's selected
 model is `round-NNNNNN.pt` (`save_model`), torch.save's bytes alone, as MLflow ships and serves
 them: its SHA-256 goes into the silo's next checkpoint, which `load` checks it against.
 
-Only the newest KEEP files of a directory are kept: the oldest beyond them is recycled into the
-next one (renamed to a hidden name, so it is never read again, then overwritten in place), since
-freeing a file's blocks can cost a millisecond (a file system mounted with `discard`) where
-overwriting them costs nothing more than writing.
+Only the newest KEEP files of a directory are kept (and, among a silo's models, its selected
+one): the oldest beyond them is recycled into the next one (renamed to a hidden name, so it is
+never read again, then overwritten in place), since freeing a file's blocks can cost a
+millisecond (a file system mounted with `discard`) where overwriting them costs nothing more
+than writing.
 
 A file is on disk before the call that wrote it returns. Alone, each file and its directory are
 fsynced. Inside `durable_together` (a worker's call for all its silos) the files are written and
@@ -70,6 +75,7 @@ _NAME = re.compile(r"^round-(\d{6})(\.ckpt|\.pt)$")
 _MAGIC = b"silo_pfl checkpoint sha256="  # torch.save's bytes follow
 _ARRAYS_MAGIC = b"silo_pfl arrays".ljust(len(_MAGIC) - 7) + b"sha256="  # the same length
 _HEADER = len(_MAGIC) + 64 + 1  # the magic, the digest in hex, a newline
+_UNHASHED = "-" * 64  # the digest of a file written by `save_unhashed`
 _ALIGN = 64  # an arrays payload's buffers start this aligned: in the payload, and in memory
 _CORE = "numpy._core" if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else "numpy.core"
 _ALLOWED = frozenset(  # all that an arrays checkpoint's pickle may name (numpy 2's and 1's)
@@ -156,9 +162,13 @@ class _HashingFile:
 
     GATHER = 1 << 16
 
-    def __init__(self, fd: int) -> None:
-        self.fd, self.sha256, self.size = fd, hashlib.sha256(), 0
+    def __init__(self, fd: int, hashed: bool = True) -> None:
+        self.fd, self.sha256, self.size = fd, hashlib.sha256() if hashed else None, 0
         self._small = bytearray()
+
+    def hexdigest(self) -> str:
+        """The SHA-256 of what was written, in hex; dashes if it was not hashed."""
+        return self.sha256.hexdigest() if self.sha256 is not None else _UNHASHED
 
     def write(self, data: Buffer) -> int:
         size = data.nbytes if isinstance(data, memoryview) else len(data)
@@ -168,14 +178,16 @@ class _HashingFile:
                 self.flush()
         else:
             self.flush()
-            self.sha256.update(data)
+            if self.sha256 is not None:
+                self.sha256.update(data)
             _write_all(self.fd, data)
         self.size += size
         return size
 
     def flush(self) -> None:
         if self._small:
-            self.sha256.update(self._small)
+            if self.sha256 is not None:
+                self.sha256.update(self._small)
             _write_all(self.fd, self._small)
             self._small.clear()
 
@@ -258,12 +270,12 @@ def _length(size: int) -> bytes:
     return size.to_bytes(8, "little")
 
 
-def _arrays_save(state: Any, fd: int) -> _HashingFile:
+def _arrays_save(state: Any, fd: int, hashed: bool = True) -> _HashingFile:
     """The arrays payload of `state` (see the module's docstring), at the file's offset: the
     pickle stream holds no array's bytes, which go from their memory to the file."""
     stream, buffers = io.BytesIO(), []
     _ArraysPickler(stream, protocol=5, buffer_callback=buffers.append).dump(state)
-    out = _HashingFile(fd)
+    out = _HashingFile(fd, hashed)
     out.write(_length(stream.getbuffer().nbytes))
     out.write(stream.getbuffer())
     del stream
@@ -416,6 +428,13 @@ def save_arrays(directory: Path, round_: int, state: Any) -> Path:
     return _write_round(directory, round_, CHECKPOINT, _headed(_ARRAYS_MAGIC, _arrays_save, state))
 
 
+def save_unhashed(directory: Path, round_: int, state: Any, spare: int | None = None) -> Path:
+    """`save_arrays` without the SHA-256 (see the module's docstring). The file of round `spare`,
+    if given, is kept beyond the newest KEEP."""
+    writer = _headed(_ARRAYS_MAGIC, functools.partial(_arrays_save, hashed=False), state)
+    return _write_round(directory, round_, CHECKPOINT, writer, spare)
+
+
 def _headed(magic: bytes, payload: Callable[[Any, int], _HashingFile], state: Any) -> Writer:
     """A Writer of a checkpoint: the payload written after room for its header, then the
     header, which holds the payload's SHA-256."""
@@ -423,7 +442,7 @@ def _headed(magic: bytes, payload: Callable[[Any, int], _HashingFile], state: An
     def write(fd: int) -> int:
         os.lseek(fd, _HEADER, os.SEEK_SET)
         written = payload(state, fd)
-        os.pwrite(fd, magic + written.sha256.hexdigest().encode() + b"\n", 0)
+        os.pwrite(fd, magic + written.hexdigest().encode() + b"\n", 0)
         return _HEADER + written.size
 
     return write
@@ -437,19 +456,22 @@ def save_model(directory: Path, round_: int, state: dict[str, Any]) -> str:
     def write(fd: int) -> int:
         nonlocal digest
         written = _torch_save(state, fd)
-        digest = written.sha256.hexdigest()
+        digest = written.hexdigest()
         return written.size
 
     _write_round(directory, round_, MODEL, write)
     return digest
 
 
-def _write_round(directory: Path, round_: int, suffix: str, data: Writer) -> Path:
+def _write_round(
+    directory: Path, round_: int, suffix: str, data: Writer, spare: int | None = None
+) -> Path:
     """Write the file of `round_`; the oldest beyond the newest KEEP is recycled into it (hidden
-    first, so that it is never read again), any other beyond them pruned."""
+    first, so that it is never read again), any other beyond them pruned; never round `spare`'s."""
     files = _files(directory, create=True)
     path = path_of(directory, round_, suffix)
-    stale = [files[old] for old in sorted({*files, round_})[:-KEEP] if old in files]
+    older = sorted({*files, round_})[:-KEEP]
+    stale = [files[old] for old in older if old in files and old != spare]
     block: _Block | None = getattr(_open, "block", None)
     oldest = stale[0] if stale else None
     if oldest is not None and block is not None and oldest in block.written:
@@ -506,8 +528,8 @@ def _files(directory: Path, create: bool = False) -> dict[int, Path]:
 
 def load(directory: Path, round_: int, sha256: str | None = None) -> Any:
     """The checkpoint of `round_`, after checking it against its header: torch's kind (`save`)
-    with its tensors, the arrays kind (`save_arrays`) with numpy arrays. Or the model of
-    `round_` (`save_model`), checked against `sha256` when it is given."""
+    with its tensors, the arrays kind (`save_arrays`, `save_unhashed`) with numpy arrays. Or the
+    model of `round_` (`save_model`), checked against `sha256` when it is given."""
     path = _existing(directory, round_)
     if path is None:
         expected = path_of(directory, round_, CHECKPOINT if sha256 is None else MODEL)
@@ -520,6 +542,7 @@ def load(directory: Path, round_: int, sha256: str | None = None) -> Any:
             if len(header) < _HEADER or magic not in _KINDS or header[-1:] != b"\n":
                 raise CheckpointError(f"checkpoint {path}: partial (no complete header)")
             sha256, source = header[len(_MAGIC) : -1].decode("ascii", "replace"), "its header"
+            sha256 = None if sha256 == _UNHASHED else sha256
             read, decode = _KINDS[magic]
             data = read(handle)
         else:

@@ -379,6 +379,33 @@ def test_load_tells_the_two_kinds_apart_by_their_header(tmp_path):
     assert checkpoint.load(tmp_path, 4)["w"].tolist() == [4.0, 4.0]
 
 
+def test_an_unhashed_file_is_read_back_unchecked_but_refused_when_cut_short(tmp_path):
+    """A silo's model of each round is written without its SHA-256 (dashes in the header): it
+    is read back as written, a flipped byte goes unnoticed, a file cut short does not."""
+    weights = np.arange(1000, dtype=np.float32)
+    checkpoint.save_unhashed(tmp_path, 1, {"w": weights})
+    path = checkpoint.path_of(tmp_path, 1)
+    assert path.read_bytes().startswith(b"silo_pfl arrays     sha256=" + b"-" * 64 + b"\n")
+    assert np.array_equal(checkpoint.load(tmp_path, 1)["w"], weights)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert not np.array_equal(checkpoint.load(tmp_path, 1)["w"], weights)
+    path.write_bytes(bytes(data[:-8]))
+    with pytest.raises(checkpoint.CheckpointError, match=r"round-000001.ckpt: unreadable"):
+        checkpoint.load(tmp_path, 1)
+
+
+def test_the_spared_round_outlives_the_newest_files(tmp_path):
+    """A silo's selected model stays while the models of later rounds come and go."""
+    for round_ in range(1, 8):
+        checkpoint.save_unhashed(tmp_path, round_, {"r": np.full(3, round_)}, spare=2)
+    assert checkpoint.rounds(tmp_path) == [2, 5, 6, 7]
+    assert checkpoint.load(tmp_path, 2)["r"].tolist() == [2, 2, 2]
+    checkpoint.save_unhashed(tmp_path, 8, {"r": np.full(3, 8)}, spare=7)
+    assert checkpoint.rounds(tmp_path) == [6, 7, 8]
+
+
 def test_arrays_go_to_their_file_and_back_without_a_copy_of_the_whole(tmp_path):
     """Each array's bytes go from its memory to the file (pickle's out-of-band buffers), hashed
     on the way; reading back allocates the file's size once, and the arrays are views of it.
