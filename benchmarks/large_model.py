@@ -9,7 +9,7 @@ pixel repeated 4x4 times, the grey in 3 channels), one local step per round
 (data.max_train_rows = train.batch_size = 16), 10 silos in 2 workers (ray.silos_per_worker=5),
 evaluated on few rows (data.val_fraction = data.test_fraction = 0.03: about 5 rows each) so that
 evaluating, compute like training, weighs little, and every silo keeping every round's model
-(eval.selection=last: each commit writes it). Overrides on the command line apply after these.
+(eval.selection=last). Overrides on the command line apply after these.
 
 The federation's rounds 2.. (round 1 pays start-up) are the repetitions; each figure is the min:
 - round: the driver's wall time from the round before's end to its own (fits, aggregation,
@@ -27,7 +27,8 @@ Timed apart on plain Silos and a plain Server of the same config, in this proces
 Ray, min of 3, summed per worker and the slowest worker taken where silos do it (a round reports
 none of them per call):
 - evaluation, commits, the server's checkpoint: their share of the time outside training (a
-  silo here runs alone, not beside its worker's other silos and the other worker's disk writes);
+  silo here runs alone, not beside its worker's other silos and the other worker's disk writes;
+  a commit is `evaluate_and_commit` less `evaluate`: writing the round's model, the checkpoint);
 - the data path: the server's two puts of the global state; per silo, getting it from the store
   and loading it (for fit, and again for evaluate), making its delta and putting its update; the
   server getting the updates and aggregating them.
@@ -144,15 +145,16 @@ def plain_silos(cfg: FederationConfig, groups: list[list[str]]) -> dict[str, flo
             silo._load_global(ray.get(start))
 
         seconds["data"][name] = best_of(move)
-        evaluate, commit = [], []
-        for round_ in range(1, REPEATS + 1):
+        evaluate, both = [], []
+        for round_ in range(1, 2 * REPEATS + 1, 2):
             began = time.perf_counter()
             silo.evaluate(ray.get(start), round_)
             evaluate.append(time.perf_counter() - began)
             began = time.perf_counter()
-            silo.commit(round_, keep=True)
-            commit.append(time.perf_counter() - began)
-        seconds["evaluate"][name], seconds["commit"][name] = min(evaluate), min(commit)
+            silo.evaluate_and_commit(ray.get(start), round_ + 1, round_ - 1 or None)
+            both.append(time.perf_counter() - began)
+        seconds["evaluate"][name] = min(evaluate)
+        seconds["commit"][name] = max(0.0, min(both) - min(evaluate))
     return {phase: critical(groups, figures) for phase, figures in seconds.items()}
 
 

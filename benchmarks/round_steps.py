@@ -4,14 +4,14 @@
 
 Runs JOB (default `jobs/digits_label_skew.yaml algorithm.name=fedavg tracking.enabled=false`) with
 `Federation(config).run()` on a local Ray, with the driver's waits wrapped in timers: each silo
-step (`call_many` of fit, evaluate, commit and, under aggregation.secure, advertise, share_keys,
-unmask) from the driver's wait for it to its last answer (a round's fits, sent ahead with the
-previous round's commits, are already running by then), the server's calls (aggregation, and under
-secure its enrolment, routing and unmasking), the server's round checkpoint, and the whole round
-between two `on_round_end`s. Prints the median of rounds 3.. of each (and of the server's
-checkpoint over the last 5 rounds, since what it writes may grow), and per silo worker (as default
-packing deals them) the sum of its silos' `train_seconds`: the fits' own work, one silo after
-another.
+step (`call_many` of fit, evaluate_and_commit and, under aggregation.secure, advertise,
+share_keys, unmask) from the driver's wait for it to its last answer (a round's fits, sent ahead
+with the previous round's aggregation, are already running by then), the server's calls
+(aggregation, and under secure its enrolment, routing and unmasking), the server's round
+checkpoint, and the whole round between two `on_round_end`s. Prints the median of rounds 3.. of
+each (and of the server's checkpoint over the last 5 rounds, since what it writes may grow), and
+per silo worker (as default packing deals them) the sum of its silos' `train_seconds`: the fits'
+own work, one silo after another.
 """
 
 from __future__ import annotations

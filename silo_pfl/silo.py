@@ -1,10 +1,17 @@
 """A silo: its private data, its model, and the local keys that never leave it.
 
-A plain class with a narrow API (`setup`, `build`, `fit`, `evaluate`, `commit`, `rejoin`,
-`outcome`, `attach`, `export`), so it is tested without Ray; the runtime makes it an actor. Its
-directory, on its own node, holds a checkpoint per committed round (its local keys, its
-algorithm's personal state, its selected model and its RNG state) and its selected personalized
+A plain class with a narrow API (`setup`, `build`, `fit`, `evaluate`, `commit`,
+`evaluate_and_commit`, `select`, `rejoin`, `outcome`, `attach`, `export`), so it is tested
+without Ray; the runtime makes it an actor. Its directory, on its own node, holds a checkpoint
+per committed round (its local keys, its algorithm's personal state, which model is selected, its
+RNG state), the personalized models of its last committed rounds and its selected personalized
 model, which only the exporters attached to it may send anywhere.
+
+Each committed round's model is written as it is committed (as arrays, unhashed: cheap), since
+the driver may select it. `commit` is given the driver's choice at once; `evaluate_and_commit`
+commits without waiting for it (the silo goes straight on to its next fit) and is given it a
+round later, or by `select` after the last round. The selected model is published (in torch's
+format, with its SHA-256, as MLflow serves it) once the choice is final.
 
 A round changes the silo only when it commits: a fit that is not committed (the silo was late,
 its update was rejected, the round was retried) is rolled back to the last commit before the
@@ -63,8 +70,11 @@ from silo_pfl.training import (
 )
 
 CHECKPOINTS = "checkpoints"
-# The selected personalized models: a checkpoint (its state_dict) for each round that kept one,
-# written once when kept; a round's checkpoint names its selected round.
+# The personalized model (its state_dict as arrays, unhashed) of each of the last committed
+# rounds, and of the selected round: what the selected model is published from.
+MODELS = "models"
+# The selected personalized model, published: its state_dict in torch's format, whose SHA-256
+# the silo's next checkpoint holds.
 SELECTED = "selected"
 
 
@@ -120,7 +130,9 @@ class Silo:
         self._last: EvalMetrics | None = None
         self._selected: EvalMetrics | None = None
         self._selected_report: dict[str, float] = {}  # the algorithm's figures of that model
-        self._selected_sha256 = ""  # of that model's file, which the next checkpoint vouches for
+        self._selected_sha256 = ""  # of its published file ('' until it is published)
+        # The figures of the models in MODELS, which may still be selected: round -> eval, report.
+        self._models: dict[int, dict[str, Any]] = {}
         self._exporters: dict[str, SiloExporter] = {}
         self._identity: Any = None  # its Ed25519 identity, under aggregation.secure
         self._trusted: dict[str, bytes] | None = None  # every silo's identity, as the config lists
@@ -224,6 +236,7 @@ class Silo:
             "selected_report": self._selected_report,
             "selected_sha256": self._selected_sha256,
             "last": dataclasses.asdict(self._last) if self._last else None,
+            "models": {str(r): f for r, f in self._models.items()},
         }
         state = {
             "round": round_,
@@ -243,10 +256,11 @@ class Silo:
         figures = json.loads(state["figures"])
         self._selected = EvalMetrics(**figures["selected"]) if figures["selected"] else None
         self._selected_sha256 = figures["selected_sha256"]
-        if self._selected is not None:  # its file is there, and is the one selected
+        if self._selected_sha256:  # its published file is there, and is the one selected
             checkpoint.load(self.dir / SELECTED, self._selected.round, self._selected_sha256)
         self._selected_report = figures["selected_report"]
         self._last = EvalMetrics(**figures["last"]) if figures["last"] else None
+        self._models = {int(r): f for r, f in figures.get("models", {}).items()}
         set_rng_state(state["rng"])
         self.committed, self._dirty = round_, False
         return local_digest(self.model.state_dict(), self.split.local_keys)
@@ -451,31 +465,87 @@ class Silo:
         return self._last
 
     def commit(self, round_: int, keep: bool) -> None:
-        """End `round_` for this silo: with `keep`, the model just evaluated becomes its selected
-        personalized model; then its state is checkpointed in its own directory."""
+        """End `round_` for this silo: its model just evaluated is written and, with `keep`,
+        becomes (and is published as) its selected personalized model; then its state is
+        checkpointed in its own directory."""
         if self._last is None or self._last.round != round_:
             raise RuntimeError(f"silo {self.name}: commit({round_}) without evaluate({round_})")
         if not isinstance(keep, bool):
             raise TypeError(f"silo {self.name}: commit's keep is a bool, not {type(keep).__name__}")
+        self._write_model(round_)
         if keep:
-            assert self._evaluated is not None
-            self._selected = self._last
-            self._selected_report = dict(self.algorithm.report())
-            selected = {k: v.detach() for k, v in self._evaluated.state_dict().items()}
-            self._selected_sha256 = checkpoint.save_model(self.dir / SELECTED, round_, selected)
+            self._select(round_)
+            self._publish()
         self._checkpoint(round_)
+
+    def evaluate_and_commit(
+        self, global_state: dict[str, np.ndarray], round_: int, selected: int | None
+    ) -> EvalMetrics:
+        """`evaluate`, then commit the round without waiting for the driver's choice: the model
+        is written, and may be selected later. `selected` is the round the driver has selected
+        for this silo so far (None: none yet), which becomes its selected model first: a round's
+        choice comes with the silo's next call, or with `select` after the last round."""
+        self._select(selected)
+        metrics = self.evaluate(global_state, round_)
+        self._write_model(round_)
+        self._checkpoint(round_)
+        return metrics
+
+    def select(self, round_: int | None) -> None:
+        """After the last round: the driver's final choice of this silo's model (None: none
+        yet), published and checkpointed with the silo's last commit."""
+        if self._dirty:
+            self.restore(self.committed)
+        self._select(round_)
+        if self._selected is not None and not self._selected_sha256:
+            self._publish()
+            self._checkpoint(self.committed)
+
+    def _write_model(self, round_: int) -> None:
+        """Write the model `evaluate` just judged as round `round_`'s, and keep its figures. The
+        selected round's file is spared; of the others, the newest checkpoint.KEEP remain."""
+        assert self._evaluated is not None and self._last is not None
+        state = {k: v.detach().numpy() for k, v in self._evaluated.state_dict().items()}
+        spare = self._selected.round if self._selected is not None else None
+        checkpoint.save_unhashed(self.dir / MODELS, round_, state, spare)
+        self._models[round_] = {
+            "eval": dataclasses.asdict(self._last),
+            "report": dict(self.algorithm.report()),
+        }
+        remain = set(sorted(self._models)[-checkpoint.KEEP :]) | {spare}
+        self._models = {r: f for r, f in self._models.items() if r in remain}
+
+    def _select(self, round_: int | None) -> None:
+        """Round `round_`'s model, written when it was committed, becomes the selected one."""
+        if round_ is None or (self._selected is not None and self._selected.round == round_):
+            return
+        figures = self._models.get(round_)
+        if figures is None:
+            raise FederationError(f"silo {self.name}: no model of round {round_} to select")
+        self._selected = EvalMetrics(**figures["eval"])
+        self._selected_report = dict(figures["report"])
+        self._selected_sha256 = ""
+
+    def _publish(self) -> None:
+        """Write the selected model in torch's format, with its SHA-256 for the next checkpoint."""
+        assert self._selected is not None
+        arrays = checkpoint.load(self.dir / MODELS, self._selected.round)
+        state = {k: torch.from_numpy(v) for k, v in arrays.items()}
+        self._selected_sha256 = checkpoint.save_model(
+            self.dir / SELECTED, self._selected.round, state
+        )
 
     @property
     def selected_path(self) -> Path:
         """The file of the selected personalized model's state_dict."""
-        if self._selected is None:
-            raise RuntimeError(f"silo {self.name}: no model selected yet")
+        if self._selected is None or not self._selected_sha256:
+            raise RuntimeError(f"silo {self.name}: no model selected and published yet")
         return checkpoint.path_of(self.dir / SELECTED, self._selected.round, checkpoint.MODEL)
 
     def outcome(self) -> SiloOutcome:
         """The selected personalized model's scores."""
         if self._selected is None or self._last is None:
-            raise RuntimeError(f"silo {self.name}: outcome() before any keep()")
+            raise RuntimeError(f"silo {self.name}: outcome() before any model was selected")
         return SiloOutcome(
             silo=self.name,
             selected_round=self._selected.round,

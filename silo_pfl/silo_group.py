@@ -25,6 +25,8 @@ API = frozenset(
         "fit",
         "evaluate",
         "commit",
+        "evaluate_and_commit",
+        "select",
         "restore",
         "rejoin",
         "outcome",

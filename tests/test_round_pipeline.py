@@ -1,6 +1,7 @@
-"""A round's commits and the next round's fits go to each worker together: its silos start
-fitting round r+1 while the driver still ends round r (the server's checkpoint, the callbacks).
-Under secure aggregation a fit needs its round's keys first, so nothing is sent ahead."""
+"""A round's evaluations (each with its commit) and the next round's fits go to each worker with
+the aggregation: its silos start fitting round r+1 as soon as they have evaluated round r, while
+the driver still ends round r (selection, the server's checkpoint, the callbacks). Under secure
+aggregation a fit needs its round's keys first, so nothing is sent ahead."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from silo_pfl.callbacks import Callback
 from silo_pfl.federation import Federation
+from silo_pfl.selection import Selector
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -25,6 +27,16 @@ SMALL = (
 )
 
 
+def await_fits(markers: Path, round_: int, count: int) -> list[str]:
+    """The markers of round `round_`'s fits, once there are `count` of them or WAIT_S passed."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        started = sorted(p.name for p in markers.glob(f"fit-{round_}-*"))
+        if len(started) == count or time.monotonic() > deadline:
+            return started
+        time.sleep(0.05)
+
+
 class AwaitNextFits(Callback):
     """At round 1's end, waits (up to WAIT_S) for every silo's fit of round 2 to have begun."""
 
@@ -37,14 +49,8 @@ class AwaitNextFits(Callback):
         self.silos = sorted(info.silo for info in silos)
 
     def on_round_end(self, summary) -> None:
-        if summary.round != 1:
-            return
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
-            self.started = sorted(p.name for p in self.markers.glob("fit-2-*"))
-            if len(self.started) == len(self.silos):
-                return
-            time.sleep(0.05)
+        if summary.round == 1:
+            self.started = await_fits(self.markers, 2, len(self.silos))
 
 
 def test_the_next_rounds_fits_run_while_the_driver_ends_a_round(job, tmp_path):
@@ -61,6 +67,34 @@ def test_the_next_rounds_fits_run_while_the_driver_ends_a_round(job, tmp_path):
     assert watch.started == [f"fit-2-{silo}" for silo in watch.silos]
     assert len(result.history) == 3
     assert all(len(s.participants) == 4 for s in result.history)
+
+
+def test_the_next_fits_begin_before_the_driver_has_chosen_among_the_evaluations(
+    job, tmp_path, monkeypatch
+):
+    """A silo commits its round with its evaluation and goes on to its next fit: the driver's
+    selection, which the choice of each silo's model waits for, is not on the silos' path."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    seen: list[list[str]] = []
+    choose = Selector.choose
+
+    def choose_once_the_next_fits_began(self, evals):
+        if evals and evals[0].round == 1:
+            seen.append(await_fits(markers, 2, len(evals)))
+        return choose(self, evals)
+
+    monkeypatch.setattr(Selector, "choose", choose_once_the_next_fits_began)
+    config = job(
+        *SMALL,
+        "plugins=[tests.fit_markers]",
+        "algorithm.name=mark_fits",
+        f"algorithm.mark_fits.marker_dir={markers}",
+    )
+    result = Federation(config).run()
+    assert seen == [[f"fit-2-silo_{i}" for i in range(4)]]
+    assert all(len(s.participants) == 4 for s in result.history)
+    assert all(s.selected_round >= 1 for s in result.silos.values())
 
 
 def test_a_rejected_update_leaves_its_silo_out_though_its_evaluation_was_sent(job, tmp_path):

@@ -20,7 +20,7 @@ from silo_pfl import checkpoint
 from silo_pfl.config import FederationConfig
 from silo_pfl.config_views import actor_view
 from silo_pfl.errors import FederationError, SiloPflError, typed_line
-from silo_pfl.messages import CallFailed
+from silo_pfl.messages import CallFailed, RoundReport
 from silo_pfl.runtime import host_pool
 from silo_pfl.runtime.metrics import SiloMetrics
 from silo_pfl.runtime.placement import actor_options, server_selector, silo_selector
@@ -84,12 +84,14 @@ class SiloHost:
         recorder = self.metrics.get(name)
         if recorder is not None and method == "fit":
             recorder.fit(result[1])
-        elif recorder is not None and method == "evaluate":
+        elif recorder is not None and method in ("evaluate", "evaluate_and_commit"):
             recorder.evaluate(result)
         return result
 
     def many(
         self,
+        report: RoundReport | None,
+        accepted_only: bool,
         method: str,
         names: Sequence[str],
         each: int,
@@ -99,12 +101,16 @@ class SiloHost:
         """`method` of each of `names`, one after another (called with num_returns=each *
         len(names)): each silo's `each` answers, or its error `each` times. `per_silo` gives
         each silo one more argument of its own, after `args`. The checkpoints the silos write
-        reach the disk together, as the call ends."""
+        reach the disk together, as the call ends. A call sent before its round's aggregation
+        is known is given the round's `report` (else None) and runs once it is in, for the
+        silos it lets go on: none if the round was not aggregated, else all (with
+        `accepted_only`, those whose update was aggregated); the others answer CallFailed."""
         answers: list[Any] = []
         with checkpoint.durable_together():
             for name in names:
                 own = (per_silo[name],) if per_silo is not None else ()
-                answer = self._guarded(name, method, *args, *own)
+                stop = _stopped(report, accepted_only, name)
+                answer = CallFailed(stop) if stop else self._guarded(name, method, *args, *own)
                 if each == 1:
                     answers.append(answer)
                 else:
@@ -119,6 +125,15 @@ class SiloHost:
             return CallFailed(typed_line(exc))
 
 
+def _stopped(report: RoundReport | None, accepted_only: bool, name: str) -> str:
+    """Why `report` stops silo `name`'s call sent before it ('' if it does not)."""
+    if report is not None and not report.aggregated:
+        return f"round {report.round} was not aggregated"
+    if report is not None and accepted_only and name not in report.accepted:
+        return f"its update of round {report.round} was not aggregated"
+    return ""
+
+
 def _returns(values: list[Any]) -> Any:
     """What a method called with num_returns=len(values) returns: the one value, or them all."""
     return values[0] if len(values) == 1 else tuple(values)
@@ -130,10 +145,14 @@ def call_many(
     *args: Any,
     each: int = 1,
     per_silo: Mapping[str, Any] | None = None,
+    after: Any = None,
+    accepted_only: bool = False,
 ) -> dict[str, list[Any]]:
     """`method` of every silo of `handles`, one call (`SiloHost.many`, named `<method>_many`)
     per worker for all its silos there; the refs of each silo's `each` answers, which arrive
-    when its worker's call ends. `per_silo[name]` is an argument for that silo only."""
+    when its worker's call ends. `per_silo[name]` is an argument for that silo only. With
+    `after` (the ref of a round's report), the call runs once the report is in, and only for the
+    silos it lets go on (`SiloHost.many`)."""
     by_host: dict[Any, tuple[Any, list[str]]] = {}
     for name, handle in handles.items():
         by_host.setdefault(handle.host._actor_id, (handle.host, []))[1].append(name)
@@ -141,9 +160,8 @@ def call_many(
     for host, names in by_host.values():
         count = each * len(names)
         own = {n: per_silo[n] for n in names} if per_silo is not None else None
-        out = host.many.options(num_returns=count, name=f"{method}_many").remote(
-            method, names, each, own, *args
-        )
+        call = host.many.options(num_returns=count, name=f"{method}_many")
+        out = call.remote(after, accepted_only, method, names, each, own, *args)
         out = [out] if count == 1 else list(out)
         refs.update({name: out[i * each : (i + 1) * each] for i, name in enumerate(names)})
     return refs

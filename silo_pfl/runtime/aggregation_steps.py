@@ -17,7 +17,8 @@ from silo_pfl.messages import RoundReport
 from silo_pfl.runtime.actors import call_many, get
 
 log = logging.getLogger("silo_pfl.rounds")
-Then = Callable[[tuple[Any, Any]], None] | None  # given the new global keys' and broadcast's refs
+# Given the round's report (or its ref), and the refs of the new global keys and broadcast.
+Then = Callable[[Any, tuple[Any, Any]], None] | None
 
 
 @dataclass
@@ -54,12 +55,12 @@ class PlainSteps:
     def aggregate(
         self, live: dict[str, Any], updates: list[Any], round_: int, then: Then = None
     ) -> Aggregated:
-        """The server's sum of `updates`. `then(inputs)` is called with the refs of the new
-        global keys and broadcast as soon as they exist, before the report is awaited, so that
-        the next step reaches the silos without waiting for the driver."""
+        """The server's sum of `updates`. `then(report, inputs)` is called with the refs of the
+        report, the new global keys and broadcast as soon as they exist, before the report is
+        awaited, so that the next steps reach the silos without waiting for the driver."""
         report_ref, *inputs = self.server.aggregate.options(num_returns=3).remote(*updates)
         if then is not None:
-            then((inputs[0], inputs[1]))
+            then(report_ref, (inputs[0], inputs[1]))
         report = get(report_ref, f"round {round_}: aggregation", self.timeout)
         return Aggregated(report, (inputs[0], inputs[1]))
 
@@ -100,7 +101,7 @@ class SecureSteps(PlainSteps):
         request = first.report.unmask
         if request is None:
             if then is not None:
-                then(first.inputs)
+                then(first.report, first.inputs)
             return first
         survivors = {n: live[n] for n in request.survivors}
         refs = call_many(survivors, "unmask", request)
@@ -109,6 +110,6 @@ class SecureSteps(PlainSteps):
             log.warning("round %d: silo %s revealed no shares: %s", round_, name, reason)
         report_ref, *inputs = self.server.unmask.options(num_returns=3).remote(*reveals.values())
         if then is not None:
-            then((inputs[0], inputs[1]))
+            then(report_ref, (inputs[0], inputs[1]))
         report = get(report_ref, f"round {round_}: unmasking", self.timeout)
         return Aggregated(report, (inputs[0], inputs[1]), died)

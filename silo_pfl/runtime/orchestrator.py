@@ -134,7 +134,7 @@ class Orchestrator:
                     history.append(summary)
                     self._checkpoint(server, round_, parties, selector, history)
                     self._emit("on_round_end", summary)
-                runner.rejoin_the_dead(self.cfg.rounds)
+                runner.finish()
                 outcomes: list[SiloOutcome] = self._each(silos, names, "outcome", "silo outcome")
                 state = get(server.state_bytes.remote(), "the server's global state", self.timeout)
                 state_path = self._save_global(state)
@@ -186,6 +186,7 @@ class Orchestrator:
             "summary": dataclasses.asdict(history[-1]) if history else None,
             "selector": {k: list(v) for k, v in selector.best.items()},
             "committed": {n: p.committed for n, p in parties.items()},
+            "selected": {n: p.selected for n, p in parties.items()},
             "restarts": {n: p.restarts for n, p in parties.items()},
             "callbacks": {type(c).__name__: c.state() for c in self.callbacks},
         }
@@ -206,6 +207,7 @@ class Orchestrator:
         selector.best = {k: (float(v[0]), float(v[1])) for k, v in saved["selector"].items()}
         for name, party in parties.items():
             party.committed = int(saved["committed"][name])
+            party.selected = saved.get("selected", {}).get(name)  # None: its own checkpoint's
             party.restarts = int(saved["restarts"][name])
         for callback in self.callbacks:
             callback.restore(saved["callbacks"].get(type(callback).__name__, {}))

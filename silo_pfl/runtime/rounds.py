@@ -3,19 +3,22 @@
 An attempt: silos that died are first rejoined (restarted by Ray, they restore their own last
 commit); every silo fits on the global state; the fits that arrive by the deadline
 (round.timeout_s) go to the server, which rejects bad updates and aggregates if a quorum
-(round.min_silos) is left; the silos whose updates were aggregated evaluate the new global state,
-by the deadline (the evaluations are sent with the aggregation, to every silo that sent an update,
-and only those of the aggregated count); selection runs on those evaluations; those silos commit
-(checkpoint) the round. Without a quorum nothing is committed and the round is tried again, up to
-round.retries times; every silo then starts again from its last commit.
+(round.min_silos) is left; the silos whose updates were aggregated evaluate the new global state
+and commit (checkpoint) the round in the same call, by the deadline. That call is sent with the
+aggregation, to every silo that sent an update, and runs only for those the server's report
+names as aggregated. Selection runs on their evaluations; its choice reaches each silo with its
+next such call, or with `select` after the last round (`finish`). Without a quorum nothing is
+committed and the round is tried again, up to round.retries times; every silo then starts again
+from its last commit.
 
 Each step is one call per worker for all its silos (`call_many`), whose answers come back per
 silo: a round costs the driver a few calls however many silos there are. Where the fit needs
 nothing prepared (`steps.fits_alone`: updates in the clear), the next round's fits are sent with
-a round's commits, each queued behind its silo's commit on its worker: a worker goes from its
-commits straight into its next fits, while the driver collects the commits, the server
-checkpoints the round and the callbacks see it. A silo that dies or rejoins in between is sent
-a fit of its own after it rejoins, as before.
+the aggregation too, each queued behind its silo's evaluation on its worker, and run if the
+round was aggregated: a worker goes from its evaluations straight into its next fits, while the
+driver selects, the server checkpoints the round and the callbacks see it. So a worker has two
+calls a round, and waits for the driver only for the server's sum. A silo that dies or rejoins in
+between is sent a fit of its own after it rejoins, as before.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from silo_pfl.config import FederationConfig
 from silo_pfl.errors import FederationError, typed_line
 from silo_pfl.messages import CallFailed, EvalMetrics, FitMetrics, RejoinInfo, RoundReport
 from silo_pfl.results import RoundSummary
-from silo_pfl.runtime.actors import call_many, task_error_cause
+from silo_pfl.runtime.actors import call_many, get, task_error_cause
 from silo_pfl.runtime.aggregation_steps import PlainSteps, SecureSteps
 from silo_pfl.runtime.metrics import DriverMetrics, NoMetrics
 from silo_pfl.selection import Selector
@@ -49,6 +52,7 @@ class Party:
     name: str
     actor: Any
     committed: int = 0
+    selected: int | None = None  # the round whose model selection chose for it (None: none yet)
     restarts: int = 0
     died: bool = False  # its process died: rejoin it before its next round
 
@@ -65,7 +69,7 @@ class Rejoin:
 
 @dataclass
 class Ahead:
-    """A round's fits, sent before it began, with the previous round's commits."""
+    """A round's fits, sent before it began, with the previous round's aggregation."""
 
     round: int
     refs: dict[str, list[Any]]  # each silo's refs of its fit's two answers
@@ -237,12 +241,25 @@ class RoundRunner:
             else:
                 sent[name] = metrics
         eval_refs: dict[str, list[Any]] = {}
+        going_on = {n: h for n, h in live.items() if n not in died}
 
-        def evaluate(inputs: tuple[Any, Any]) -> None:  # sent before the report is read
-            eval_refs.update(call_many({n: live[n] for n in sent}, "evaluate", inputs[0], round_))
+        def then(report: Any, inputs: tuple[Any, Any]) -> None:  # before the report is read
+            selected = {n: self.parties[n].selected for n in sent}
+            eval_refs.update(
+                call_many(
+                    {n: live[n] for n in sent},
+                    "evaluate_and_commit",
+                    inputs[0],
+                    round_,
+                    per_silo=selected,
+                    after=report,
+                    accepted_only=True,
+                )
+            )
+            self._send_ahead(going_on, round_ + 1, inputs, report)
 
         updates = [fit_refs[n][0] for n in sent]
-        aggregated = self.steps.aggregate(live, updates, round_, evaluate if sent else None)
+        aggregated = self.steps.aggregate(live, updates, round_, then if sent else None)
         report = aggregated.report
         self.inputs = aggregated.inputs
         died |= aggregated.died
@@ -253,20 +270,13 @@ class RoundRunner:
             return report.reason + _reasons(absent)
         accepted = {n: eval_refs[n][0] for n in report.accepted}
         evals, late, died = gather(accepted, self.timeout)
-        absent.update(
-            {n: f"its update was aggregated, but its evaluation: {r}" for n, r in late.items()}
-        )
+        why = "its update was aggregated, but its evaluation and commit"
+        absent.update({n: f"{why}: {r}" for n, r in late.items()})
         self._mark_dead(died)
-        ordered = [evals[n] for n in sorted(evals)]
-        chosen = set(self.selector.choose(ordered))
-        keep = {n: n in chosen for n in evals}
-        commit_refs = call_many({n: live[n] for n in evals}, "commit", round_, per_silo=keep)
-        self._send_ahead(live, round_ + 1, self.inputs)
-        done, failed, died = gather({n: r for n, (r,) in commit_refs.items()}, self.timeout)
-        absent.update({n: f"evaluated, but could not commit: {r}" for n, r in failed.items()})
-        self._mark_dead(died)
-        for name in done:
+        for name in evals:
             self.parties[name].committed = round_
+        for name in self.selector.choose([evals[n] for n in sorted(evals)]):
+            self.parties[name].selected = round_
         for name, reason in sorted(absent.items()):
             log.warning("round %d: silo %s left out: %s", round_, name, reason)
         summary = self._summary(round_, began, attempt, report, sent, evals, absent, rejoined)
@@ -274,16 +284,30 @@ class RoundRunner:
             self.ahead.began = time.perf_counter()
         return summary
 
-    def _send_ahead(self, live: dict[str, Any], round_: int, inputs: tuple[Any, Any]) -> None:
-        """Send `round_`'s first fits now, on the global keys and broadcast `inputs`, to every
-        silo still alive, if the fit needs nothing prepared and the run has that round."""
+    def _send_ahead(
+        self, alive: dict[str, Any], round_: int, inputs: tuple[Any, Any], report: Any
+    ) -> None:
+        """Send `round_`'s first fits now, on the global keys and broadcast `inputs`, to the
+        silos `alive`, if the fit needs nothing prepared and the run has that round. They run if
+        `report` (the previous round's, or its ref) says it was aggregated."""
         if not self.steps.fits_alone or round_ > self.cfg.rounds:
             return
-        alive = {n: h for n, h in live.items() if not self.parties[n].died}
         global_ref, broadcast_ref = inputs
-        self.ahead = Ahead(
-            round_, call_many(alive, "fit", global_ref, round_, 1, broadcast_ref, each=2)
-        )
+        refs = call_many(alive, "fit", global_ref, round_, 1, broadcast_ref, each=2, after=report)
+        self.ahead = Ahead(round_, refs)
+
+    def finish(self) -> None:
+        """After the last round: rejoin the silos that died, and give every silo the model
+        selection chose for it, which it had not been told of (the last round's choice)."""
+        self.rejoin_the_dead(self.cfg.rounds)
+        chosen = {n: p.selected for n, p in self.parties.items()}
+        refs = call_many({n: p.actor for n, p in self.parties.items()}, "select", per_silo=chosen)
+        names = sorted(refs)
+        what, timeout = "the final selection", self.cfg.round.call_timeout_s
+        answers = get([refs[n][0] for n in names], what, timeout, [f"silo {n}" for n in names])
+        for name, answer in zip(names, answers, strict=True):
+            if isinstance(answer, CallFailed):
+                raise FederationError(f"{what}: silo {name} failed: {answer.error}")
 
     def _sent_ahead(
         self, fitting: dict[str, Any], round_: int, attempt: int, rejoined: set[str]

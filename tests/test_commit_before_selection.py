@@ -1,0 +1,87 @@
+"""A silo commits a round before the driver has chosen among the silos' evaluations
+(`evaluate_and_commit`), and is told the choice with its next call or by `select`: it ends with
+the selected model, figures and published file that an immediate `commit(round, keep)` gives,
+and its checkpoint holds that choice. Plain classes, no Ray."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from silo_pfl import checkpoint
+from silo_pfl.config import to_dict
+from silo_pfl.server_start import new_server
+from silo_pfl.silo import MODELS, SELECTED, Silo
+
+SILO = "cleveland"
+JOB = ("jobs/heart_disease.yaml", "algorithm.name=fedper", "round.min_silos=1")
+# keep[r - 1]: whether selection chose round r's model. The first leaves round 2 selected while
+# later models are written past checkpoint.KEEP; the second chooses the last round, which the
+# silo hears of only from `select`.
+KEEPS = ([True, True, False, False, False, False], [True, False, False, True])
+
+
+def play(config: dict, run_id: str, keeps: list[bool], later: bool) -> Silo:
+    """Rounds of one silo and its server; the silo commits each round at once with the choice
+    (`later` False), or before it, told the choice a round late, then by `select`."""
+    silo = Silo(config, SILO, run_id)
+    info = silo.setup()
+    silo.build(info.input_shape, info.num_classes)
+    server = new_server(config, info.input_shape, info.num_classes)
+    selected = None
+    for round_, keep in enumerate(keeps, start=1):
+        update, _ = silo.fit(server.global_state(), round_, 1, server.broadcast())
+        assert server.aggregate(update).aggregated
+        if later:
+            silo.evaluate_and_commit(server.global_state(), round_, selected)
+        else:
+            silo.evaluate(server.global_state(), round_)
+            silo.commit(round_, keep)
+        selected = round_ if keep else selected
+    if later:
+        silo.select(selected)
+    return silo
+
+
+def load_model(silo: Silo) -> dict:
+    """The silo's selected model, read back and checked against its checkpoint's digest."""
+    selected = silo.outcome().selected_round
+    return checkpoint.load(silo.dir / SELECTED, selected, silo._selected_sha256)
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("keeps", KEEPS, ids=["kept-early", "kept-last"])
+def test_a_choice_told_later_selects_what_an_immediate_one_does(job, tmp_path, keeps):
+    config = to_dict(job(*JOB, f"output_dir={tmp_path}"))
+    now = play(config, "now", keeps, later=False)
+    later = play(config, "later", keeps, later=True)
+    chosen = max(r for r, keep in enumerate(keeps, start=1) if keep)
+
+    assert later.outcome() == now.outcome()
+    assert later.outcome().selected_round == chosen
+    assert_same_state(load_model(later), load_model(now))
+    rounds = len(keeps)
+    models = checkpoint.rounds(later.dir / MODELS)
+    newest = {rounds - 2, rounds - 1, rounds}
+    assert newest | {chosen} <= set(models)
+    assert len(set(models) - newest - {chosen}) <= 1  # selected before; pruned by the next write
+    if keeps == KEEPS[0]:
+        assert set(models) == newest | {chosen}  # round 2's model outlived checkpoint.KEEP
+
+    again = Silo(config, SILO, "later")
+    info = again.setup(resume=True)
+    again.build(info.input_shape, info.num_classes)
+    again.restore(rounds)
+    assert again.outcome() == now.outcome()
+
+
+def test_a_silo_cannot_select_a_model_it_never_wrote(job, tmp_path):
+    config = to_dict(job(*JOB, f"output_dir={tmp_path}"))
+    silo = play(config, "run", [True, False], later=True)
+    with pytest.raises(Exception, match=f"silo {SILO}: no model of round 7 to select"):
+        silo.select(7)
