@@ -28,6 +28,7 @@ def in_process(cfg) -> list[float]:
     """Seconds per round with every silo in this process, one after another."""
     silos, server = in_process_federation(cfg)
     selector = Selector(cfg.eval.selection)
+    selected: dict[str, int | None] = {silo.name: None for silo in silos}
     state = server.global_state()
     seconds = []
     for round_ in range(1, cfg.rounds + 1):
@@ -35,11 +36,9 @@ def in_process(cfg) -> list[float]:
         updates = [silo.fit(state, round_)[0] for silo in silos]
         server.aggregate(*updates)
         state = server.global_state()
-        evals = [silo.evaluate(state, round_) for silo in silos]
-        chosen = selector.choose(evals)
         with checkpoint.durable_together():  # as a worker's one call for its silos
-            for silo in silos:
-                silo.commit(round_, keep=silo.name in chosen)
+            evals = [s.evaluate_and_commit(state, round_, selected[s.name]) for s in silos]
+        selected.update(dict.fromkeys(selector.choose(evals), round_))
         server.checkpoint(round_, {})
         seconds.append(time.perf_counter() - began)
     return seconds

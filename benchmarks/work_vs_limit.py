@@ -34,7 +34,7 @@ from silo_pfl.settings import load_config
 
 JOB = "jobs/digits_label_skew.yaml"
 BASE = ["algorithm.name=fedavg", "tracking.enabled=false"]
-FEDERATION = ("fit", "aggregate", "evaluate", "commit", "server checkpoint")
+FEDERATION = ("fit", "aggregate", "evaluate and commit", "server checkpoint")
 LIMIT = ("limit: evaluate", "limit: fit", "limit: mean")
 
 
@@ -49,6 +49,7 @@ def main() -> None:
     cfg = load_config(args.job, overrides)
     silos, server = in_process_federation(cfg)
     selector = Selector(cfg.eval.selection)
+    selected: dict[str, int | None] = {silo.name: None for silo in silos}
     plain = [PlainSilo(cfg, silo.name) for silo in silos]
     state: dict[str, np.ndarray] = {
         k: v.numpy().copy() for k, v in plain[0].model.state_dict().items()
@@ -64,17 +65,14 @@ def main() -> None:
     for round_ in range(1, args.rounds + 1):
         fits = timed("fit", lambda r=round_: [s.fit(server.global_state(), r) for s in silos])
         timed("aggregate", lambda f=fits: server.aggregate(*[u for u, _ in f]))
-        evals = timed(
-            "evaluate", lambda r=round_: [s.evaluate(server.global_state(), r) for s in silos]
-        )
-        chosen = set(selector.choose(sorted(evals, key=lambda e: e.silo)))
 
-        def commit(r: int = round_, keep: set[str] = chosen) -> None:
+        def evaluate_and_commit(r: int = round_) -> list:
             with checkpoint.durable_together():
-                for silo in silos:
-                    silo.commit(r, silo.name in keep)
+                state = server.global_state()
+                return [s.evaluate_and_commit(state, r, selected[s.name]) for s in silos]
 
-        timed("commit", commit)
+        evals = timed("evaluate and commit", evaluate_and_commit)
+        selected.update(dict.fromkeys(selector.choose(sorted(evals, key=lambda e: e.silo)), round_))
         timed("server checkpoint", lambda r=round_: server.checkpoint(r, {}))
         timed("limit: evaluate", lambda s=state: [p.evaluate(s) for p in plain])
         deltas = timed("limit: fit", lambda s=state, r=round_: [p.fit(s, r) for p in plain])
