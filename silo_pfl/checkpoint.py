@@ -1,8 +1,9 @@
 """Checkpoints: one party's state after a round, written atomically and verified when read.
 
 A checkpoint is one file, `round-NNNNNN.ckpt`: a header line holding the SHA-256 of the rest (the
-payload), then the payload, of one of two kinds, which the header's magic (its text before
-the digest) tells apart, so that `load` needs no argument to read either:
+payload; a CRC-32 for the third kind), then the payload, of one of three kinds, which the
+header's magic (its text before the digest) tells apart, so that `load` needs no argument to
+read any:
 
 - `save`: torch.save's bytes of plain containers and tensors, read back with `weights_only=True`
   (the silos' checkpoints). Header `silo_pfl checkpoint sha256=<hex>`.
@@ -17,10 +18,12 @@ the digest) tells apart, so that `load` needs no argument to read either:
   aligned, views of one buffer the size of the file. They are read back by an unpickler that
   builds nothing but numpy arrays, dtypes and scalars (`_ALLOWED`), and `save_arrays` refuses,
   before it writes, anything that would need more.
-- `save_unhashed`: the arrays kind with no digest in its header (dashes), for files written every
-  round and read rarely (a silo's model of each round, in case it is selected), where hashing
-  would cost more than writing. It is read back unchecked but for its structure: a file cut
-  short is refused. Whoever takes something from it to keep hashes that (`save_model`).
+- `save_checksummed`: the arrays kind under a CRC-32 instead (header `silo_pfl arrays crc32=`,
+  the checksum in 64 hex digits), for files written every round and read rarely (a silo's model
+  of each round, in case it is selected), where a SHA-256 would cost more than writing them: a
+  CRC-32 is checked at 2-3 times its speed, and catches a flipped or lost byte (not a forgery:
+  nothing but the silo writes its directory). Whoever
+  keeps something taken from such a file hashes that (`save_model`).
 
 A file whose header is missing or cut short is partial; one whose bytes do not match its header is
 corrupted. Either is named in one line and skipped for the previous good round. A silo's selected
@@ -60,6 +63,7 @@ import re
 import secrets
 import tempfile
 import threading
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,7 +79,7 @@ _NAME = re.compile(r"^round-(\d{6})(\.ckpt|\.pt)$")
 _MAGIC = b"silo_pfl checkpoint sha256="  # torch.save's bytes follow
 _ARRAYS_MAGIC = b"silo_pfl arrays".ljust(len(_MAGIC) - 7) + b"sha256="  # the same length
 _HEADER = len(_MAGIC) + 64 + 1  # the magic, the digest in hex, a newline
-_UNHASHED = "-" * 64  # the digest of a file written by `save_unhashed`
+_CRC_MAGIC = b"silo_pfl arrays".ljust(len(_MAGIC) - 6) + b"crc32="  # the same length
 _ALIGN = 64  # an arrays payload's buffers start this aligned: in the payload, and in memory
 _CORE = "numpy._core" if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else "numpy.core"
 _ALLOWED = frozenset(  # all that an arrays checkpoint's pickle may name (numpy 2's and 1's)
@@ -157,18 +161,18 @@ def _write_all(fd: int, data: Buffer) -> int:
 
 class _HashingFile:
     """The file object torch.save (or `_arrays_save`) writes into: each tensor's or array's bytes
-    go from its own memory to the file descriptor, hashed (SHA-256) on the way, never gathered
-    into one copy of the whole; many small writes are gathered into one."""
+    go from its own memory to the file descriptor, hashed (SHA-256, or `checksum`) on the way,
+    never gathered into one copy of the whole; many small writes are gathered into one."""
 
     GATHER = 1 << 16
 
-    def __init__(self, fd: int, hashed: bool = True) -> None:
-        self.fd, self.sha256, self.size = fd, hashlib.sha256() if hashed else None, 0
+    def __init__(self, fd: int, checksum: Callable[[], Any] = hashlib.sha256) -> None:
+        self.fd, self.digest, self.size = fd, checksum(), 0
         self._small = bytearray()
 
     def hexdigest(self) -> str:
-        """The SHA-256 of what was written, in hex; dashes if it was not hashed."""
-        return self.sha256.hexdigest() if self.sha256 is not None else _UNHASHED
+        """The digest of what was written, in hex."""
+        return self.digest.hexdigest()
 
     def write(self, data: Buffer) -> int:
         size = data.nbytes if isinstance(data, memoryview) else len(data)
@@ -178,16 +182,14 @@ class _HashingFile:
                 self.flush()
         else:
             self.flush()
-            if self.sha256 is not None:
-                self.sha256.update(data)
+            self.digest.update(data)
             _write_all(self.fd, data)
         self.size += size
         return size
 
     def flush(self) -> None:
         if self._small:
-            if self.sha256 is not None:
-                self.sha256.update(self._small)
+            self.digest.update(self._small)
             _write_all(self.fd, self._small)
             self._small.clear()
 
@@ -270,12 +272,33 @@ def _length(size: int) -> bytes:
     return size.to_bytes(8, "little")
 
 
-def _arrays_save(state: Any, fd: int, hashed: bool = True) -> _HashingFile:
+class _Crc32:
+    """zlib's CRC-32 with hashlib's interface, in 64 hex digits (a header's digest field)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: Buffer) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:064x}"
+
+
+def _sha256_of(data: Buffer) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _crc32_of(data: Buffer) -> str:
+    return f"{zlib.crc32(data):064x}"
+
+
+def _arrays_save(state: Any, fd: int, checksum: Callable[[], Any] = hashlib.sha256) -> _HashingFile:
     """The arrays payload of `state` (see the module's docstring), at the file's offset: the
     pickle stream holds no array's bytes, which go from their memory to the file."""
     stream, buffers = io.BytesIO(), []
     _ArraysPickler(stream, protocol=5, buffer_callback=buffers.append).dump(state)
-    out = _HashingFile(fd, hashed)
+    out = _HashingFile(fd, checksum)
     out.write(_length(stream.getbuffer().nbytes))
     out.write(stream.getbuffer())
     del stream
@@ -428,10 +451,10 @@ def save_arrays(directory: Path, round_: int, state: Any) -> Path:
     return _write_round(directory, round_, CHECKPOINT, _headed(_ARRAYS_MAGIC, _arrays_save, state))
 
 
-def save_unhashed(directory: Path, round_: int, state: Any, spare: int | None = None) -> Path:
-    """`save_arrays` without the SHA-256 (see the module's docstring). The file of round `spare`,
-    if given, is kept beyond the newest KEEP."""
-    writer = _headed(_ARRAYS_MAGIC, functools.partial(_arrays_save, hashed=False), state)
+def save_checksummed(directory: Path, round_: int, state: Any, spare: int | None = None) -> Path:
+    """`save_arrays` under a CRC-32 instead of the SHA-256 (see the module's docstring). The file
+    of round `spare`, if given, is kept beyond the newest KEEP."""
+    writer = _headed(_CRC_MAGIC, functools.partial(_arrays_save, checksum=_Crc32), state)
     return _write_round(directory, round_, CHECKPOINT, writer, spare)
 
 
@@ -528,13 +551,14 @@ def _files(directory: Path, create: bool = False) -> dict[int, Path]:
 
 def load(directory: Path, round_: int, sha256: str | None = None) -> Any:
     """The checkpoint of `round_`, after checking it against its header: torch's kind (`save`)
-    with its tensors, the arrays kind (`save_arrays`, `save_unhashed`) with numpy arrays. Or the
-    model of `round_` (`save_model`), checked against `sha256` when it is given."""
+    with its tensors, the arrays kind (`save_arrays`, `save_checksummed`) with numpy arrays. Or
+    the model of `round_` (`save_model`), checked against `sha256` when it is given."""
     path = _existing(directory, round_)
     if path is None:
         expected = path_of(directory, round_, CHECKPOINT if sha256 is None else MODEL)
         raise CheckpointError(f"checkpoint {expected}: not found")
     decode: Callable[[Any], Any] = _torch_load
+    digest_of, name = _sha256_of, "SHA-256"
     with open(path, "rb", buffering=0) as handle:
         if path.suffix == CHECKPOINT:
             header = handle.read(_HEADER)
@@ -542,23 +566,23 @@ def load(directory: Path, round_: int, sha256: str | None = None) -> Any:
             if len(header) < _HEADER or magic not in _KINDS or header[-1:] != b"\n":
                 raise CheckpointError(f"checkpoint {path}: partial (no complete header)")
             sha256, source = header[len(_MAGIC) : -1].decode("ascii", "replace"), "its header"
-            sha256 = None if sha256 == _UNHASHED else sha256
-            read, decode = _KINDS[magic]
+            read, decode, digest_of, name = _KINDS[magic]
             data = read(handle)
         else:
             data, source = handle.readall(), "the checkpoint that selected it"
-    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
-        raise CheckpointError(f"checkpoint {path}: corrupted (its SHA-256 differs from {source})")
+    if sha256 is not None and digest_of(data) != sha256:
+        raise CheckpointError(f"checkpoint {path}: corrupted (its {name} differs from {source})")
     try:
         return decode(data)
     except Exception as exc:  # a digest that matches, but bytes that cannot be read back
         raise CheckpointError(f"checkpoint {path}: unreadable ({type(exc).__name__})") from None
 
 
-# What follows each kind's header: how to read it, and how to decode it.
-_KINDS: dict[bytes, tuple[Callable[[io.FileIO], Any], Callable[[Any], Any]]] = {
-    _MAGIC: (io.FileIO.readall, _torch_load),
-    _ARRAYS_MAGIC: (_read_aligned, _arrays_load),
+# What follows each kind's header: how to read it, how to decode it, and its digest.
+_KINDS: dict[bytes, tuple[Callable[[io.FileIO], Any], Callable[[Any], Any], Any, str]] = {
+    _MAGIC: (io.FileIO.readall, _torch_load, _sha256_of, "SHA-256"),
+    _ARRAYS_MAGIC: (_read_aligned, _arrays_load, _sha256_of, "SHA-256"),
+    _CRC_MAGIC: (_read_aligned, _arrays_load, _crc32_of, "CRC-32"),
 }
 
 

@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 import tracemalloc
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -379,30 +380,32 @@ def test_load_tells_the_two_kinds_apart_by_their_header(tmp_path):
     assert checkpoint.load(tmp_path, 4)["w"].tolist() == [4.0, 4.0]
 
 
-def test_an_unhashed_file_is_read_back_unchecked_but_refused_when_cut_short(tmp_path):
-    """A silo's model of each round is written without its SHA-256 (dashes in the header): it
-    is read back as written, a flipped byte goes unnoticed, a file cut short does not."""
+def test_a_checksummed_file_is_read_back_and_a_flipped_or_lost_byte_is_named(tmp_path):
+    """A silo's model of each round is written under a CRC-32 (zlib's) in place of a SHA-256:
+    read back as written; a flipped byte or a file cut short is corrupted, named in one line."""
     weights = np.arange(1000, dtype=np.float32)
-    checkpoint.save_unhashed(tmp_path, 1, {"w": weights})
+    checkpoint.save_checksummed(tmp_path, 1, {"w": weights})
     path = checkpoint.path_of(tmp_path, 1)
-    assert path.read_bytes().startswith(b"silo_pfl arrays     sha256=" + b"-" * 64 + b"\n")
+    data = path.read_bytes()
+    header = data[: len(checkpoint._MAGIC) + 65]
+    crc = b"%064x" % zlib.crc32(data[len(header) :])
+    assert header == b"silo_pfl arrays      crc32=" + crc + b"\n"
     assert np.array_equal(checkpoint.load(tmp_path, 1)["w"], weights)
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 0xFF
-    path.write_bytes(bytes(data))
-    assert not np.array_equal(checkpoint.load(tmp_path, 1)["w"], weights)
-    path.write_bytes(bytes(data[:-8]))
-    with pytest.raises(checkpoint.CheckpointError, match=r"round-000001.ckpt: unreadable"):
-        checkpoint.load(tmp_path, 1)
+    for bad in (data[:-1] + bytes([data[-1] ^ 1]), data[:-8]):
+        path.write_bytes(bad)
+        with pytest.raises(checkpoint.CheckpointError) as info:
+            checkpoint.load(tmp_path, 1)
+        message = f"checkpoint {path}: corrupted (its CRC-32 differs from its header)"
+        assert str(info.value) == message
 
 
 def test_the_spared_round_outlives_the_newest_files(tmp_path):
     """A silo's selected model stays while the models of later rounds come and go."""
     for round_ in range(1, 8):
-        checkpoint.save_unhashed(tmp_path, round_, {"r": np.full(3, round_)}, spare=2)
+        checkpoint.save_checksummed(tmp_path, round_, {"r": np.full(3, round_)}, spare=2)
     assert checkpoint.rounds(tmp_path) == [2, 5, 6, 7]
     assert checkpoint.load(tmp_path, 2)["r"].tolist() == [2, 2, 2]
-    checkpoint.save_unhashed(tmp_path, 8, {"r": np.full(3, 8)}, spare=7)
+    checkpoint.save_checksummed(tmp_path, 8, {"r": np.full(3, 8)}, spare=7)
     assert checkpoint.rounds(tmp_path) == [6, 7, 8]
 
 
