@@ -22,8 +22,8 @@ read any:
   the checksum in 64 hex digits), for files written every round and read rarely (a silo's model
   of each round, in case it is selected), where a SHA-256 would cost more than writing them: a
   CRC-32 is checked at 2-3 times its speed, and catches a flipped or lost byte (not a forgery:
-  nothing but the silo writes its directory). Whoever
-  keeps something taken from such a file hashes that (`save_model`).
+  nothing but the silo writes its directory). Whoever keeps something taken from such a file
+  hashes that (`save_model`).
 
 A file whose header is missing or cut short is partial; one whose bytes do not match its header is
 corrupted. Either is named in one line and skipped for the previous good round. A silo's selected
@@ -273,7 +273,8 @@ def _length(size: int) -> bytes:
 
 
 class _Crc32:
-    """zlib's CRC-32 with hashlib's interface, in 64 hex digits (a header's digest field)."""
+    """zlib's CRC-32 with hashlib's interface (a checksum for `_HashingFile`), in 64 hex digits:
+    a header's digest field."""
 
     def __init__(self) -> None:
         self.value = 0
@@ -283,14 +284,6 @@ class _Crc32:
 
     def hexdigest(self) -> str:
         return f"{self.value:064x}"
-
-
-def _sha256_of(data: Buffer) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _crc32_of(data: Buffer) -> str:
-    return f"{zlib.crc32(data):064x}"
 
 
 def _arrays_save(state: Any, fd: int, checksum: Callable[[], Any] = hashlib.sha256) -> _HashingFile:
@@ -460,7 +453,7 @@ def save_checksummed(directory: Path, round_: int, state: Any, spare: int | None
 
 def _headed(magic: bytes, payload: Callable[[Any, int], _HashingFile], state: Any) -> Writer:
     """A Writer of a checkpoint: the payload written after room for its header, then the
-    header, which holds the payload's SHA-256."""
+    header, which holds the payload's digest (SHA-256, or the payload's own checksum)."""
 
     def write(fd: int) -> int:
         os.lseek(fd, _HEADER, os.SEEK_SET)
@@ -549,6 +542,13 @@ def _files(directory: Path, create: bool = False) -> dict[int, Path]:
     return {int(m.group(1)): directory / n for n in names if (m := _NAME.match(n))}
 
 
+def _digest(checksum: Callable[[], Any], data: Buffer) -> str:
+    """`data`'s digest in hex, by a hashlib-like `checksum`."""
+    digest = checksum()
+    digest.update(data)
+    return digest.hexdigest()
+
+
 def load(directory: Path, round_: int, sha256: str | None = None) -> Any:
     """The checkpoint of `round_`, after checking it against its header: torch's kind (`save`)
     with its tensors, the arrays kind (`save_arrays`, `save_checksummed`) with numpy arrays. Or
@@ -558,7 +558,7 @@ def load(directory: Path, round_: int, sha256: str | None = None) -> Any:
         expected = path_of(directory, round_, CHECKPOINT if sha256 is None else MODEL)
         raise CheckpointError(f"checkpoint {expected}: not found")
     decode: Callable[[Any], Any] = _torch_load
-    digest_of, name = _sha256_of, "SHA-256"
+    checksum, name = hashlib.sha256, "SHA-256"
     with open(path, "rb", buffering=0) as handle:
         if path.suffix == CHECKPOINT:
             header = handle.read(_HEADER)
@@ -566,11 +566,11 @@ def load(directory: Path, round_: int, sha256: str | None = None) -> Any:
             if len(header) < _HEADER or magic not in _KINDS or header[-1:] != b"\n":
                 raise CheckpointError(f"checkpoint {path}: partial (no complete header)")
             sha256, source = header[len(_MAGIC) : -1].decode("ascii", "replace"), "its header"
-            read, decode, digest_of, name = _KINDS[magic]
+            read, decode, checksum, name = _KINDS[magic]
             data = read(handle)
         else:
             data, source = handle.readall(), "the checkpoint that selected it"
-    if sha256 is not None and digest_of(data) != sha256:
+    if sha256 is not None and _digest(checksum, data) != sha256:
         raise CheckpointError(f"checkpoint {path}: corrupted (its {name} differs from {source})")
     try:
         return decode(data)
@@ -580,9 +580,9 @@ def load(directory: Path, round_: int, sha256: str | None = None) -> Any:
 
 # What follows each kind's header: how to read it, how to decode it, and its digest.
 _KINDS: dict[bytes, tuple[Callable[[io.FileIO], Any], Callable[[Any], Any], Any, str]] = {
-    _MAGIC: (io.FileIO.readall, _torch_load, _sha256_of, "SHA-256"),
-    _ARRAYS_MAGIC: (_read_aligned, _arrays_load, _sha256_of, "SHA-256"),
-    _CRC_MAGIC: (_read_aligned, _arrays_load, _crc32_of, "CRC-32"),
+    _MAGIC: (io.FileIO.readall, _torch_load, hashlib.sha256, "SHA-256"),
+    _ARRAYS_MAGIC: (_read_aligned, _arrays_load, hashlib.sha256, "SHA-256"),
+    _CRC_MAGIC: (_read_aligned, _arrays_load, _Crc32, "CRC-32"),
 }
 
 

@@ -36,7 +36,7 @@ from silo_pfl.config import FederationConfig
 from silo_pfl.errors import FederationError, typed_line
 from silo_pfl.messages import CallFailed, EvalMetrics, FitMetrics, RejoinInfo, RoundReport
 from silo_pfl.results import RoundSummary
-from silo_pfl.runtime.actors import call_many, get, task_error_cause
+from silo_pfl.runtime.actors import call_many, task_error_cause
 from silo_pfl.runtime.aggregation_steps import PlainSteps, SecureSteps
 from silo_pfl.runtime.metrics import DriverMetrics, NoMetrics
 from silo_pfl.selection import Selector
@@ -302,12 +302,10 @@ class RoundRunner:
         self.rejoin_the_dead(self.cfg.rounds)
         chosen = {n: p.selected for n, p in self.parties.items()}
         refs = call_many({n: p.actor for n, p in self.parties.items()}, "select", per_silo=chosen)
-        names = sorted(refs)
-        what, timeout = "the final selection", self.cfg.round.call_timeout_s
-        answers = get([refs[n][0] for n in names], what, timeout, [f"silo {n}" for n in names])
-        for name, answer in zip(names, answers, strict=True):
-            if isinstance(answer, CallFailed):
-                raise FederationError(f"{what}: silo {name} failed: {answer.error}")
+        timeout = self.cfg.round.call_timeout_s
+        _, absent, _ = gather({n: r for n, (r,) in refs.items()}, timeout)
+        if absent:
+            raise FederationError(f"the final selection failed{_reasons(absent)}")
 
     def _sent_ahead(
         self, fitting: dict[str, Any], round_: int, attempt: int, rejoined: set[str]
