@@ -1,7 +1,8 @@
 """A round's evaluations (each with its commit) and the next round's fits go to each worker with
 the aggregation: its silos start fitting round r+1 as soon as they have evaluated round r, while
 the driver still ends round r (selection, the server's checkpoint, the callbacks). Under secure
-aggregation a fit needs its round's keys first, so nothing is sent ahead."""
+aggregation a fit needs its round's keys and shares first: round r+1's are exchanged behind the
+silos' evaluations of round r, and its fits are sent then, before the driver ends round r."""
 
 from __future__ import annotations
 
@@ -67,6 +68,27 @@ def test_the_next_rounds_fits_run_while_the_driver_ends_a_round(job, tmp_path):
     assert watch.started == [f"fit-2-{silo}" for silo in watch.silos]
     assert len(result.history) == 3
     assert all(len(s.participants) == 4 for s in result.history)
+
+
+def test_under_secure_aggregation_the_next_round_is_prepared_and_fitting_before_the_round_ends(
+    job, tmp_path
+):
+    """Round 2's keys are advertised and shared, and its masked fits begin, while the driver has
+    not yet ended round 1; every round still aggregates all four silos."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    watch = AwaitNextFits(markers)
+    config = job(
+        *SMALL,
+        "aggregation.secure=true",
+        "plugins=[tests.fit_markers]",
+        "algorithm.name=mark_fits",
+        f"algorithm.mark_fits.marker_dir={markers}",
+    )
+    result = Federation(config, callbacks=[watch]).run()
+    assert watch.started == [f"fit-2-{silo}" for silo in watch.silos]
+    assert [len(s.participants) for s in result.history] == [4, 4, 4]
+    assert all(s.attempts == 1 and not s.absent for s in result.history)
 
 
 def test_the_next_fits_begin_before_the_driver_has_chosen_among_the_evaluations(

@@ -17,8 +17,12 @@ nothing prepared (`steps.fits_alone`: updates in the clear), the next round's fi
 the aggregation too, each queued behind its silo's evaluation on its worker, and run if the
 round was aggregated: a worker goes from its evaluations straight into its next fits, while the
 driver selects, the server checkpoints the round and the callbacks see it. So a worker has two
-calls a round, and waits for the driver only for the server's sum. A silo that dies or rejoins in
-between is sent a fit of its own after it rejoins, as before.
+calls a round, and waits for the driver only for the server's sum. Where the fit needs its steps
+prepared (secure aggregation's keys and shares), the next round's first attempt is prepared as
+soon as the report says the round was aggregated, its calls queued behind the evaluations, and its
+fits sent then, before the driver ends the round; not when a silo has died, since it rejoins
+before a round is prepared for it. A silo that dies or rejoins in between is sent a fit of its
+own after it rejoins, as before.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from silo_pfl.errors import FederationError, typed_line
 from silo_pfl.messages import CallFailed, EvalMetrics, FitMetrics, RejoinInfo, RoundReport
 from silo_pfl.results import RoundSummary
 from silo_pfl.runtime.actors import call_many, task_error_cause
-from silo_pfl.runtime.aggregation_steps import PlainSteps, SecureSteps
+from silo_pfl.runtime.aggregation_steps import PlainSteps, Prepared, SecureSteps
 from silo_pfl.runtime.metrics import DriverMetrics, NoMetrics
 from silo_pfl.selection import Selector
 
@@ -69,11 +73,13 @@ class Rejoin:
 
 @dataclass
 class Ahead:
-    """A round's fits, sent before it began, with the previous round's aggregation."""
+    """A round's fits, sent before it began, with the previous round's aggregation (and, where
+    the fit needs its steps prepared, what its first attempt was prepared with)."""
 
     round: int
     refs: dict[str, list[Any]]  # each silo's refs of its fit's two answers
     began: float = 0.0  # when the previous round ended: this round's start
+    prepared: Prepared | None = None  # the first attempt's, prepared during the round before
 
 
 def late_reason(timeout: float) -> str:
@@ -211,12 +217,16 @@ class RoundRunner:
         if self.inputs is None:
             self.inputs = (self.server.global_state.remote(), self.server.broadcast.remote())
         global_ref, broadcast_ref = self.inputs
-        prepared = self.steps.prepare(live, round_, attempt)
+        ahead = self._take_ahead(round_, attempt)
+        if ahead is not None and ahead.prepared is not None:
+            prepared = ahead.prepared
+        else:
+            prepared = self.steps.prepare(live, round_, attempt)
         self._mark_dead(prepared.died)
         if prepared.failure:
             return prepared.failure + _reasons(prepared.absent)
-        fitting = live if prepared.inbox is None else {n: live[n] for n in prepared.inbox}
-        fit_refs = self._sent_ahead(fitting, round_, attempt, set(rejoined))
+        fitting = {n: h for n, h in live.items() if prepared.inbox is None or n in prepared.inbox}
+        fit_refs = self._sent_ahead(ahead, fitting, set(rejoined))
         rest = {n: h for n, h in fitting.items() if n not in fit_refs}
         if rest:
             fit_refs.update(
@@ -268,6 +278,8 @@ class RoundRunner:
         self._mark_dead(died)
         if not report.aggregated:
             return report.reason + _reasons(absent)
+        if not self.steps.fits_alone and not any(p.died for p in self.parties.values()):
+            self._prepare_ahead(live, round_ + 1, aggregated.inputs)
         accepted = {n: eval_refs[n][0] for n in report.accepted}
         evals, late, died = gather(accepted, self.timeout)
         why = "its update was aggregated, but its evaluation and commit"
@@ -296,6 +308,27 @@ class RoundRunner:
         refs = call_many(alive, "fit", global_ref, round_, 1, broadcast_ref, each=2, after=report)
         self.ahead = Ahead(round_, refs)
 
+    def _prepare_ahead(self, alive: dict[str, Any], round_: int, inputs: tuple[Any, Any]) -> None:
+        """Where a fit needs its steps prepared (secure aggregation's keys and shares): once the
+        round before was aggregated, prepare `round_`'s first attempt now, behind the silos'
+        evaluations of the round before, and send its fits, as `_send_ahead` does for fits
+        that need nothing. A silo then goes from its evaluation into its next round's
+        preparation and fit, not waiting for the driver's end of round. Only when every silo is
+        alive: one that died rejoins before a round is prepared for it."""
+        if round_ > self.cfg.rounds:
+            return
+        prepared = self.steps.prepare(alive, round_, 1)
+        self._mark_dead(prepared.died)
+        refs: dict[str, list[Any]] = {}
+        if not prepared.failure and prepared.inbox is not None:
+            fitting = {n: alive[n] for n in prepared.inbox if n in alive}
+            global_ref, broadcast_ref = inputs
+            per_silo = {n: prepared.inbox[n] for n in fitting}
+            refs = call_many(
+                fitting, "fit", global_ref, round_, 1, broadcast_ref, each=2, per_silo=per_silo
+            )
+        self.ahead = Ahead(round_, refs, prepared=prepared)
+
     def finish(self) -> None:
         """After the last round: rejoin the silos that died, and give every silo the model
         selection chose for it, which it had not been told of (the last round's choice)."""
@@ -307,13 +340,20 @@ class RoundRunner:
         if absent:
             raise FederationError(f"the final selection failed{_reasons(absent)}")
 
-    def _sent_ahead(
-        self, fitting: dict[str, Any], round_: int, attempt: int, rejoined: set[str]
-    ) -> dict[str, list[Any]]:
-        """The fits of `fitting` already sent for this round and attempt, except to silos that
-        rejoined since (their process died: they are sent a fit of their own)."""
+    def _take_ahead(self, round_: int, attempt: int) -> Ahead | None:
+        """What was sent ahead for this round, if this is its first attempt; it is used once."""
         ahead, self.ahead = self.ahead, None
         if ahead is None or ahead.round != round_ or attempt != 1:
+            return None
+        return ahead
+
+    @staticmethod
+    def _sent_ahead(
+        ahead: Ahead | None, fitting: dict[str, Any], rejoined: set[str]
+    ) -> dict[str, list[Any]]:
+        """The fits of `fitting` already sent, except to silos that rejoined since (their
+        process died: they are sent a fit of their own)."""
+        if ahead is None:
             return {}
         return {n: r for n, r in ahead.refs.items() if n in fitting and n not in rejoined}
 
