@@ -54,33 +54,17 @@ class AwaitNextFits(Callback):
             self.started = await_fits(self.markers, 2, len(self.silos))
 
 
-def test_the_next_rounds_fits_run_while_the_driver_ends_a_round(job, tmp_path):
+@pytest.mark.parametrize("secure", [False, True], ids=["in-the-clear", "secure"])
+def test_the_next_rounds_fits_run_while_the_driver_ends_a_round(job, tmp_path, secure):
+    """Round 2's fits begin while the driver has not yet ended round 1. Under secure
+    aggregation that means round 2's keys were advertised and its shares exchanged by then; every
+    round still aggregates all four silos, at its first attempt."""
     markers = tmp_path / "markers"
     markers.mkdir()
     watch = AwaitNextFits(markers)
     config = job(
         *SMALL,
-        "plugins=[tests.fit_markers]",
-        "algorithm.name=mark_fits",
-        f"algorithm.mark_fits.marker_dir={markers}",
-    )
-    result = Federation(config, callbacks=[watch]).run()
-    assert watch.started == [f"fit-2-{silo}" for silo in watch.silos]
-    assert len(result.history) == 3
-    assert all(len(s.participants) == 4 for s in result.history)
-
-
-def test_under_secure_aggregation_the_next_round_is_prepared_and_fitting_before_the_round_ends(
-    job, tmp_path
-):
-    """Round 2's keys are advertised and shared, and its masked fits begin, while the driver has
-    not yet ended round 1; every round still aggregates all four silos."""
-    markers = tmp_path / "markers"
-    markers.mkdir()
-    watch = AwaitNextFits(markers)
-    config = job(
-        *SMALL,
-        "aggregation.secure=true",
+        f"aggregation.secure={str(secure).lower()}",
         "plugins=[tests.fit_markers]",
         "algorithm.name=mark_fits",
         f"algorithm.mark_fits.marker_dir={markers}",
