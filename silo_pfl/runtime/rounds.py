@@ -19,9 +19,9 @@ round was aggregated: a worker goes from its evaluations straight into its next 
 driver selects, the server checkpoints the round and the callbacks see it. So a worker has two
 calls a round, and waits for the driver only for the server's sum. Where the fit needs its steps
 prepared (secure aggregation's keys and shares), the next round's first attempt is prepared as
-soon as the report says the round was aggregated, its calls queued behind the evaluations, and its
-fits sent then, before the driver ends the round; not when a silo has died, since it rejoins
-before a round is prepared for it. A silo that dies or rejoins in between is sent a fit of its
+soon as the round was aggregated and its evaluations are in, and its fits are sent then, before
+the driver ends the round; not when a silo has died, since it rejoins before a round is prepared
+for it. A silo that dies or rejoins in between is sent a fit of its
 own after it rejoins, as before.
 """
 
@@ -278,13 +278,13 @@ class RoundRunner:
         self._mark_dead(died)
         if not report.aggregated:
             return report.reason + _reasons(absent)
-        if not self.steps.fits_alone and not any(p.died for p in self.parties.values()):
-            self._prepare_ahead(live, round_ + 1, aggregated.inputs)
         accepted = {n: eval_refs[n][0] for n in report.accepted}
         evals, late, died = gather(accepted, self.timeout)
         why = "its update was aggregated, but its evaluation and commit"
         absent.update({n: f"{why}: {r}" for n, r in late.items()})
         self._mark_dead(died)
+        if not self.steps.fits_alone and not any(p.died for p in self.parties.values()):
+            self._prepare_ahead(live, round_ + 1, aggregated.inputs)
         for name in evals:
             self.parties[name].committed = round_
         for name in self.selector.choose([evals[n] for n in sorted(evals)]):
@@ -310,11 +310,11 @@ class RoundRunner:
 
     def _prepare_ahead(self, alive: dict[str, Any], round_: int, inputs: tuple[Any, Any]) -> None:
         """Where a fit needs its steps prepared (secure aggregation's keys and shares): once the
-        round before was aggregated, prepare `round_`'s first attempt now, behind the silos'
-        evaluations of the round before, and send its fits, as `_send_ahead` does for fits
-        that need nothing. A silo then goes from its evaluation into its next round's
-        preparation and fit, not waiting for the driver's end of round. Only when every silo is
-        alive: one that died rejoins before a round is prepared for it."""
+        round before was aggregated and its evaluations are in, prepare `round_`'s first attempt
+        now and send its fits, as `_send_ahead` does for fits that need nothing. A silo then
+        goes from its evaluation into its next round's preparation and fit, not waiting for the
+        driver's end of round (selection, the server's checkpoint, the callbacks). Only when
+        every silo is alive: one that died rejoins before a round is prepared for it."""
         if round_ > self.cfg.rounds:
             return
         prepared = self.steps.prepare(alive, round_, 1)
