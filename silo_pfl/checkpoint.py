@@ -1,7 +1,7 @@
 """Checkpoints: one party's state after a round, written atomically and verified when read.
 
 A checkpoint is one file, `round-NNNNNN.ckpt`: a header line holding the SHA-256 of the rest (the
-payload; a CRC-32 for the third kind), then the payload, of one of three kinds, which the
+payload; a GHASH for the third kind), then the payload, of one of three kinds, which the
 header's magic (its text before the digest) tells apart, so that `load` needs no argument to
 read any:
 
@@ -18,12 +18,15 @@ read any:
   aligned, views of one buffer the size of the file. They are read back by an unpickler that
   builds nothing but numpy arrays, dtypes and scalars (`_ALLOWED`), and `save_arrays` refuses,
   before it writes, anything that would need more.
-- `save_checksummed`: the arrays kind under a CRC-32 instead (header `silo_pfl arrays crc32=`,
+- `save_checksummed`: the arrays kind under a GHASH instead (header `silo_pfl arrays ghash=`,
   the checksum in 64 hex digits), for files written every round and read rarely (a silo's model
-  of each round, in case it is selected), where a SHA-256 would cost more than writing them: a
-  CRC-32 is checked at 2-3 times its speed, and catches a flipped or lost byte (not a forgery:
-  nothing but the silo writes its directory). Whoever keeps something taken from such a file
-  hashes that (`save_model`).
+  of each round, in case it is selected), where a SHA-256 would cost more than writing them. The
+  GHASH is AES-GCM's tag over the payload as associated data, under a key and nonce of zeros: a
+  128-bit polynomial checksum that OpenSSL computes with carry-less multiplication at 8-12 GB/s
+  (a SHA-256 runs at 1.4-1.6 GB/s here, zlib's CRC-32 at 2.3-3). It catches a flipped, lost or
+  moved byte, not a forgery: nothing but the silo writes its directory. Whoever keeps something
+  taken from such a file hashes that (`save_model`). Files of this kind written before under a
+  CRC-32 (header `silo_pfl arrays crc32=`) are still read and checked.
 
 A file whose header is missing or cut short is partial; one whose bytes do not match its header is
 corrupted. Either is named in one line and skipped for the previous good round. A silo's selected
@@ -70,6 +73,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from silo_pfl.errors import FederationError
 
@@ -79,7 +83,8 @@ _NAME = re.compile(r"^round-(\d{6})(\.ckpt|\.pt)$")
 _MAGIC = b"silo_pfl checkpoint sha256="  # torch.save's bytes follow
 _ARRAYS_MAGIC = b"silo_pfl arrays".ljust(len(_MAGIC) - 7) + b"sha256="  # the same length
 _HEADER = len(_MAGIC) + 64 + 1  # the magic, the digest in hex, a newline
-_CRC_MAGIC = b"silo_pfl arrays".ljust(len(_MAGIC) - 6) + b"crc32="  # the same length
+_GHASH_MAGIC = b"silo_pfl arrays".ljust(len(_MAGIC) - 6) + b"ghash="  # the same length
+_CRC_MAGIC = b"silo_pfl arrays".ljust(len(_MAGIC) - 6) + b"crc32="  # read only: older files
 _ALIGN = 64  # an arrays payload's buffers start this aligned: in the payload, and in memory
 _CORE = "numpy._core" if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else "numpy.core"
 _ALLOWED = frozenset(  # all that an arrays checkpoint's pickle may name (numpy 2's and 1's)
@@ -273,8 +278,8 @@ def _length(size: int) -> bytes:
 
 
 class _Crc32:
-    """zlib's CRC-32 with hashlib's interface (a checksum for `_HashingFile`), in 64 hex digits:
-    a header's digest field."""
+    """zlib's CRC-32 with hashlib's interface, in 64 hex digits: the digest of checksummed files
+    written before the GHASH (read only)."""
 
     def __init__(self) -> None:
         self.value = 0
@@ -284,6 +289,22 @@ class _Crc32:
 
     def hexdigest(self) -> str:
         return f"{self.value:064x}"
+
+
+class _Ghash:
+    """AES-GCM's tag over the data, as associated data, under a key and nonce of zeros, with
+    hashlib's interface (a checksum for `_HashingFile`), in 64 hex digits: a header's digest
+    field. A fixed, public key makes it a checksum, not a MAC."""
+
+    def __init__(self) -> None:
+        self._gcm = Cipher(algorithms.AES(bytes(32)), modes.GCM(bytes(12))).encryptor()
+
+    def update(self, data: Buffer) -> None:
+        self._gcm.authenticate_additional_data(data)
+
+    def hexdigest(self) -> str:
+        self._gcm.finalize()
+        return self._gcm.tag.hex().rjust(64, "0")
 
 
 def _arrays_save(state: Any, fd: int, checksum: Callable[[], Any] = hashlib.sha256) -> _HashingFile:
@@ -445,9 +466,9 @@ def save_arrays(directory: Path, round_: int, state: Any) -> Path:
 
 
 def save_checksummed(directory: Path, round_: int, state: Any, spare: int | None = None) -> Path:
-    """`save_arrays` under a CRC-32 instead of the SHA-256 (see the module's docstring). The file
+    """`save_arrays` under a GHASH instead of the SHA-256 (see the module's docstring). The file
     of round `spare`, if given, is kept beyond the newest KEEP."""
-    writer = _headed(_CRC_MAGIC, functools.partial(_arrays_save, checksum=_Crc32), state)
+    writer = _headed(_GHASH_MAGIC, functools.partial(_arrays_save, checksum=_Ghash), state)
     return _write_round(directory, round_, CHECKPOINT, writer, spare)
 
 
@@ -582,6 +603,7 @@ def load(directory: Path, round_: int, sha256: str | None = None) -> Any:
 _KINDS: dict[bytes, tuple[Callable[[io.FileIO], Any], Callable[[Any], Any], Any, str]] = {
     _MAGIC: (io.FileIO.readall, _torch_load, hashlib.sha256, "SHA-256"),
     _ARRAYS_MAGIC: (_read_aligned, _arrays_load, hashlib.sha256, "SHA-256"),
+    _GHASH_MAGIC: (_read_aligned, _arrays_load, _Ghash, "GHASH"),
     _CRC_MAGIC: (_read_aligned, _arrays_load, _Crc32, "CRC-32"),
 }
 

@@ -7,7 +7,7 @@ per committed round (its local keys, its algorithm's personal state, which model
 RNG state), the personalized models of its last committed rounds and its selected personalized
 model, which only the exporters attached to it may send anywhere.
 
-Each committed round's model is written as it is committed (as arrays under a CRC-32: cheap),
+Each committed round's model is written as it is committed (as arrays under a GHASH: cheap),
 since the driver may select it. `commit` is given the driver's choice at once; `evaluate_and_commit`
 commits without waiting for it (the silo goes straight on to its next fit) and is given it a
 round later, or by `select` after the last round. The selected model is published (in torch's
@@ -70,7 +70,7 @@ from silo_pfl.training import (
 )
 
 CHECKPOINTS = "checkpoints"
-# The personalized model (its state_dict as arrays, under a CRC-32) of each of the last committed
+# The personalized model (its state_dict as arrays, under a GHASH) of each of the last committed
 # rounds, and of the selected round: what the selected model is published from.
 MODELS = "models"
 # The selected personalized model, published: its state_dict in torch's format, whose SHA-256

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from plain_federation import federation, play_round
 
 from silo_pfl import checkpoint
@@ -380,23 +381,46 @@ def test_load_tells_the_two_kinds_apart_by_their_header(tmp_path):
     assert checkpoint.load(tmp_path, 4)["w"].tolist() == [4.0, 4.0]
 
 
+def _ghash(data: bytes) -> bytes:
+    """AES-GCM's tag over `data` as associated data, key and nonce all zeros, in 64 hex digits."""
+    gcm = Cipher(algorithms.AES(bytes(32)), modes.GCM(bytes(12))).encryptor()
+    gcm.authenticate_additional_data(data)
+    gcm.finalize()
+    return b"%064x" % int.from_bytes(gcm.tag, "big")
+
+
 def test_a_checksummed_file_is_read_back_and_a_flipped_or_lost_byte_is_named(tmp_path):
-    """A silo's model of each round is written under a CRC-32 (zlib's) in place of a SHA-256:
-    read back as written; a flipped byte or a file cut short is corrupted, named in one line."""
+    """A silo's model of each round is written under a GHASH in place of a SHA-256: read back as
+    written; a flipped byte, two swapped words or a file cut short is corrupted, named in one
+    line."""
     weights = np.arange(1000, dtype=np.float32)
     checkpoint.save_checksummed(tmp_path, 1, {"w": weights})
     path = checkpoint.path_of(tmp_path, 1)
     data = path.read_bytes()
     header = data[: len(checkpoint._MAGIC) + 65]
-    crc = b"%064x" % zlib.crc32(data[len(header) :])
-    assert header == b"silo_pfl arrays      crc32=" + crc + b"\n"
+    assert header == b"silo_pfl arrays      ghash=" + _ghash(data[len(header) :]) + b"\n"
     assert np.array_equal(checkpoint.load(tmp_path, 1)["w"], weights)
-    for bad in (data[:-1] + bytes([data[-1] ^ 1]), data[:-8]):
+    swapped = data[:-16] + data[-8:] + data[-16:-8]
+    for bad in (data[:-1] + bytes([data[-1] ^ 1]), swapped, data[:-8]):
         path.write_bytes(bad)
         with pytest.raises(checkpoint.CheckpointError) as info:
             checkpoint.load(tmp_path, 1)
-        message = f"checkpoint {path}: corrupted (its CRC-32 differs from its header)"
+        message = f"checkpoint {path}: corrupted (its GHASH differs from its header)"
         assert str(info.value) == message
+
+
+def test_a_model_file_written_under_a_crc32_before_is_still_read_and_checked(tmp_path):
+    """A run resumed on this code reads the models its silos wrote under the former CRC-32."""
+    weights = np.arange(10, dtype=np.float64)
+    checkpoint.save_checksummed(tmp_path, 1, {"w": weights})
+    path = checkpoint.path_of(tmp_path, 1)
+    payload = path.read_bytes()[len(checkpoint._MAGIC) + 65 :]
+    crc = b"%064x" % zlib.crc32(payload)
+    path.write_bytes(b"silo_pfl arrays      crc32=" + crc + b"\n" + payload)
+    assert np.array_equal(checkpoint.load(tmp_path, 1)["w"], weights)
+    path.write_bytes(b"silo_pfl arrays      crc32=" + crc + b"\n" + payload[:-1] + b"\1")
+    with pytest.raises(checkpoint.CheckpointError, match=r"corrupted \(its CRC-32 differs"):
+        checkpoint.load(tmp_path, 1)
 
 
 def test_the_spared_round_outlives_the_newest_files(tmp_path):
