@@ -1,32 +1,31 @@
 """Checkpoints: one party's state after a round, written atomically and verified when read.
 
-A checkpoint is one file, `round-NNNNNN.ckpt`: a header line holding the SHA-256 of the rest (the
-payload; a GHASH for the third kind), then the payload, of one of three kinds, which the
-header's magic (its text before the digest) tells apart, so that `load` needs no argument to
-read any:
+A checkpoint is one file, `round-NNNNNN.ckpt`: a header line holding a digest of the rest (the
+payload), then the payload, of one of two kinds, which the header's magic (its text before the
+digest) tells apart, so that `load` needs no argument to read any:
 
 - `save`: torch.save's bytes of plain containers and tensors, read back with `weights_only=True`
-  (the silos' checkpoints). Header `silo_pfl checkpoint sha256=<hex>`.
+  (the silos' checkpoints). Header `silo_pfl checkpoint sha256=<hex>`: their SHA-256.
 - `save_arrays`: plain containers, numpy arrays and numpy scalars, for a party that imports no
   torch (the server's checkpoints: the server process never imports torch, nor does this module
-  until a torch checkpoint or model is saved or read). Header `silo_pfl arrays     sha256=<hex>`
-  (padded to the torch header's length). The payload is pickle protocol 5 with each array's
-  bytes out of band: the stream's length (8 bytes, little-endian), the stream, then each buffer
-  as its length (8 bytes) and its bytes, zero-padded before them so that they start at a
+  until a torch checkpoint or model is saved or read), and for files written every round and
+  read rarely (a silo's model of each round, in case it is selected). Header `silo_pfl arrays
+  ghash=<hex>` (padded to the torch header's length). The payload is pickle protocol 5 with each
+  array's bytes out of band: the stream's length (8 bytes, little-endian), the stream, then each
+  buffer as its length (8 bytes) and its bytes, zero-padded before them so that they start at a
   multiple of 64 bytes into the payload. The arrays go from their own memory to the file (only
   a read-only or non-contiguous one is copied first), and come back writable and 64-byte
   aligned, views of one buffer the size of the file. They are read back by an unpickler that
   builds nothing but numpy arrays, dtypes and scalars (`_ALLOWED`), and `save_arrays` refuses,
-  before it writes, anything that would need more.
-- `save_checksummed`: the arrays kind under a GHASH instead (header `silo_pfl arrays ghash=`,
-  the checksum in 64 hex digits), for files written every round and read rarely (a silo's model
-  of each round, in case it is selected), where a SHA-256 would cost more than writing them. The
-  GHASH is AES-GCM's tag over the payload as associated data, under a key and nonce of zeros: a
-  128-bit polynomial checksum that OpenSSL computes with carry-less multiplication at 8-12 GB/s
-  (a SHA-256 runs at 1.4-1.6 GB/s here, zlib's CRC-32 at 2.3-3). It catches a flipped, lost or
-  moved byte, not a forgery: nothing but the silo writes its directory. Whoever keeps something
-  taken from such a file hashes that (`save_model`). Files of this kind written before under a
-  CRC-32 (header `silo_pfl arrays crc32=`) are still read and checked.
+  before it writes, anything that would need more. The digest is a GHASH: AES-GCM's tag over
+  the payload as associated data, under a key and nonce of zeros, a 128-bit polynomial checksum
+  that OpenSSL computes with carry-less multiplication at 8-12 GB/s (a SHA-256 runs at 1.4-1.6
+  GB/s here, zlib's CRC-32 at 2.3-3): a large model's file costs its checksum a fraction of its
+  writing. It catches a flipped, lost or moved byte, not a forgery; no digest without a secret
+  key would, and nothing but its party writes a checkpoint directory. Whoever keeps something
+  taken from such a file hashes that (`save_model`). Arrays files written before under a
+  SHA-256 (`silo_pfl arrays     sha256=`) or a CRC-32 (`silo_pfl arrays      crc32=`) are still
+  read and checked, so that a run resumes across the change.
 
 A file whose header is missing or cut short is partial; one whose bytes do not match its header is
 corrupted. Either is named in one line and skipped for the previous good round. A silo's selected
@@ -81,9 +80,9 @@ KEEP = 3
 CHECKPOINT, MODEL = ".ckpt", ".pt"  # a verified checkpoint; a selected model's plain file
 _NAME = re.compile(r"^round-(\d{6})(\.ckpt|\.pt)$")
 _MAGIC = b"silo_pfl checkpoint sha256="  # torch.save's bytes follow
-_ARRAYS_MAGIC = b"silo_pfl arrays".ljust(len(_MAGIC) - 7) + b"sha256="  # the same length
+_ARRAYS_MAGIC = b"silo_pfl arrays".ljust(len(_MAGIC) - 6) + b"ghash="  # the same length
+_SHA_MAGIC = b"silo_pfl arrays".ljust(len(_MAGIC) - 7) + b"sha256="  # read only: older files
 _HEADER = len(_MAGIC) + 64 + 1  # the magic, the digest in hex, a newline
-_GHASH_MAGIC = b"silo_pfl arrays".ljust(len(_MAGIC) - 6) + b"ghash="  # the same length
 _CRC_MAGIC = b"silo_pfl arrays".ljust(len(_MAGIC) - 6) + b"crc32="  # read only: older files
 _ALIGN = 64  # an arrays payload's buffers start this aligned: in the payload, and in memory
 _CORE = "numpy._core" if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else "numpy.core"
@@ -278,7 +277,7 @@ def _length(size: int) -> bytes:
 
 
 class _Crc32:
-    """zlib's CRC-32 with hashlib's interface, in 64 hex digits: the digest of checksummed files
+    """zlib's CRC-32 with hashlib's interface, in 64 hex digits: the digest of a silo's models
     written before the GHASH (read only)."""
 
     def __init__(self) -> None:
@@ -307,12 +306,12 @@ class _Ghash:
         return self._gcm.tag.hex().rjust(64, "0")
 
 
-def _arrays_save(state: Any, fd: int, checksum: Callable[[], Any] = hashlib.sha256) -> _HashingFile:
+def _arrays_save(state: Any, fd: int) -> _HashingFile:
     """The arrays payload of `state` (see the module's docstring), at the file's offset: the
     pickle stream holds no array's bytes, which go from their memory to the file."""
     stream, buffers = io.BytesIO(), []
     _ArraysPickler(stream, protocol=5, buffer_callback=buffers.append).dump(state)
-    out = _HashingFile(fd, checksum)
+    out = _HashingFile(fd, _Ghash)
     out.write(_length(stream.getbuffer().nbytes))
     out.write(stream.getbuffer())
     del stream
@@ -457,18 +456,13 @@ def save(directory: Path, round_: int, state: dict[str, Any]) -> Path:
     return _write_round(directory, round_, CHECKPOINT, _headed(_MAGIC, _torch_save, state))
 
 
-def save_arrays(directory: Path, round_: int, state: Any) -> Path:
+def save_arrays(directory: Path, round_: int, state: Any, spare: int | None = None) -> Path:
     """Write `state` (plain containers, numpy arrays and numpy scalars) as the checkpoint of
     `round_`, without torch: its header, then its arrays payload (see the module's docstring).
     `load` gives it back, its arrays writable; anything it could not, `state` holding any other
-    object, raises TypeError here and writes nothing."""
-    return _write_round(directory, round_, CHECKPOINT, _headed(_ARRAYS_MAGIC, _arrays_save, state))
-
-
-def save_checksummed(directory: Path, round_: int, state: Any, spare: int | None = None) -> Path:
-    """`save_arrays` under a GHASH instead of the SHA-256 (see the module's docstring). The file
-    of round `spare`, if given, is kept beyond the newest KEEP."""
-    writer = _headed(_GHASH_MAGIC, functools.partial(_arrays_save, checksum=_Ghash), state)
+    object, raises TypeError here and writes nothing. The file of round `spare`, if given, is
+    kept beyond the newest KEEP."""
+    writer = _headed(_ARRAYS_MAGIC, _arrays_save, state)
     return _write_round(directory, round_, CHECKPOINT, writer, spare)
 
 
@@ -572,7 +566,7 @@ def _digest(checksum: Callable[[], Any], data: Buffer) -> str:
 
 def load(directory: Path, round_: int, sha256: str | None = None) -> Any:
     """The checkpoint of `round_`, after checking it against its header: torch's kind (`save`)
-    with its tensors, the arrays kind (`save_arrays`, `save_checksummed`) with numpy arrays. Or
+    with its tensors, the arrays kind (`save_arrays`) with numpy arrays. Or
     the model of `round_` (`save_model`), checked against `sha256` when it is given."""
     path = _existing(directory, round_)
     if path is None:
@@ -602,8 +596,8 @@ def load(directory: Path, round_: int, sha256: str | None = None) -> Any:
 # What follows each kind's header: how to read it, how to decode it, and its digest.
 _KINDS: dict[bytes, tuple[Callable[[io.FileIO], Any], Callable[[Any], Any], Any, str]] = {
     _MAGIC: (io.FileIO.readall, _torch_load, hashlib.sha256, "SHA-256"),
-    _ARRAYS_MAGIC: (_read_aligned, _arrays_load, hashlib.sha256, "SHA-256"),
-    _GHASH_MAGIC: (_read_aligned, _arrays_load, _Ghash, "GHASH"),
+    _ARRAYS_MAGIC: (_read_aligned, _arrays_load, _Ghash, "GHASH"),
+    _SHA_MAGIC: (_read_aligned, _arrays_load, hashlib.sha256, "SHA-256"),
     _CRC_MAGIC: (_read_aligned, _arrays_load, _Crc32, "CRC-32"),
 }
 

@@ -507,7 +507,7 @@ class Silo:
         assert self._evaluated is not None and self._last is not None
         state = {k: v.detach().numpy() for k, v in self._evaluated.state_dict().items()}
         spare = self._selected.round if self._selected is not None else None
-        checkpoint.save_checksummed(self.dir / MODELS, round_, state, spare)
+        checkpoint.save_arrays(self.dir / MODELS, round_, state, spare)
         self._models[round_] = {
             "eval": dataclasses.asdict(self._last),
             "report": dict(self.algorithm.report()),

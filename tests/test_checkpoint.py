@@ -150,8 +150,9 @@ def test_a_corrupted_checkpoint_is_named_and_the_previous_good_round_is_used(
     newest.write_bytes(bytes(data))
     with pytest.raises(checkpoint.CheckpointError) as info:
         checkpoint.load(tmp_path, 2)
+    digest = {"torch": "SHA-256", "arrays": "GHASH"}[kind]
     assert str(info.value) == (
-        f"checkpoint {newest}: corrupted (its SHA-256 differs from its header)"
+        f"checkpoint {newest}: corrupted (its {digest} differs from its header)"
     )
     with caplog.at_level(logging.WARNING, logger="silo_pfl.checkpoint"):
         round_, state = checkpoint.load_latest(tmp_path)
@@ -336,13 +337,12 @@ class _Evil:
 
 def test_an_arrays_checkpoint_that_names_anything_but_numpy_s_own_is_unreadable(tmp_path):
     """Like torch's weights_only: a pickle that would call os.system is refused, not run, even
-    though its SHA-256 matches its header."""
+    though its digest matches its header."""
     marker = tmp_path / "called"
     stream = pickle.dumps({"w": _Evil(marker)}, protocol=5)
     payload = len(stream).to_bytes(8, "little") + stream
-    digest = hashlib.sha256(payload).hexdigest().encode()
     path = checkpoint.path_of(tmp_path, 1)
-    path.write_bytes(b"silo_pfl arrays     sha256=" + digest + b"\n" + payload)
+    path.write_bytes(b"silo_pfl arrays      ghash=" + _ghash(payload) + b"\n" + payload)
     with pytest.raises(checkpoint.CheckpointError) as info:
         checkpoint.load(tmp_path, 1)
     assert str(info.value) == f"checkpoint {path}: unreadable (UnpicklingError)"
@@ -355,9 +355,8 @@ def test_an_arrays_checkpoint_in_numpy_1_s_names_is_read(tmp_path):
     stream = pickle.dumps({"w": np.arange(4.0)}, protocol=3).replace(b"numpy._core", b"numpy.core")
     assert b"numpy.core.multiarray" in stream
     payload = len(stream).to_bytes(8, "little") + stream
-    digest = hashlib.sha256(payload).hexdigest().encode()
     checkpoint.path_of(tmp_path, 1).write_bytes(
-        b"silo_pfl arrays     sha256=" + digest + b"\n" + payload
+        b"silo_pfl arrays      ghash=" + _ghash(payload) + b"\n" + payload
     )
     assert np.array_equal(checkpoint.load(tmp_path, 1)["w"], np.arange(4.0))
 
@@ -372,7 +371,7 @@ def test_load_tells_the_two_kinds_apart_by_their_header(tmp_path):
     checkpoint.save_arrays(tmp_path, 3, {"w": np.arange(3)})  # in round 0's torch file
     assert checkpoint.path_of(tmp_path, 3).stat().st_ino == inode
     assert checkpoint.rounds(tmp_path) == [1, 2, 3]
-    assert checkpoint.path_of(tmp_path, 3).read_bytes().startswith(b"silo_pfl arrays     sha256=")
+    assert checkpoint.path_of(tmp_path, 3).read_bytes().startswith(b"silo_pfl arrays      ghash=")
     assert isinstance(checkpoint.load(tmp_path, 1)["w"], np.ndarray)
     assert isinstance(checkpoint.load(tmp_path, 2)["w"], torch.Tensor)
     round_, state = checkpoint.load_latest(tmp_path)
@@ -389,12 +388,12 @@ def _ghash(data: bytes) -> bytes:
     return b"%064x" % int.from_bytes(gcm.tag, "big")
 
 
-def test_a_checksummed_file_is_read_back_and_a_flipped_or_lost_byte_is_named(tmp_path):
-    """A silo's model of each round is written under a GHASH in place of a SHA-256: read back as
-    written; a flipped byte, two swapped words or a file cut short is corrupted, named in one
-    line."""
+def test_an_arrays_file_is_read_back_and_a_flipped_or_lost_byte_is_named(tmp_path):
+    """The arrays kind (the server's checkpoints, a silo's model of each round) is written under
+    a GHASH: read back as written; a flipped byte, two swapped words or a file cut short is
+    corrupted, named in one line."""
     weights = np.arange(1000, dtype=np.float32)
-    checkpoint.save_checksummed(tmp_path, 1, {"w": weights})
+    checkpoint.save_arrays(tmp_path, 1, {"w": weights})
     path = checkpoint.path_of(tmp_path, 1)
     data = path.read_bytes()
     header = data[: len(checkpoint._MAGIC) + 65]
@@ -409,27 +408,41 @@ def test_a_checksummed_file_is_read_back_and_a_flipped_or_lost_byte_is_named(tmp
         assert str(info.value) == message
 
 
-def test_a_model_file_written_under_a_crc32_before_is_still_read_and_checked(tmp_path):
-    """A run resumed on this code reads the models its silos wrote under the former CRC-32."""
+@pytest.mark.parametrize(
+    ("magic", "digest", "name"),
+    [
+        (
+            b"silo_pfl arrays     sha256=",
+            lambda d: b"%064x" % int(hashlib.sha256(d).hexdigest(), 16),
+            "SHA-256",
+        ),
+        (b"silo_pfl arrays      crc32=", lambda d: b"%064x" % zlib.crc32(d), "CRC-32"),
+    ],
+    ids=["server-sha256", "model-crc32"],
+)
+def test_an_arrays_file_written_before_the_ghash_is_still_read_and_checked(
+    tmp_path, magic, digest, name
+):
+    """A run resumed on this code reads the server's checkpoints written under a SHA-256 and the
+    silos' models written under a CRC-32 by the code before, and checks each against its own."""
     weights = np.arange(10, dtype=np.float64)
-    checkpoint.save_checksummed(tmp_path, 1, {"w": weights})
+    checkpoint.save_arrays(tmp_path, 1, {"w": weights})
     path = checkpoint.path_of(tmp_path, 1)
     payload = path.read_bytes()[len(checkpoint._MAGIC) + 65 :]
-    crc = b"%064x" % zlib.crc32(payload)
-    path.write_bytes(b"silo_pfl arrays      crc32=" + crc + b"\n" + payload)
+    path.write_bytes(magic + digest(payload) + b"\n" + payload)
     assert np.array_equal(checkpoint.load(tmp_path, 1)["w"], weights)
-    path.write_bytes(b"silo_pfl arrays      crc32=" + crc + b"\n" + payload[:-1] + b"\1")
-    with pytest.raises(checkpoint.CheckpointError, match=r"corrupted \(its CRC-32 differs"):
+    path.write_bytes(magic + digest(payload) + b"\n" + payload[:-1] + b"\1")
+    with pytest.raises(checkpoint.CheckpointError, match=rf"corrupted \(its {name} differs"):
         checkpoint.load(tmp_path, 1)
 
 
 def test_the_spared_round_outlives_the_newest_files(tmp_path):
     """A silo's selected model stays while the models of later rounds come and go."""
     for round_ in range(1, 8):
-        checkpoint.save_checksummed(tmp_path, round_, {"r": np.full(3, round_)}, spare=2)
+        checkpoint.save_arrays(tmp_path, round_, {"r": np.full(3, round_)}, spare=2)
     assert checkpoint.rounds(tmp_path) == [2, 5, 6, 7]
     assert checkpoint.load(tmp_path, 2)["r"].tolist() == [2, 2, 2]
-    checkpoint.save_checksummed(tmp_path, 8, {"r": np.full(3, 8)}, spare=7)
+    checkpoint.save_arrays(tmp_path, 8, {"r": np.full(3, 8)}, spare=7)
     assert checkpoint.rounds(tmp_path) == [6, 7, 8]
 
 
@@ -454,8 +467,7 @@ def test_arrays_go_to_their_file_and_back_without_a_copy_of_the_whole(tmp_path):
     _same(state, back)
     data = path.read_bytes()
     header, payload = data[: checkpoint._HEADER], data[checkpoint._HEADER :]
-    digest = hashlib.sha256(payload).hexdigest().encode()
-    assert header == b"silo_pfl arrays     sha256=" + digest + b"\n"
+    assert header == b"silo_pfl arrays      ghash=" + _ghash(payload) + b"\n"
     at = 8 + int.from_bytes(payload[:8], "little")
     assert len(payload[8:at]) < 1000  # the stream: no array's bytes
     for array in state.values():
