@@ -566,8 +566,8 @@ def _digest(checksum: Callable[[], Any], data: Buffer) -> str:
 
 def load(directory: Path, round_: int, sha256: str | None = None) -> Any:
     """The checkpoint of `round_`, after checking it against its header: torch's kind (`save`)
-    with its tensors, the arrays kind (`save_arrays`) with numpy arrays. Or
-    the model of `round_` (`save_model`), checked against `sha256` when it is given."""
+    with its tensors, the arrays kind (`save_arrays`) with numpy arrays. Or the model of
+    `round_` (`save_model`), checked against `sha256` when it is given."""
     path = _existing(directory, round_)
     if path is None:
         expected = path_of(directory, round_, CHECKPOINT if sha256 is None else MODEL)
