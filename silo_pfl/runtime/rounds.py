@@ -21,8 +21,8 @@ calls a round, and waits for the driver only for the server's sum. Where the fit
 prepared (secure aggregation's keys and shares), the next round's first attempt is prepared as
 soon as the round was aggregated and its evaluations are in, and its fits are sent then, before
 the driver ends the round; not when a silo has died, since it rejoins before a round is prepared
-for it. A silo that dies or rejoins in between is sent a fit of its
-own after it rejoins, as before.
+for it. A silo that dies or rejoins in between is sent a fit of its own after it rejoins, as
+before.
 """
 
 from __future__ import annotations
@@ -216,7 +216,6 @@ class RoundRunner:
         live = {n: p.actor for n, p in self.parties.items() if not p.died}
         if self.inputs is None:
             self.inputs = (self.server.global_state.remote(), self.server.broadcast.remote())
-        global_ref, broadcast_ref = self.inputs
         ahead = self._take_ahead(round_, attempt)
         if ahead is not None and ahead.prepared is not None:
             prepared = ahead.prepared
@@ -226,21 +225,15 @@ class RoundRunner:
         if prepared.failure:
             return prepared.failure + _reasons(prepared.absent)
         fitting = {n: h for n, h in live.items() if prepared.inbox is None or n in prepared.inbox}
-        fit_refs = self._sent_ahead(ahead, fitting, set(rejoined))
+        # Fits sent ahead stand, except a rejoined silo's (its process died): it is sent its own.
+        fit_refs = {
+            n: r
+            for n, r in (ahead.refs if ahead else {}).items()
+            if n in fitting and n not in rejoined
+        }
         rest = {n: h for n, h in fitting.items() if n not in fit_refs}
         if rest:
-            fit_refs.update(
-                call_many(
-                    rest,
-                    "fit",
-                    global_ref,
-                    round_,
-                    attempt,
-                    broadcast_ref,
-                    each=2,
-                    per_silo=prepared.inbox,
-                )
-            )
+            fit_refs.update(self._fits(rest, round_, attempt, self.inputs, prepared.inbox))
         fits, absent, died = gather({n: m for n, (_, m) in fit_refs.items()}, self.timeout)
         absent.update(prepared.absent)
         absent.update({n: "not running (restart pending)" for n in self.parties if n not in live})
@@ -304,9 +297,7 @@ class RoundRunner:
         `report` (the previous round's, or its ref) says it was aggregated."""
         if not self.steps.fits_alone or round_ > self.cfg.rounds:
             return
-        global_ref, broadcast_ref = inputs
-        refs = call_many(alive, "fit", global_ref, round_, 1, broadcast_ref, each=2, after=report)
-        self.ahead = Ahead(round_, refs)
+        self.ahead = Ahead(round_, self._fits(alive, round_, 1, inputs, after=report))
 
     def _prepare_ahead(self, alive: dict[str, Any], round_: int, inputs: tuple[Any, Any]) -> None:
         """Where a fit needs its steps prepared (secure aggregation's keys and shares): once the
@@ -321,13 +312,34 @@ class RoundRunner:
         self._mark_dead(prepared.died)
         refs: dict[str, list[Any]] = {}
         if not prepared.failure and prepared.inbox is not None:
-            fitting = {n: alive[n] for n in prepared.inbox if n in alive}
-            global_ref, broadcast_ref = inputs
-            per_silo = {n: prepared.inbox[n] for n in fitting}
-            refs = call_many(
-                fitting, "fit", global_ref, round_, 1, broadcast_ref, each=2, per_silo=per_silo
-            )
+            fitting = {n: alive[n] for n in prepared.inbox}
+            refs = self._fits(fitting, round_, 1, inputs, prepared.inbox)
         self.ahead = Ahead(round_, refs, prepared=prepared)
+
+    @staticmethod
+    def _fits(
+        handles: dict[str, Any],
+        round_: int,
+        attempt: int,
+        inputs: tuple[Any, Any],
+        per_silo: dict[str, Any] | None = None,
+        after: Any = None,
+    ) -> dict[str, list[Any]]:
+        """Send each silo of `handles` its fit of `round_`'s `attempt` on the global keys and
+        broadcast `inputs` (with its own `per_silo` input, and after `after`, if given): the refs
+        of its update and its metrics."""
+        global_ref, broadcast_ref = inputs
+        return call_many(
+            handles,
+            "fit",
+            global_ref,
+            round_,
+            attempt,
+            broadcast_ref,
+            each=2,
+            per_silo=per_silo,
+            after=after,
+        )
 
     def finish(self) -> None:
         """After the last round: rejoin the silos that died, and give every silo the model
@@ -346,16 +358,6 @@ class RoundRunner:
         if ahead is None or ahead.round != round_ or attempt != 1:
             return None
         return ahead
-
-    @staticmethod
-    def _sent_ahead(
-        ahead: Ahead | None, fitting: dict[str, Any], rejoined: set[str]
-    ) -> dict[str, list[Any]]:
-        """The fits of `fitting` already sent, except to silos that rejoined since (their
-        process died: they are sent a fit of their own)."""
-        if ahead is None:
-            return {}
-        return {n: r for n, r in ahead.refs.items() if n in fitting and n not in rejoined}
 
     def _record_fits(
         self,
