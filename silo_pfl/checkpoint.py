@@ -4,12 +4,10 @@ A checkpoint is one file, `round-NNNNNN.ckpt`: a header line holding a digest of
 payload), then the payload, of one of two kinds, which the header's magic (its text before the
 digest) tells apart, so that `load` needs no argument to read any:
 
-- `save`: torch.save's bytes of plain containers and tensors, read back with `weights_only=True`
-  (the silos' checkpoints). Header `silo_pfl checkpoint sha256=<hex>`: their SHA-256.
-- `save_arrays`: plain containers, numpy arrays and numpy scalars, for a party that imports no
-  torch (the server's checkpoints: the server process never imports torch, nor does this module
-  until a torch checkpoint or model is saved or read), and for files written every round and
-  read rarely (a silo's model of each round, in case it is selected). Header `silo_pfl arrays
+- `save_arrays`: plain containers, numpy arrays and numpy scalars: every checkpoint written
+  now. The server's (its process never imports torch, nor does this module until a model is
+  saved or a torch checkpoint read) and a silo's, which holds its tensors as arrays and, with
+  its state, the round's personalized model, in case it is selected. Header `silo_pfl arrays
   ghash=<hex>` (padded to the torch header's length). The payload is pickle protocol 5 with each
   array's bytes out of band: the stream's length (8 bytes, little-endian), the stream, then each
   buffer as its length (8 bytes) and its bytes, zero-padded before them so that they start at a
@@ -26,17 +24,20 @@ digest) tells apart, so that `load` needs no argument to read any:
   taken from such a file hashes that (`save_model`). Arrays files written before under a
   SHA-256 (`silo_pfl arrays     sha256=`) or a CRC-32 (`silo_pfl arrays      crc32=`) are still
   read and checked, so that a run resumes across the change.
+- Read only: torch.save's bytes of plain containers and tensors, read back with
+  `weights_only=True`, as silos wrote their checkpoints before 2026-12-05. Header `silo_pfl
+  checkpoint sha256=<hex>`: their SHA-256.
 
 A file whose header is missing or cut short is partial; one whose bytes do not match its header is
 corrupted. Either is named in one line and skipped for the previous good round. A silo's selected
 model is `round-NNNNNN.pt` (`save_model`), torch.save's bytes alone, as MLflow ships and serves
 them: its SHA-256 goes into the silo's next checkpoint, which `load` checks it against.
 
-Only the newest KEEP files of a directory are kept (and, among a silo's models, its selected
-one): the oldest beyond them is recycled into the next one (renamed to a hidden name, so it is
-never read again, then overwritten in place), since freeing a file's blocks can cost a
-millisecond (a file system mounted with `discard`) where overwriting them costs nothing more
-than writing.
+Only the newest KEEP files of a directory are kept (and a silo's selected round's checkpoint,
+which holds the selected model): the oldest beyond them is recycled into the next one (renamed
+to a hidden name, so it is never read again, then overwritten in place), since freeing a file's
+blocks can cost a millisecond (a file system mounted with `discard`) where overwriting them
+costs nothing more than writing.
 
 A file is on disk before the call that wrote it returns. Alone, each file and its directory are
 fsynced. Inside `durable_together` (a worker's call for all its silos) the files are written and
@@ -447,13 +448,6 @@ def durable_together() -> Iterator[None]:
 def _prune(paths: list[Path]) -> None:
     for path in paths:
         path.unlink(missing_ok=True)
-
-
-def save(directory: Path, round_: int, state: dict[str, Any]) -> Path:
-    """Write `state` (containers and tensors) as the checkpoint of `round_`: its header (the
-    SHA-256 of what follows), then torch.save's bytes, in one file (see the module's docstring
-    for what is recycled or pruned)."""
-    return _write_round(directory, round_, CHECKPOINT, _headed(_MAGIC, _torch_save, state))
 
 
 def save_arrays(directory: Path, round_: int, state: Any, spare: int | None = None) -> Path:

@@ -69,9 +69,10 @@ from silo_pfl.training import (
     train_epochs,
 )
 
+# A checkpoint per committed round, as arrays under a GHASH: the round's personalized model (what
+# selection may choose, and the selected model is published from) and the state to resume from.
 CHECKPOINTS = "checkpoints"
-# The personalized model (its state_dict as arrays, under a GHASH) of each of the last committed
-# rounds, and of the selected round: what the selected model is published from.
+# Read only: each committed round's model, in its own file, as runs before 2026-12-05 wrote them.
 MODELS = "models"
 # The selected personalized model, published: its state_dict in torch's format, whose SHA-256
 # the silo's next checkpoint holds.
@@ -229,30 +230,35 @@ class Silo:
         self.attach(exporters or {})
         return RejoinInfo(self.name, round_, digest, info.pid)
 
-    def _checkpoint(self, round_: int) -> None:
+    def _checkpoint(self, round_: int, model: dict[str, np.ndarray] | None = None) -> None:
+        """Write the checkpoint of `round_`, with `model`, the round's personalized model, if
+        given. The selected round's is kept beyond checkpoint.KEEP: it holds the model."""
         state = self.model.state_dict()
         figures = {  # one JSON string: a few objects for torch's pickler, not dozens
-            "selected": dataclasses.asdict(self._selected) if self._selected else None,
+            "selected": fields_of(self._selected) if self._selected else None,
             "selected_report": self._selected_report,
             "selected_sha256": self._selected_sha256,
-            "last": dataclasses.asdict(self._last) if self._last else None,
+            "last": fields_of(self._last) if self._last else None,
             "models": {str(r): f for r, f in self._models.items()},
         }
-        state = {
+        saved = {
             "round": round_,
-            "local": {k: state[k] for k in self.split.local_keys},
-            "algorithm": self.algorithm.local_state(),
+            "local": as_arrays({k: state[k] for k in self.split.local_keys}),
+            "algorithm": as_arrays(self.algorithm.local_state()),
             "figures": json.dumps(figures),
             "rng": rng_state(),
         }
-        checkpoint.save(self.dir / CHECKPOINTS, round_, state)
+        if model is not None:
+            saved["model"] = model
+        spare = self._selected.round if self._selected is not None else None
+        checkpoint.save_arrays(self.dir / CHECKPOINTS, round_, saved, spare)
         self.committed, self._dirty = round_, False
 
     def restore(self, round_: int) -> str:
         """Load the checkpoint of `round_`; return the SHA-256 of the restored local keys."""
         state = checkpoint.load(self.dir / CHECKPOINTS, round_)
-        self.model.load_state_dict(state["local"], strict=False)
-        self.algorithm.load_local_state(self, state["algorithm"])
+        self.model.load_state_dict(as_tensors(state["local"]), strict=False)
+        self.algorithm.load_local_state(self, as_tensors(state["algorithm"]))
         figures = json.loads(state["figures"])
         self._selected = EvalMetrics(**figures["selected"]) if figures["selected"] else None
         self._selected_sha256 = figures["selected_sha256"]
@@ -465,18 +471,18 @@ class Silo:
         return self._last
 
     def commit(self, round_: int, keep: bool) -> None:
-        """End `round_` for this silo: its model just evaluated is written and, with `keep`,
-        becomes (and is published as) its selected personalized model; then its state is
-        checkpointed in its own directory."""
+        """End `round_` for this silo: with `keep`, its model just evaluated becomes (and is
+        published as) its selected personalized model; then the model and the silo's state
+        are checkpointed in its own directory."""
         if self._last is None or self._last.round != round_:
             raise RuntimeError(f"silo {self.name}: commit({round_}) without evaluate({round_})")
         if not isinstance(keep, bool):
             raise TypeError(f"silo {self.name}: commit's keep is a bool, not {type(keep).__name__}")
-        self._write_model(round_)
+        model = self._evaluated_model(round_)
         if keep:
             self._select(round_)
-            self._publish()
-        self._checkpoint(round_)
+            self._publish(model)
+        self._checkpoint(round_, model)
 
     def evaluate_and_commit(
         self, global_state: dict[str, np.ndarray], round_: int, selected: int | None
@@ -487,8 +493,7 @@ class Silo:
         choice comes with the silo's next call, or with `select` after the last round."""
         self._select(selected)
         metrics = self.evaluate(global_state, round_)
-        self._write_model(round_)
-        self._checkpoint(round_)
+        self._checkpoint(round_, self._evaluated_model(round_))
         return metrics
 
     def select(self, round_: int | None) -> None:
@@ -499,21 +504,21 @@ class Silo:
         self._select(round_)
         if self._selected is not None and not self._selected_sha256:
             self._publish()
-            self._checkpoint(self.committed)
+            self._checkpoint(self.committed, self._committed_model())
 
-    def _write_model(self, round_: int) -> None:
-        """Write the model `evaluate` just judged as round `round_`'s, and keep its figures. The
-        selected round's file is spared; of the others, the newest checkpoint.KEEP remain."""
+    def _evaluated_model(self, round_: int) -> dict[str, np.ndarray]:
+        """The model `evaluate` just judged as round `round_`'s, as arrays for its checkpoint;
+        its figures are kept while it may be selected (the selected round's, and the newest
+        checkpoint.KEEP rounds')."""
         assert self._evaluated is not None and self._last is not None
-        state = {k: v.detach().numpy() for k, v in self._evaluated.state_dict().items()}
         spare = self._selected.round if self._selected is not None else None
-        checkpoint.save_arrays(self.dir / MODELS, round_, state, spare)
         self._models[round_] = {
-            "eval": dataclasses.asdict(self._last),
+            "eval": fields_of(self._last),
             "report": dict(self.algorithm.report()),
         }
         remain = set(sorted(self._models)[-checkpoint.KEEP :]) | {spare}
         self._models = {r: f for r, f in self._models.items() if r in remain}
+        return as_arrays(self._evaluated.state_dict())
 
     def _select(self, round_: int | None) -> None:
         """Round `round_`'s model, written when it was committed, becomes the selected one."""
@@ -526,14 +531,29 @@ class Silo:
         self._selected_report = dict(figures["report"])
         self._selected_sha256 = ""
 
-    def _publish(self) -> None:
-        """Write the selected model in torch's format, with its SHA-256 for the next checkpoint."""
+    def _publish(self, model: dict[str, np.ndarray] | None = None) -> None:
+        """Write the selected model (`model`, or as its round's checkpoint holds it) in torch's
+        format, with its SHA-256 for the next checkpoint."""
         assert self._selected is not None
-        arrays = checkpoint.load(self.dir / MODELS, self._selected.round)
-        state = {k: torch.from_numpy(v) for k, v in arrays.items()}
-        self._selected_sha256 = checkpoint.save_model(
-            self.dir / SELECTED, self._selected.round, state
-        )
+        round_ = self._selected.round
+        if model is None:
+            model = self._saved_model(round_)
+        state = as_tensors(model)
+        self._selected_sha256 = checkpoint.save_model(self.dir / SELECTED, round_, state)
+
+    def _saved_model(self, round_: int) -> dict[str, np.ndarray]:
+        """Round `round_`'s model as committed: in its checkpoint, or in a file of its own where
+        an older run wrote it (MODELS), and the checkpoint holds none."""
+        if round_ in checkpoint.rounds(self.dir / CHECKPOINTS):
+            model = checkpoint.load(self.dir / CHECKPOINTS, round_).get("model")
+            if model is not None:
+                return model
+        return checkpoint.load(self.dir / MODELS, round_)
+
+    def _committed_model(self) -> dict[str, np.ndarray] | None:
+        """The model the last commit's checkpoint holds (None: none, as at round 0 or in a
+        checkpoint of an older run), to write again with it."""
+        return checkpoint.load(self.dir / CHECKPOINTS, self.committed).get("model")
 
     @property
     def selected_path(self) -> Path:
@@ -601,6 +621,23 @@ def local_digest(state: dict[str, torch.Tensor], keys: list[str] | tuple[str, ..
         digest.update(key.encode())
         digest.update(state[key].detach().contiguous().numpy().tobytes())
     return digest.hexdigest()
+
+
+def fields_of(metrics: EvalMetrics) -> dict[str, Any]:
+    """A flat dataclass's fields, as `dataclasses.asdict` gives them without its deep copy (a
+    tenth of the time, paid by every silo's checkpoint)."""
+    return dict(vars(metrics))
+
+
+def as_arrays(state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """Tensors as numpy arrays over the same memory, for `checkpoint.save_arrays`."""
+    return {k: v.detach().numpy() for k, v in state.items()}
+
+
+def as_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """What a checkpoint gave back (numpy arrays, or tensors from an older run's torch
+    checkpoint) as tensors, over the same memory."""
+    return {k: torch.as_tensor(v) for k, v in state.items()}
 
 
 def nbytes(arrays: dict[str, Any]) -> int:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from old_checkpoints import save_torch_kind
 from plain_federation import federation, play_round
 
 from silo_pfl import checkpoint
@@ -33,7 +34,7 @@ def _write(tmp_path, rounds, kind="torch"):
     for round_ in rounds:
         if kind == "torch":
             state = {"round": round_, "w": torch.full((3,), float(round_))}
-            checkpoint.save(tmp_path, round_, state)
+            save_torch_kind(tmp_path, round_, state)
         else:
             checkpoint.save_arrays(tmp_path, round_, {"round": round_, "w": np.full(3, round_)})
 
@@ -96,8 +97,8 @@ def test_a_checkpoint_recycles_the_one_it_replaces_and_deletes_nothing(tmp_path,
     for round_ in (6, 7, 8):
         assert torch.equal(checkpoint.load(tmp_path, round_)["w"], torch.full((3,), float(round_)))
     _write(tmp_path, [9, 10, 11])  # a bigger checkpoint in a recycled file: truncated to it
-    checkpoint.save(tmp_path, 12, {"w": torch.zeros(1000)})
-    checkpoint.save(tmp_path, 13, {"w": torch.ones(2)})
+    save_torch_kind(tmp_path, 12, {"w": torch.zeros(1000)})
+    save_torch_kind(tmp_path, 13, {"w": torch.ones(2)})
     assert checkpoint.load(tmp_path, 13)["w"].tolist() == [1.0, 1.0]
 
 
@@ -220,7 +221,7 @@ def test_a_large_state_goes_to_its_file_without_a_copy_of_the_whole_in_memory(tm
     tracemalloc.start()
     try:
         digest = checkpoint.save_model(tmp_path, 1, state)
-        path = checkpoint.save(tmp_path, 2, state)
+        path = save_torch_kind(tmp_path, 2, state)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -364,9 +365,9 @@ def test_an_arrays_checkpoint_in_numpy_1_s_names_is_read(tmp_path):
 def test_load_tells_the_two_kinds_apart_by_their_header(tmp_path):
     """Callers load either kind alike; a file of either kind is recycled into the next."""
     assert len(checkpoint._ARRAYS_MAGIC) == len(checkpoint._MAGIC)
-    checkpoint.save(tmp_path, 0, {"w": torch.ones(2)})
+    save_torch_kind(tmp_path, 0, {"w": torch.ones(2)})
     checkpoint.save_arrays(tmp_path, 1, {"w": np.ones(2)})
-    checkpoint.save(tmp_path, 2, {"w": torch.zeros(1000)})
+    save_torch_kind(tmp_path, 2, {"w": torch.zeros(1000)})
     inode = checkpoint.path_of(tmp_path, 0).stat().st_ino
     checkpoint.save_arrays(tmp_path, 3, {"w": np.arange(3)})  # in round 0's torch file
     assert checkpoint.path_of(tmp_path, 3).stat().st_ino == inode
@@ -376,7 +377,7 @@ def test_load_tells_the_two_kinds_apart_by_their_header(tmp_path):
     assert isinstance(checkpoint.load(tmp_path, 2)["w"], torch.Tensor)
     round_, state = checkpoint.load_latest(tmp_path)
     assert round_ == 3 and state["w"].tolist() == [0, 1, 2]
-    checkpoint.save(tmp_path, 4, {"w": torch.full((2,), 4.0)})  # into round 1's arrays file
+    save_torch_kind(tmp_path, 4, {"w": torch.full((2,), 4.0)})  # into round 1's arrays file
     assert checkpoint.load(tmp_path, 4)["w"].tolist() == [4.0, 4.0]
 
 
@@ -547,7 +548,7 @@ def test_generator_states_survive_a_checkpoint_exactly(tmp_path):
     state = rng_state()
     assert all(isinstance(state[k], bytes) for k in ["torch"])
     assert len(state["python"][1]) == 4 * 625 and len(state["numpy"][1]) == 4 * 624
-    checkpoint.save(tmp_path, 1, {"rng": state})
+    save_torch_kind(tmp_path, 1, {"rng": state})
     expected = _draws()
     set_rng_state(checkpoint.load(tmp_path, 1)["rng"])
     assert _draws() == expected

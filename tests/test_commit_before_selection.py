@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from old_checkpoints import save_torch_kind
 
 from silo_pfl import checkpoint
 from silo_pfl.config import to_dict
 from silo_pfl.server_start import new_server
-from silo_pfl.silo import MODELS, SELECTED, Silo
+from silo_pfl.silo import CHECKPOINTS, MODELS, SELECTED, Silo
 
 SILO = "cleveland"
 JOB = ("jobs/heart_disease.yaml", "algorithm.name=fedper", "round.min_silos=1")
@@ -21,9 +22,10 @@ JOB = ("jobs/heart_disease.yaml", "algorithm.name=fedper", "round.min_silos=1")
 KEEPS = ([True, True, False, False, False, False], [True, False, False, True])
 
 
-def play(config: dict, run_id: str, keeps: list[bool], later: bool) -> Silo:
+def play(config: dict, run_id: str, keeps: list[bool], later: bool, told: bool = True) -> Silo:
     """Rounds of one silo and its server; the silo commits each round at once with the choice
-    (`later` False), or before it, told the choice a round late, then by `select`."""
+    (`later` False), or before it, told the choice a round late, then by `select` (unless not
+    `told`)."""
     silo = Silo(config, SILO, run_id)
     info = silo.setup()
     silo.build(info.input_shape, info.num_classes)
@@ -38,7 +40,7 @@ def play(config: dict, run_id: str, keeps: list[bool], later: bool) -> Silo:
             silo.evaluate(server.global_state(), round_)
             silo.commit(round_, keep)
         selected = round_ if keep else selected
-    if later:
+    if later and told:
         silo.select(selected)
     return silo
 
@@ -66,7 +68,8 @@ def test_a_choice_told_later_selects_what_an_immediate_one_does(job, tmp_path, k
     assert later.outcome().selected_round == chosen
     assert_same_state(load_model(later), load_model(now))
     rounds = len(keeps)
-    models = checkpoint.rounds(later.dir / MODELS)
+    folder = later.dir / CHECKPOINTS
+    models = [r for r in checkpoint.rounds(folder) if "model" in checkpoint.load(folder, r)]
     newest = {rounds - 2, rounds - 1, rounds}
     assert newest | {chosen} <= set(models)
     assert len(set(models) - newest - {chosen}) <= 1  # selected before; pruned by the next write
@@ -85,3 +88,44 @@ def test_a_silo_cannot_select_a_model_it_never_wrote(job, tmp_path):
     silo = play(config, "run", [True, False], later=True)
     with pytest.raises(Exception, match=f"silo {SILO}: no model of round 7 to select"):
         silo.select(7)
+
+
+def as_older_code_wrote_it(silo: Silo) -> None:
+    """Rewrite a silo's directory as the code before 2026-12-05 left it: each checkpoint in
+    torch's kind with its tensors, and each round's model in a file of its own (MODELS)."""
+    folder = silo.dir / CHECKPOINTS
+    for round_ in checkpoint.rounds(folder):
+        state = checkpoint.load(folder, round_)
+        model = state.pop("model", None)
+        if model is not None:
+            checkpoint.save_arrays(silo.dir / MODELS, round_, model)
+        for part in ("local", "algorithm"):
+            state[part] = {k: torch.from_numpy(v) for k, v in state[part].items()}
+        save_torch_kind(folder, round_, state)
+
+
+def test_a_silo_of_an_older_run_resumes_and_publishes_its_model_from_its_own_file(job, tmp_path):
+    """A run resumed across the change: its checkpoints of torch's kind restore the silo, and
+    the model selection chooses is read from MODELS, where the older code wrote it."""
+    config = to_dict(job(*JOB, f"output_dir={tmp_path}"))
+    keeps = [True, False, True, False]
+    now = play(config, "now", keeps, later=False)
+    older = play(config, "older", keeps, later=True, told=False)
+    as_older_code_wrote_it(older)
+    assert not any("model" in checkpoint.load(older.dir / CHECKPOINTS, r) for r in (2, 3, 4))
+
+    again = Silo(config, SILO, "older")
+    info = again.setup(resume=True)
+    again.build(info.input_shape, info.num_classes)
+    again.restore(len(keeps))
+    again.select(3)
+    assert again.outcome() == now.outcome()
+    assert_same_state(load_model(again), load_model(now))
+    rewritten = checkpoint.path_of(again.dir / CHECKPOINTS, len(keeps)).read_bytes()
+    assert rewritten.startswith(checkpoint._ARRAYS_MAGIC)  # the choice, in this code's kind
+
+    last = Silo(config, SILO, "older")
+    info = last.setup(resume=True)
+    last.build(info.input_shape, info.num_classes)
+    last.restore(len(keeps))
+    assert last.outcome() == now.outcome()

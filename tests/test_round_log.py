@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from old_checkpoints import save_torch_kind
 from plain_federation import federation, play_round
 
 from silo_pfl import checkpoint
@@ -110,7 +111,7 @@ def test_a_checkpoint_from_before_the_log_resumes_with_its_own_history(job, tmp_
     saved["driver"] = {"history": [_summary(1)], "selector": {}}
     saved["global"] = {k: torch.from_numpy(v) for k, v in saved["global"].items()}
     server.history.path.unlink()
-    checkpoint.save(server.dir, 1, saved)
+    save_torch_kind(server.dir, 1, saved)
     resumed = new_server(to_dict(server.cfg), (13,), 2)
     assert _same(resumed.resume()["history"], [_summary(1)])
     assert all(np.array_equal(resumed.state[k], v.numpy()) for k, v in saved["global"].items())
