@@ -3,14 +3,14 @@
 A plain class with a narrow API (`setup`, `build`, `fit`, `evaluate`, `commit`,
 `evaluate_and_commit`, `select`, `rejoin`, `outcome`, `attach`, `export`), so it is tested
 without Ray; the runtime makes it an actor. Its directory, on its own node, holds a checkpoint
-per committed round (its local keys, its algorithm's personal state, which model is selected, its
-RNG state), the personalized models of its last committed rounds and its selected personalized
-model, which only the exporters attached to it may send anywhere.
+per committed round (the round's personalized model, its local keys, its algorithm's personal
+state, which model is selected, its RNG state: one file, arrays under a GHASH) and its selected
+personalized model, which only the exporters attached to it may send anywhere.
 
-Each committed round's model is written as it is committed (as arrays under a GHASH: cheap),
-since the driver may select it. `commit` is given the driver's choice at once; `evaluate_and_commit`
-commits without waiting for it (the silo goes straight on to its next fit) and is given it a
-round later, or by `select` after the last round. The selected model is published (in torch's
+Each committed round's checkpoint holds its model, since the driver may select it. `commit` is
+given the driver's choice at once; `evaluate_and_commit` commits without waiting for it (the
+silo goes straight on to its next fit) and is given it a round later, or by `select` after the
+last round. The selected model is published (in torch's
 format, with its SHA-256, as MLflow serves it) once the choice is final.
 
 A round changes the silo only when it commits: a fit that is not committed (the silo was late,
@@ -205,7 +205,7 @@ class Silo:
             self._secure = SecureClient(params, self.name, self._identity, trusted)
             like = {name: shapes for name in self.algorithm.Strategy.extras}
             sent = 8 * vector_length(flatten(shapes, like))
-        if 0 not in checkpoint.rounds(self.dir / CHECKPOINTS):
+        if not checkpoint.rounds(self.dir / CHECKPOINTS):  # a resumed silo restores its own
             self._checkpoint(0)
         return SplitInfo(
             global_parameters=self.split.global_parameters,
@@ -543,12 +543,12 @@ class Silo:
 
     def _saved_model(self, round_: int) -> dict[str, np.ndarray]:
         """Round `round_`'s model as committed: in its checkpoint, or in a file of its own where
-        an older run wrote it (MODELS), and the checkpoint holds none."""
-        if round_ in checkpoint.rounds(self.dir / CHECKPOINTS):
-            model = checkpoint.load(self.dir / CHECKPOINTS, round_).get("model")
-            if model is not None:
-                return model
-        return checkpoint.load(self.dir / MODELS, round_)
+        an older run wrote it (MODELS), its checkpoint holding none or pruned."""
+        older = self.dir / MODELS
+        if older.is_dir() and round_ not in checkpoint.rounds(self.dir / CHECKPOINTS):
+            return checkpoint.load(older, round_)
+        model = checkpoint.load(self.dir / CHECKPOINTS, round_).get("model")
+        return model if model is not None else checkpoint.load(older, round_)
 
     def _committed_model(self) -> dict[str, np.ndarray] | None:
         """The model the last commit's checkpoint holds (None: none, as at round 0 or in a

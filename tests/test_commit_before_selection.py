@@ -81,6 +81,7 @@ def test_a_choice_told_later_selects_what_an_immediate_one_does(job, tmp_path, k
     again.build(info.input_shape, info.num_classes)
     again.restore(rounds)
     assert again.outcome() == now.outcome()
+    assert chosen in checkpoint.rounds(folder), "a resumed silo keeps its selected round's model"
 
 
 def test_a_silo_cannot_select_a_model_it_never_wrote(job, tmp_path):

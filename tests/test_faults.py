@@ -22,7 +22,7 @@ from silo_pfl.callbacks import Callback
 from silo_pfl.federation import Federation
 from silo_pfl.progress import ProgressPrinter
 from silo_pfl.results import FederationResult
-from silo_pfl.silo import CHECKPOINTS, SELECTED, local_digest
+from silo_pfl.silo import CHECKPOINTS, SELECTED, as_tensors, local_digest
 
 JOB = "jobs/heart_disease.yaml"
 ROUNDS = 6
@@ -50,7 +50,7 @@ class Watch(Callback):
             if summary.round in checkpoint.rounds(folder):
                 state = checkpoint.load(folder, summary.round)["local"]
                 digests = self.digests.setdefault(folder.parent.name, {})
-                digests[summary.round] = local_digest(state, list(state))
+                digests[summary.round] = local_digest(as_tensors(state), list(state))
 
 
 class AtRound(Watch):
@@ -98,7 +98,7 @@ def _final_states(result: FederationResult | dict) -> dict[str, np.ndarray]:
         )
         for part in ("local", "algorithm", "selected_state"):
             for key, value in (saved[part] or {}).items():
-                arrays[f"{silo}/{part}/{key}"] = value.numpy()
+                arrays[f"{silo}/{part}/{key}"] = np.asarray(value)
     return arrays
 
 

@@ -108,7 +108,7 @@ def _final(result) -> dict[str, np.ndarray]:
         )
         for part in ("local", "selected_state"):
             for key, value in (saved[part] or {}).items():
-                arrays[f"{silo}/{part}/{key}"] = value.numpy()
+                arrays[f"{silo}/{part}/{key}"] = np.asarray(value)
     return arrays
 
 
