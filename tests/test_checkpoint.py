@@ -389,11 +389,14 @@ def _ghash(data: bytes) -> bytes:
     return b"%064x" % int.from_bytes(gcm.tag, "big")
 
 
-def test_an_arrays_file_is_read_back_and_a_flipped_or_lost_byte_is_named(tmp_path):
-    """The arrays kind (the server's checkpoints, a silo's model of each round) is written under
-    a GHASH: read back as written; a flipped byte, two swapped words or a file cut short is
-    corrupted, named in one line."""
-    weights = np.arange(1000, dtype=np.float32)
+@pytest.mark.parametrize(
+    "values", [1000, checkpoint._Ghash.ONE_SHOT // 4 + 1000], ids=["one-shot", "streamed"]
+)
+def test_an_arrays_file_is_read_back_and_a_flipped_or_lost_byte_is_named(tmp_path, values):
+    """The arrays kind (every checkpoint written now) is under a GHASH, tagged in one call up to
+    a megabyte, streamed beyond: read back as written; a flipped byte, two swapped words or a
+    file cut short is corrupted, named in one line."""
+    weights = np.arange(values, dtype=np.float32)
     checkpoint.save_arrays(tmp_path, 1, {"w": weights})
     path = checkpoint.path_of(tmp_path, 1)
     data = path.read_bytes()
