@@ -6,6 +6,7 @@ arguments, so partitioning, initialisation, shuffling and masks are all reproduc
 
 from __future__ import annotations
 
+import array
 import hashlib
 import random
 
@@ -62,7 +63,7 @@ def rng_state() -> dict[str, object]:
     version, words, gauss_next = random.getstate()
     kind, keys, pos, has_gauss, gauss = numpy_generator.legacy(numpy_generator.get())
     return {
-        "python": [version, np.array(words, dtype=np.uint32).tobytes(), gauss_next],
+        "python": [version, array.array("I", words).tobytes(), gauss_next],  # numpy's: 2x slower
         "numpy": [kind, keys.astype(np.uint32).tobytes(), pos, has_gauss, gauss],
         "torch": torch.get_rng_state().numpy().tobytes(),
     }
