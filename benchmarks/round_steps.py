@@ -40,10 +40,15 @@ times: dict[str, list[float]] = defaultdict(list)
 _methods: dict[str, str] = {}  # the ids of each silo call's refs: the method that made them
 
 
+def _hex(ref: Any) -> str:
+    """The id of a ref, or of the object a `Shared` answer is an item of."""
+    return getattr(ref, "ref", ref).hex()
+
+
 def _timed_call_many(original: Any) -> Any:
     def call_many(handles: Any, method: str, *args: Any, **kwargs: Any) -> Any:
         out = original(handles, method, *args, **kwargs)
-        _methods.update({ref.hex(): method for refs in out.values() for ref in refs})
+        _methods.update({_hex(ref): method for refs in out.values() for ref in refs})
         return out
 
     return call_many
@@ -52,7 +57,7 @@ def _timed_call_many(original: Any) -> Any:
 def _timed_gather(refs: dict[str, Any], timeout: float) -> Any:
     began = time.perf_counter()
     out = _gather(refs, timeout)
-    method = next((_methods.get(r.hex(), "") for r in refs.values()), "") or "?"
+    method = next((_methods.get(_hex(r), "") for r in refs.values()), "") or "?"
     times[f"silos: {method}"].append(time.perf_counter() - began)
     return out
 

@@ -98,24 +98,28 @@ class SiloHost:
         per_silo: Mapping[str, Any] | None,
         *args: Any,
     ) -> Any:
-        """`method` of each of `names`, one after another (called with num_returns=each *
-        len(names)): each silo's `each` answers, or its error `each` times. `per_silo` gives
-        each silo one more argument of its own, after `args`. The checkpoints the silos write
-        reach the disk together, as the call ends. A call sent before its round's aggregation
+        """`method` of each of `names`, one after another (called with num_returns=(each - 1) *
+        len(names) + 1): each silo's first `each - 1` answers (a fit's update, for the server)
+        one object each, then the list of every silo's last answer, one object for all (what the
+        driver reads: each object returned costs Ray tens of microseconds). A silo whose call
+        raised answers its error in each place. `per_silo` gives each silo one more argument
+        of its own, after `args`. The checkpoints the silos write reach the disk together, as
+        the call ends. A call sent before its round's aggregation
         is known is given the round's `report` (else None) and runs once it is in, for the
         silos it lets go on: none if the round was not aggregated, else all (with
         `accepted_only`, those whose update was aggregated); the others answer CallFailed."""
-        answers: list[Any] = []
+        own_objects: list[Any] = []
+        last: list[Any] = []
         with checkpoint.durable_together():
             for name in names:
                 own = (per_silo[name],) if per_silo is not None else ()
                 stop = _stopped(report, accepted_only, name)
                 answer = CallFailed(stop) if stop else self._guarded(name, method, *args, *own)
-                if each == 1:
-                    answers.append(answer)
-                else:
-                    answers.extend((answer,) * each if isinstance(answer, CallFailed) else answer)
-        return _returns(answers)
+                if each == 1 or isinstance(answer, CallFailed):
+                    answer = (answer,) * each
+                own_objects.extend(answer[:-1])
+                last.append(answer[-1])
+        return (*own_objects, last) if own_objects else last
 
     def _guarded(self, name: str, method: str, *args: Any) -> Any:
         """One silo's call in a call made for several: its error is its answer, not theirs."""
@@ -134,9 +138,12 @@ def _stopped(report: RoundReport | None, accepted_only: bool, name: str) -> str:
     return ""
 
 
-def _returns(values: list[Any]) -> Any:
-    """What a method called with num_returns=len(values) returns: the one value, or them all."""
-    return values[0] if len(values) == 1 else tuple(values)
+@dataclasses.dataclass(frozen=True)
+class Shared:
+    """One silo's answer in its worker's list of answers: item `index` of the object `ref`."""
+
+    ref: Any
+    index: int
 
 
 def call_many(
@@ -149,8 +156,10 @@ def call_many(
     accepted_only: bool = False,
 ) -> dict[str, list[Any]]:
     """`method` of every silo of `handles`, one call (`SiloHost.many`, named `<method>_many`)
-    per worker for all its silos there; the refs of each silo's `each` answers, which arrive
-    when its worker's call ends. `per_silo[name]` is an argument for that silo only. With
+    per worker for all its silos there; each silo's `each` answers, which arrive when its
+    worker's call ends: the refs of the first `each - 1`, then its last as `Shared` (in one
+    object for the worker's silos; `rounds.gather` reads it). `per_silo[name]` is an argument
+    for that silo only. With
     `after` (the ref of a round's report), the call runs once the report is in, and only for the
     silos it lets go on (`SiloHost.many`)."""
     by_host: dict[Any, tuple[Any, list[str]]] = {}
@@ -158,12 +167,14 @@ def call_many(
         by_host.setdefault(handle.host._actor_id, (handle.host, []))[1].append(name)
     refs: dict[str, list[Any]] = {}
     for host, names in by_host.values():
-        count = each * len(names)
+        alone = each - 1  # answers per silo in objects of their own
+        count = alone * len(names) + 1
         own = {n: per_silo[n] for n in names} if per_silo is not None else None
         call = host.many.options(num_returns=count, name=f"{method}_many")
         out = call.remote(after, accepted_only, method, names, each, own, *args)
         out = [out] if count == 1 else list(out)
-        refs.update({name: out[i * each : (i + 1) * each] for i, name in enumerate(names)})
+        for i, name in enumerate(names):
+            refs[name] = [*out[i * alone : (i + 1) * alone], Shared(out[-1], i)]
     return refs
 
 

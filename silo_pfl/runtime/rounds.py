@@ -40,7 +40,7 @@ from silo_pfl.config import FederationConfig
 from silo_pfl.errors import FederationError, typed_line
 from silo_pfl.messages import CallFailed, EvalMetrics, FitMetrics, RejoinInfo, RoundReport
 from silo_pfl.results import RoundSummary
-from silo_pfl.runtime.actors import call_many, task_error_cause
+from silo_pfl.runtime.actors import Shared, call_many, task_error_cause
 from silo_pfl.runtime.aggregation_steps import PlainSteps, Prepared, SecureSteps
 from silo_pfl.runtime.metrics import DriverMetrics, NoMetrics
 from silo_pfl.selection import Selector
@@ -88,30 +88,41 @@ def late_reason(timeout: float) -> str:
 
 
 def gather(refs: dict[str, Any], timeout: float) -> tuple[dict[str, Any], dict[str, str], set[str]]:
-    """Wait for every ref until `timeout` s from now. Returns the answers, a reason for each silo
-    that failed or was late, and the silos whose process died."""
+    """Wait for every ref (or `Shared` item of a worker's answers) until `timeout` s from now.
+    Returns the answers, a reason for each silo that failed or was late, and the silos whose
+    process died."""
     if not refs:
         return {}, {}, set()
-    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+    objects = {_object(ref): None for ref in refs.values()}  # each once, in order
+    ready, _ = ray.wait(list(objects), num_returns=len(objects), timeout=timeout)
     got = dict(zip(ready, _get_each(ready), strict=True))
     answers: dict[str, Any] = {}
     absent: dict[str, str] = {}
     died: set[str] = set()
     for name, ref in refs.items():
-        if ref not in got:
+        if _object(ref) not in got:
             absent[name] = late_reason(timeout)
             continue
-        answer = got[ref]
+        answer = got[_object(ref)]
         if isinstance(answer, ray.exceptions.RayActorError):
             died.add(name)
             absent[name] = f"its process died ({type(answer).__name__})"
         elif isinstance(answer, ray.exceptions.RayTaskError):
             absent[name] = f"failed: {typed_line(task_error_cause(answer))}"
+        elif isinstance(ref, Shared) and isinstance(answer[ref.index], CallFailed):
+            absent[name] = f"failed: {answer[ref.index].error}"
+        elif isinstance(ref, Shared):
+            answers[name] = answer[ref.index]
         elif isinstance(answer, CallFailed):
             absent[name] = f"failed: {answer.error}"
         else:
             answers[name] = answer
     return answers, absent, died
+
+
+def _object(ref: Any) -> Any:
+    """The object `ref` is, or is an item of (`Shared`)."""
+    return ref.ref if isinstance(ref, Shared) else ref
 
 
 _FAILURES = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError)
