@@ -10,8 +10,8 @@ personalized model, which only the exporters attached to it may send anywhere.
 Each committed round's checkpoint holds its model, since the driver may select it. `commit` is
 given the driver's choice at once; `evaluate_and_commit` commits without waiting for it (the
 silo goes straight on to its next fit) and is given it a round later, or by `select` after the
-last round. The selected model is published (in torch's
-format, with its SHA-256, as MLflow serves it) once the choice is final.
+last round. The selected model is published (in torch's format, with its SHA-256, as MLflow
+serves it) once the choice is final.
 
 A round changes the silo only when it commits: a fit that is not committed (the silo was late,
 its update was rejected, the round was retried) is rolled back to the last commit before the
@@ -234,7 +234,7 @@ class Silo:
         """Write the checkpoint of `round_`, with `model`, the round's personalized model, if
         given. The selected round's is kept beyond checkpoint.KEEP: it holds the model."""
         state = self.model.state_dict()
-        figures = {  # one JSON string: a few objects for torch's pickler, not dozens
+        figures = {  # one JSON string: one object for the pickler, not dozens
             "selected": fields_of(self._selected) if self._selected else None,
             "selected_report": self._selected_report,
             "selected_sha256": self._selected_sha256,

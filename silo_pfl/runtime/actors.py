@@ -104,10 +104,10 @@ class SiloHost:
         driver reads: each object returned costs Ray tens of microseconds). A silo whose call
         raised answers its error in each place. `per_silo` gives each silo one more argument
         of its own, after `args`. The checkpoints the silos write reach the disk together, as
-        the call ends. A call sent before its round's aggregation
-        is known is given the round's `report` (else None) and runs once it is in, for the
-        silos it lets go on: none if the round was not aggregated, else all (with
-        `accepted_only`, those whose update was aggregated); the others answer CallFailed."""
+        the call ends. A call sent before its round's aggregation is known is given the round's
+        `report` (else None) and runs once it is in, for the silos it lets go on: none if the
+        round was not aggregated, else all (with `accepted_only`, those whose update was
+        aggregated); the others answer CallFailed."""
         own_objects: list[Any] = []
         last: list[Any] = []
         with checkpoint.durable_together():
@@ -159,9 +159,8 @@ def call_many(
     per worker for all its silos there; each silo's `each` answers, which arrive when its
     worker's call ends: the refs of the first `each - 1`, then its last as `Shared` (in one
     object for the worker's silos; `rounds.gather` reads it). `per_silo[name]` is an argument
-    for that silo only. With
-    `after` (the ref of a round's report), the call runs once the report is in, and only for the
-    silos it lets go on (`SiloHost.many`)."""
+    for that silo only. With `after` (the ref of a round's report), the call runs once the
+    report is in, and only for the silos it lets go on (`SiloHost.many`)."""
     by_host: dict[Any, tuple[Any, list[str]]] = {}
     for name, handle in handles.items():
         by_host.setdefault(handle.host._actor_id, (handle.host, []))[1].append(name)
