@@ -98,18 +98,17 @@ class SiloHost:
         per_silo: Mapping[str, Any] | None,
         *args: Any,
     ) -> Any:
-        """`method` of each of `names`, one after another (called with num_returns=(each - 1) *
-        len(names) + 1): each silo's first `each - 1` answers (a fit's update, for the server)
-        one object each, then the list of every silo's last answer, one object for all (what the
-        driver reads: each object returned costs Ray tens of microseconds). A silo whose call
-        raised answers its error in each place. `per_silo` gives each silo one more argument
+        """`method` of each of `names`, one after another (called with num_returns=each): for
+        each of a silo's `each` answers, the list of every silo's, one object for all (each
+        object returned costs Ray tens of microseconds; a fit's updates, for the server, and
+        its metrics, for the driver, are two). A silo whose call raised answers its error in
+        each place. `per_silo` gives each silo one more argument
         of its own, after `args`. The checkpoints the silos write reach the disk together, as
         the call ends. A call sent before its round's aggregation is known is given the round's
         `report` (else None) and runs once it is in, for the silos it lets go on: none if the
         round was not aggregated, else all (with `accepted_only`, those whose update was
         aggregated); the others answer CallFailed."""
-        own_objects: list[Any] = []
-        last: list[Any] = []
+        lists: list[list[Any]] = [[] for _ in range(each)]
         with checkpoint.durable_together():
             for name in names:
                 own = (per_silo[name],) if per_silo is not None else ()
@@ -117,9 +116,9 @@ class SiloHost:
                 answer = CallFailed(stop) if stop else self._guarded(name, method, *args, *own)
                 if each == 1 or isinstance(answer, CallFailed):
                     answer = (answer,) * each
-                own_objects.extend(answer[:-1])
-                last.append(answer[-1])
-        return (*own_objects, last) if own_objects else last
+                for answers, one in zip(lists, answer, strict=True):
+                    answers.append(one)
+        return lists[0] if each == 1 else tuple(lists)
 
     def _guarded(self, name: str, method: str, *args: Any) -> Any:
         """One silo's call in a call made for several: its error is its answer, not theirs."""
@@ -146,6 +145,15 @@ class Shared:
     index: int
 
 
+def picked(items: Sequence[Shared]) -> tuple[list[tuple[int, int]], list[Any]]:
+    """What a call on `items` is sent: the objects they are items of, each once, as arguments of
+    their own (Ray hands the callee an argument's object, not a ref inside a list), and for each
+    item, which argument and which item of it (`ServerHost.aggregate`)."""
+    objects: dict[Any, int] = {}
+    picks = [(objects.setdefault(item.ref, len(objects)), item.index) for item in items]
+    return picks, list(objects)
+
+
 def call_many(
     handles: Mapping[str, SiloHandle],
     method: str,
@@ -157,23 +165,21 @@ def call_many(
 ) -> dict[str, list[Any]]:
     """`method` of every silo of `handles`, one call (`SiloHost.many`, named `<method>_many`)
     per worker for all its silos there; each silo's `each` answers, which arrive when its
-    worker's call ends: the refs of the first `each - 1`, then its last as `Shared` (in one
-    object for the worker's silos; `rounds.gather` reads it). `per_silo[name]` is an argument
-    for that silo only. With `after` (the ref of a round's report), the call runs once the
-    report is in, and only for the silos it lets go on (`SiloHost.many`)."""
+    worker's call ends, as `Shared` items of the worker's `each` lists (`rounds.gather` reads
+    them, `picked` passes them on). `per_silo[name]` is an argument for that silo only. With
+    `after` (the ref of a round's report), the call runs once the report is in, and only for
+    the silos it lets go on (`SiloHost.many`)."""
     by_host: dict[Any, tuple[Any, list[str]]] = {}
     for name, handle in handles.items():
         by_host.setdefault(handle.host._actor_id, (handle.host, []))[1].append(name)
     refs: dict[str, list[Any]] = {}
     for host, names in by_host.values():
-        alone = each - 1  # answers per silo in objects of their own
-        count = alone * len(names) + 1
         own = {n: per_silo[n] for n in names} if per_silo is not None else None
-        call = host.many.options(num_returns=count, name=f"{method}_many")
+        call = host.many.options(num_returns=each, name=f"{method}_many")
         out = call.remote(after, accepted_only, method, names, each, own, *args)
-        out = [out] if count == 1 else list(out)
+        out = [out] if each == 1 else list(out)
         for i, name in enumerate(names):
-            refs[name] = [*out[i * alone : (i + 1) * alone], Shared(out[-1], i)]
+            refs[name] = [Shared(ref, i) for ref in out]
     return refs
 
 

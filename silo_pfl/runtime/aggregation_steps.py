@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from silo_pfl.messages import RoundReport
-from silo_pfl.runtime.actors import call_many, get
+from silo_pfl.runtime.actors import call_many, get, picked
 
 log = logging.getLogger("silo_pfl.rounds")
 # Given the round's report (or its ref), and the refs of the new global keys and broadcast.
@@ -55,10 +55,12 @@ class PlainSteps:
     def aggregate(
         self, live: dict[str, Any], updates: list[Any], round_: int, then: Then = None
     ) -> Aggregated:
-        """The server's sum of `updates`. `then(report, inputs)` is called with the refs of the
-        report, the new global keys and broadcast as soon as they exist, before the report is
-        awaited, so that the next steps reach the silos without waiting for the driver."""
-        report_ref, *inputs = self.server.aggregate.options(num_returns=3).remote(*updates)
+        """The server's sum of `updates` (`Shared` items of the workers' lists of updates, each
+        list sent once). `then(report, inputs)` is called with the refs of the report, the new
+        global keys and broadcast as soon as they exist, before the report is awaited, so that
+        the next steps reach the silos without waiting for the driver."""
+        picks, lists = picked(updates)
+        report_ref, *inputs = self.server.aggregate.options(num_returns=3).remote(picks, *lists)
         if then is not None:
             then(report_ref, (inputs[0], inputs[1]))
         report = get(report_ref, f"round {round_}: aggregation", self.timeout)

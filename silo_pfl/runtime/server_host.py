@@ -4,6 +4,7 @@ server's worker process starts in a fraction of a silo worker's time (a test che
 from __future__ import annotations
 
 import gc
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -51,10 +52,14 @@ class ServerHost:
     def broadcast(self) -> Any:
         return self.server.broadcast()
 
-    def aggregate(self, *updates: SiloUpdate) -> tuple[RoundReport, Any, Any]:
-        """The round's report, and what the next step reads (call with num_returns=3): the
-        global keys and the strategy's broadcast as they now are, aggregated or not."""
-        return self._reported(self.server.aggregate(*updates))
+    def aggregate(
+        self, picks: Sequence[tuple[int, int]], *lists: Sequence[SiloUpdate]
+    ) -> tuple[RoundReport, Any, Any]:
+        """The round's report on the updates `picks` names (item i of list a, for each (a, i):
+        a worker's silos' updates come as one list, `actors.picked`), and what the next step
+        reads (call with num_returns=3): the global keys and the strategy's broadcast as they
+        now are, aggregated or not."""
+        return self._reported(self.server.aggregate(*(lists[a][i] for a, i in picks)))
 
     def unmask(self, *reveals: Reveal) -> tuple[RoundReport, Any, Any]:
         """Secure aggregation's last step; returns like `aggregate`."""
