@@ -109,14 +109,12 @@ def gather(refs: dict[str, Any], timeout: float) -> tuple[dict[str, Any], dict[s
             absent[name] = f"its process died ({type(answer).__name__})"
         elif isinstance(answer, ray.exceptions.RayTaskError):
             absent[name] = f"failed: {typed_line(task_error_cause(answer))}"
-        elif isinstance(ref, Shared) and isinstance(answer[ref.index], CallFailed):
-            absent[name] = f"failed: {answer[ref.index].error}"
-        elif isinstance(ref, Shared):
-            answers[name] = answer[ref.index]
-        elif isinstance(answer, CallFailed):
-            absent[name] = f"failed: {answer.error}"
         else:
-            answers[name] = answer
+            answer = answer[ref.index] if isinstance(ref, Shared) else answer
+            if isinstance(answer, CallFailed):
+                absent[name] = f"failed: {answer.error}"
+            else:
+                answers[name] = answer
     return answers, absent, died
 
 
