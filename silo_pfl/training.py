@@ -7,7 +7,7 @@ term to the loss (FedProx's proximal term, Ditto's pull towards the global model
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -148,13 +148,11 @@ def copy_into(model: nn.Module, tensors: dict[str, torch.Tensor], who: str) -> N
             target.copy_(value)
 
 
-def shared_tensor(array: np.ndarray) -> torch.Tensor:
-    """A tensor over `array`'s own memory, not a copy. A read-only array (Ray's object store hands
-    every reader a read-only view of one shared buffer) gives a tensor that must never be written:
-    torch cannot mark it read-only, and only warns that it is, which is expected here."""
-    array = np.asarray(array)
-    if array.flags.writeable:
-        return torch.from_numpy(array)
+def shared_tensors(arrays: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """Each of `arrays` as a tensor over its own memory, not a copy. A read-only array (Ray's
+    object store hands every reader a read-only view of one shared buffer) gives a tensor that
+    must never be written: torch cannot mark it read-only, and only warns that it is, which is
+    expected here. One filter for the whole dict: setting one up costs more than the tensor."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
-        return torch.from_numpy(array)
+        return {key: torch.from_numpy(np.asarray(array)) for key, array in arrays.items()}

@@ -23,7 +23,7 @@ from silo_pfl.config import FederationConfig
 from silo_pfl.errors import ConfigError
 from silo_pfl.strategy import CONTROL_VARIATE as EXTRA
 from silo_pfl.strategy import ControlVariates
-from silo_pfl.training import shared_tensor
+from silo_pfl.training import shared_tensors
 
 PREFIX = "scaffold.c."
 
@@ -55,11 +55,9 @@ class Scaffold(Algorithm):
         server_c = broadcast[EXTRA]
         if not self.c_local:
             self.c_local = {k: torch.zeros_like(v) for k, v in reference.items()}
-        self.correction = {
-            k: shared_tensor(server_c[k]) - self.c_local[k]
-            for k, v in reference.items()
-            if v.is_floating_point()
-        }
+        floating = [k for k, v in reference.items() if v.is_floating_point()]
+        server = shared_tensors({k: server_c[k] for k in floating})
+        self.correction = {k: server[k] - self.c_local[k] for k in floating}
         self.steps = 0
 
     def extra_loss(

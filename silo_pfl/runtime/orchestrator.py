@@ -9,7 +9,6 @@ last commit, the callbacks' state such as the MLflow run id).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -20,7 +19,7 @@ from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig, to_dict
 from silo_pfl.data import silo_names
 from silo_pfl.errors import ConfigError
-from silo_pfl.messages import SiloOutcome, SplitInfo, model_shape
+from silo_pfl.messages import SiloOutcome, SplitInfo, fields_of, model_shape
 from silo_pfl.results import FederationResult, RoundSummary, SiloResult
 from silo_pfl.run_dir import RESULT_FILE, RunDir, check_resumable
 from silo_pfl.runtime.actors import get, start_server, start_silos, stop
@@ -183,7 +182,7 @@ class Orchestrator:
         """The server checkpoints `round_` with the driver's bookkeeping: what resume needs. The
         history goes to the server a round at a time: this round's summary."""
         bookkeeping = {
-            "summary": dataclasses.asdict(history[-1]) if history else None,
+            "summary": fields_of(history[-1]) if history else None,
             "selector": {k: list(v) for k, v in selector.best.items()},
             "committed": {n: p.committed for n, p in parties.items()},
             "selected": {n: p.selected for n, p in parties.items()},
