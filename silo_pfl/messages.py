@@ -142,6 +142,6 @@ def model_shape(infos: Sequence[SiloInfo]) -> tuple[tuple[int, ...], int]:
 
 def fields_of(record: Any) -> dict[str, Any]:
     """A dataclass's fields as a dict, as `dataclasses.asdict` gives them but without its deep
-    copy, which costs about ten times more: for a record whose values are plain data, about to be
-    pickled or encoded (a silo's metrics in its checkpoint, a round's summary in the server's)."""
+    copy: for a record whose values are plain data, about to be pickled or encoded (a silo's
+    metrics in its checkpoint, a round's summary in the server's)."""
     return dict(vars(record))

@@ -216,6 +216,8 @@ def test_a_tensor_is_diverged_only_if_a_value_is_nan_or_infinite_not_if_its_sum_
         value[4] = bad
         assert first_not_finite({**state, "d": value}) == "d"
     assert first_not_finite({"x": torch.tensor([float("inf"), -float("inf")])}) == "x"
+    each_finite = {"p": torch.tensor([3e38]), "q": torch.tensor([3e38])}  # their sums' sum is inf
+    assert first_not_finite(each_finite) is None
 
 
 @pytest.mark.parametrize("mode", ["best_val", "best_mean_val"])
