@@ -231,10 +231,18 @@ class Silo:
         self.attach(exporters or {})
         return RejoinInfo(self.name, round_, digest, info.pid)
 
-    def _checkpoint(self, round_: int, model: dict[str, np.ndarray] | None = None) -> None:
+    def _checkpoint(
+        self, round_: int, model: dict[str, np.ndarray] | None = None, own: bool = False
+    ) -> None:
         """Write the checkpoint of `round_`, with `model`, the round's personalized model, if
-        given. The selected round's is kept beyond checkpoint.KEEP: it holds the model."""
-        state = self.model.state_dict()
+        given; `own`: that model is this silo's model as it is now, whose local keys are read
+        from it. The selected round's is kept beyond checkpoint.KEEP: it holds the model."""
+        local_keys = self.split.local_keys
+        if own and model is not None:
+            local = {k: model[k] for k in local_keys}
+        else:
+            state = self.model.state_dict()
+            local = as_arrays({k: state[k] for k in local_keys})
         figures = {  # one JSON string: one object for the pickler, not dozens
             "selected": fields_of(self._selected) if self._selected else None,
             "selected_report": self._selected_report,
@@ -244,7 +252,7 @@ class Silo:
         }
         saved = {
             "round": round_,
-            "local": as_arrays({k: state[k] for k in self.split.local_keys}),
+            "local": local,
             "algorithm": as_arrays(self.algorithm.local_state()),
             "figures": json.dumps(figures),
             "rng": rng_state(),
@@ -293,26 +301,26 @@ class Silo:
     ) -> float:
         """One phase of the shared loop on `model` (this silo's model, or a personal copy an
         algorithm keeps) over this silo's training rows; returns the mean batch loss."""
-        keys = {
-            "all": None,
-            "global": set(self.split.global_keys),
-            "local": set(self.split.local_keys),
-        }
-        chosen = keys[phase.trainable]
+        chosen = self._trainable(phase.trainable)
         if self._global_frozen and model is self.model:
-            chosen = keys["local"] if chosen is None else chosen & keys["local"]
-        params = []
-        for name, param in model.named_parameters():
-            param.requires_grad_(chosen is None or name in chosen)
-            if param.requires_grad:
-                params.append(param)
-        # A frozen key stays frozen whole: its buffers too (BatchNorm's running statistics,
-        # which the forward passes in train mode would otherwise move).
-        frozen = {
-            name: buffer.clone()
-            for name, buffer in model.named_buffers()
-            if chosen is not None and name not in chosen
-        }
+            local = set(self.split.local_keys)
+            chosen = local if chosen is None else chosen & local
+        if chosen is None:  # every key trains, and nothing is frozen: nothing to undo after
+            params, frozen = list(model.parameters()), {}
+            for param in params:
+                if not param.requires_grad:
+                    param.requires_grad_(True)
+        else:
+            params = []
+            for name, param in model.named_parameters():
+                param.requires_grad_(name in chosen)
+                if param.requires_grad:
+                    params.append(param)
+            # A frozen key stays frozen whole: its buffers too (BatchNorm's running statistics,
+            # which the forward passes in train mode would otherwise move).
+            frozen = {
+                name: buffer.clone() for name, buffer in model.named_buffers() if name not in chosen
+            }
         try:
             if not params or phase.epochs == 0:
                 return float("nan")
@@ -331,12 +339,19 @@ class Silo:
                 max_steps=phase.steps,
             )
         finally:
-            for param in model.parameters():
-                param.requires_grad_(True)
-            buffers = dict(model.named_buffers())
-            with torch.no_grad():
-                for name, value in frozen.items():
-                    buffers[name].copy_(value)
+            if chosen is not None:
+                for param in model.parameters():
+                    param.requires_grad_(True)
+                buffers = dict(model.named_buffers())
+                with torch.no_grad():
+                    for name, value in frozen.items():
+                        buffers[name].copy_(value)
+
+    def _trainable(self, which: str) -> set[str] | None:
+        """The keys a phase trains: `which` is all (None: every key), global or local."""
+        if which == "all":
+            return None
+        return set(self.split.global_keys if which == "global" else self.split.local_keys)
 
     def fit(
         self,
@@ -483,7 +498,7 @@ class Silo:
         if keep:
             self._select(round_)
             self._publish(model)
-        self._checkpoint(round_, model)
+        self._checkpoint(round_, model, own=self._evaluated is self.model)
 
     def evaluate_and_commit(
         self, global_state: dict[str, np.ndarray], round_: int, selected: int | None
@@ -494,7 +509,7 @@ class Silo:
         choice comes with the silo's next call, or with `select` after the last round."""
         self._select(selected)
         metrics = self.evaluate(global_state, round_)
-        self._checkpoint(round_, self._evaluated_model(round_))
+        self._checkpoint(round_, self._evaluated_model(round_), own=self._evaluated is self.model)
         return metrics
 
     def select(self, round_: int | None) -> None:
