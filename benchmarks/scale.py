@@ -9,7 +9,10 @@ For each N:
 
 - start-up: from `Federation.run()` to the end of the set-up (every worker started, every silo's
   data loaded and model built), on an already running Ray;
-- seconds per round: the median of rounds 2..R, a round ending after its checkpoint;
+- seconds per round: the median of rounds 2..R, a round ending after its checkpoint. R is
+  --rounds at the largest N, and more at smaller N, so that every N runs as many silo-rounds
+  (R = --rounds x largest N / N): a 10-silo round lasts a few tens of milliseconds, and the
+  median of five of them moved by a third from one run to the next;
 - the work: the digits are 1797 rows whatever N, so every round trains on the same rows; what
   grows with N is the number of batches (each silo's last one is partial: 14 rows at 128 silos
   are one batch per epoch) and the per-silo steps of a round. The limit (benchmarks/limit.py,
@@ -112,6 +115,12 @@ def sgd_steps(silos: int) -> int:
     return sum(math.ceil(r / train.batch_size) * train.local_epochs for r in rows)
 
 
+def rounds_for(silos: int, every: list[int], rounds: int) -> int:
+    """The rounds of a run of `silos` silos: `rounds` at the largest of `every`, and as many
+    silo-rounds at each smaller N."""
+    return max(rounds, math.ceil(rounds * max(every) / silos))
+
+
 def federation(silos: int, rounds: int) -> dict[str, float]:
     """One run: start-up, steady seconds per round, and the memory peaks."""
     with tempfile.TemporaryDirectory() as tmp, peak_uss() as peak:
@@ -138,12 +147,13 @@ def main() -> None:
     idle = uss_now()[0]
     rows: dict[int, dict[str, float]] = {}
     for silos in args.silos:
+        rounds = rounds_for(silos, args.silos, args.rounds)
         runs, limits = [], []
         for _ in range(args.repeats):
             wait_for_quiet()
-            runs.append(federation(silos, args.rounds))
+            runs.append(federation(silos, rounds))
             wait_for_quiet()
-            seconds, _ = run_limit(JOB, overrides(silos), args.rounds, cores)
+            seconds, _ = run_limit(JOB, overrides(silos), rounds, cores)
             limits.append(statistics.median(seconds[1:]))
             print(f"  {silos} silos: {runs[-1]} limit {limits[-1]:.3f}", flush=True)
         rows[silos] = {
@@ -156,7 +166,8 @@ def main() -> None:
         }
     print(
         f"\n{JOB} fedavg, mlp, pathological 2 classes per silo, {cores} cores, packed (auto); "
-        f"times: minimum of {args.repeats} runs, rounds 2-{args.rounds} (median); USS: median "
+        f"times: minimum of {args.repeats} runs, the median of rounds 2-R, R = {args.rounds} x "
+        f"{max(args.silos)} / N; USS: median "
         f"of the runs' peaks, this Ray idle = {idle:.0f} MiB; load average {load_average()}\n"
     )
     print(
