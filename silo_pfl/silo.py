@@ -303,7 +303,7 @@ class Silo:
         algorithm keeps) over this silo's training rows; returns the mean batch loss."""
         chosen = self._trainable(phase.trainable)
         if self._global_frozen and model is self.model:
-            local = set(self.split.local_keys)
+            local = self._trainable("local")
             chosen = local if chosen is None else chosen & local
         if chosen is None:  # every key trains, and nothing is frozen: nothing to undo after
             params, frozen = list(model.parameters()), {}

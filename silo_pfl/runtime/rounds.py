@@ -128,8 +128,8 @@ _FAILURES = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError)
 
 def _get_each(refs: list[Any]) -> list[Any]:
     """Each ready ref's value, or the actor's death or task error it raises instead: one call
-    for them all (a call per ref costs the driver tens of microseconds each, at 128 silos a few
-    milliseconds a round), a call each only when one of them raises."""
+    for them all (each call costs the driver, once per silo at every step), a call each only
+    when one of them raises."""
     try:
         return ray.get(refs)
     except _FAILURES:
