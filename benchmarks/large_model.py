@@ -27,8 +27,9 @@ Timed apart on plain Silos and a plain Server of the same config, in this proces
 Ray, min of 3, summed per worker and the slowest worker taken where silos do it (a round reports
 none of them per call):
 - evaluation, commits, the server's checkpoint: their share of the time outside training (a
-  silo here runs alone, not beside its worker's other silos and the other worker's disk writes;
-  a commit is `evaluate_and_commit` less `evaluate`: writing the round's model, the checkpoint);
+  worker's silos here run without the other worker's disk writes beside them; a worker's
+  commits are its silos' `evaluate_and_commit` calls in one durable block, as on Ray, less
+  their `evaluate` calls: writing each round's model and checkpoint, and one sync);
 - the data path: the server's two puts of the global state; per silo, getting it from the store
   and loading it (for fit, and again for evaluate), making its delta and putting its update; the
   server getting the updates and aggregating them.
@@ -49,6 +50,7 @@ import numpy as np
 import ray
 from common import RoundClock, job_parser, start_local_ray
 
+from silo_pfl import checkpoint
 from silo_pfl.aggregation import State, weighted_mean
 from silo_pfl.config import FederationConfig, to_dict
 from silo_pfl.data import load_silo_data, silo_names
@@ -128,12 +130,15 @@ def model_inputs(cfg: FederationConfig) -> tuple[tuple[int, ...], int]:
 
 
 def plain_silos(cfg: FederationConfig, groups: list[list[str]]) -> dict[str, float]:
-    """On the slowest worker: its silos' evaluations, commits and share of the data path."""
+    """On the slowest worker: its silos' evaluations, commits and share of the data path. A
+    worker's commits are timed as it makes them: its silos' evaluations and commits one after
+    another in one durable block (checkpoint.durable_together), less their evaluations."""
     config = to_dict(cfg)
     start = ray.put(new_server(config, *model_inputs(cfg)).global_state())
-    seconds: dict[str, dict[str, float]] = {"evaluate": {}, "commit": {}, "data": {}}
+    data: dict[str, float] = {}
+    silos: dict[str, Silo] = {}
     for name in silo_names(cfg.data):
-        silo = Silo(config, name)
+        silo = silos[name] = Silo(config, name)
         info = silo.setup()
         silo.build(info.input_shape, info.num_classes)
 
@@ -144,18 +149,25 @@ def plain_silos(cfg: FederationConfig, groups: list[list[str]]) -> dict[str, flo
             ray.put(SiloUpdate(name, 1, 16, delta))
             silo._load_global(ray.get(start))
 
-        seconds["data"][name] = best_of(move)
-        evaluate, both = [], []
-        for round_ in range(1, 2 * REPEATS + 1, 2):
+        data[name] = best_of(move)
+    evaluate, both = [], []
+    for round_ in range(1, 2 * REPEATS + 1, 2):
+        evaluate.append([])
+        both.append([])
+        for group in groups:
             began = time.perf_counter()
-            silo.evaluate(ray.get(start), round_)
-            evaluate.append(time.perf_counter() - began)
+            for name in group:
+                silos[name].evaluate(ray.get(start), round_)
+            evaluate[-1].append(time.perf_counter() - began)
             began = time.perf_counter()
-            silo.evaluate_and_commit(ray.get(start), round_ + 1, round_ - 1 or None)
-            both.append(time.perf_counter() - began)
-        seconds["evaluate"][name] = min(evaluate)
-        seconds["commit"][name] = max(0.0, min(both) - min(evaluate))
-    return {phase: critical(groups, figures) for phase, figures in seconds.items()}
+            with checkpoint.durable_together():
+                for name in group:
+                    silos[name].evaluate_and_commit(ray.get(start), round_ + 1, round_ - 1 or None)
+            both[-1].append(time.perf_counter() - began)
+    per_group = range(len(groups))
+    evaluations = [min(times[g] for times in evaluate) for g in per_group]
+    commits = [max(0.0, min(times[g] for times in both) - evaluations[g]) for g in per_group]
+    return {"evaluate": max(evaluations), "commit": max(commits), "data": critical(groups, data)}
 
 
 def random_updates(state: State, silos: int) -> list[State]:

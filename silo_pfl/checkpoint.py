@@ -33,11 +33,19 @@ corrupted. Either is named in one line and skipped for the previous good round. 
 model is `round-NNNNNN.pt` (`save_model`), torch.save's bytes alone, as MLflow ships and serves
 them: its SHA-256 goes into the silo's next checkpoint, which `load` checks it against.
 
+`save_shared` writes a part of a checkpoint that several parties of one process may hold byte
+for byte (the global keys of a round's model, in every silo a worker holds that evaluated the
+federation's global state): the first to save it writes it, the others hard-link that file into
+their own directory once its digest shows the bytes are the same, so that a worker writes a
+large model's global keys once a round, not once a silo. The checkpoint that names the part
+holds its digest, and `load_shared` refuses a file whose header holds another.
+
 Only the newest KEEP files of a directory are kept (and a silo's selected round's checkpoint,
 which holds the selected model): the oldest beyond them is recycled into the next one (renamed
 to a hidden name, so it is never read again, then overwritten in place), since freeing a file's
 blocks can cost a millisecond (a file system mounted with `discard`) where overwriting them
-costs nothing more than writing.
+costs nothing more than writing. A `save_shared` file is never recycled, since its other links
+would change with it: it is unlinked.
 
 A file is on disk before the call that wrote it returns. Alone, each file and its directory are
 fsynced. Inside `durable_together` (a worker's call for all its silos) the files are written and
@@ -156,6 +164,26 @@ def write_atomic(path: Path, data: bytes | Writer, reuse: Path | None = None) ->
         block.written.add(path)
 
 
+def _link_atomic(path: Path, source: Path, header: bytes) -> None:
+    """Hard-link `source` at `path` (through a temporary name beside it, then a rename), if the
+    file linked begins with `header` (else FileExistsError); durable as `write_atomic`'s file
+    is."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    os.link(source, tmp)
+    try:
+        with open(tmp, "rb", buffering=0) as handle:
+            if handle.read(len(header)) != header:
+                raise FileExistsError(f"{source} is no longer the file this thread saved")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # where `path` was already that file, the rename did nothing
+    block: _Block | None = getattr(_open, "block", None)
+    if block is None:
+        _fsync(path.parent)
+    else:
+        block.written.add(path)
+
+
 def _write_all(fd: int, data: Buffer) -> int:
     """Write all of `data` at the file's offset; return its size in bytes."""
     view = memoryview(data).cast("B")
@@ -172,8 +200,8 @@ class _HashingFile:
 
     GATHER = 1 << 16
 
-    def __init__(self, fd: int, checksum: Callable[[], Any] = hashlib.sha256) -> None:
-        self.fd, self.digest, self.size = fd, checksum(), 0
+    def __init__(self, fd: int | None, checksum: Callable[[], Any] = hashlib.sha256) -> None:
+        self.fd, self.digest, self.size = fd, checksum(), 0  # fd None: hash, write nothing
         self._small = bytearray()
 
     def hexdigest(self) -> str:
@@ -189,14 +217,16 @@ class _HashingFile:
         else:
             self.flush()
             self.digest.update(data)
-            _write_all(self.fd, data)
+            if self.fd is not None:
+                _write_all(self.fd, data)
         self.size += size
         return size
 
     def flush(self) -> None:
         if self._small:
             self.digest.update(self._small)
-            _write_all(self.fd, self._small)
+            if self.fd is not None:
+                _write_all(self.fd, self._small)
             self._small.clear()
 
 
@@ -328,9 +358,10 @@ class _Ghash:
         return tag.hex().rjust(64, "0")
 
 
-def _arrays_save(state: Any, fd: int) -> _HashingFile:
+def _arrays_save(state: Any, fd: int | None) -> _HashingFile:
     """The arrays payload of `state` (see the module's docstring), at the file's offset: the
-    pickle stream holds no array's bytes, which go from their memory to the file."""
+    pickle stream holds no array's bytes, which go from their memory to the file (fd None: only
+    its digest is computed)."""
     stream, buffers = io.BytesIO(), []
     _ArraysPickler(stream, protocol=5, buffer_callback=buffers.append).dump(state)
     out = _HashingFile(fd, _Ghash)
@@ -477,21 +508,52 @@ def save_arrays(directory: Path, round_: int, state: Any, spare: int | None = No
     `load` gives it back, its arrays writable; anything it could not, `state` holding any other
     object, raises TypeError here and writes nothing. The file of round `spare`, if given, is
     kept beyond the newest KEEP."""
-    writer = _headed(_ARRAYS_MAGIC, _arrays_save, state)
+    writer = _Headed(_ARRAYS_MAGIC, _arrays_save, state)
     return _write_round(directory, round_, CHECKPOINT, writer, spare)
 
 
-def _headed(magic: bytes, payload: Callable[[Any, int], _HashingFile], state: Any) -> Writer:
+def save_shared(directory: Path, round_: int, state: Any, spare: int | None = None) -> str:
+    """`save_arrays` for a part of a checkpoint that other parties of this process may hold
+    byte for byte (the global keys of a round's model, the same in every silo a worker holds
+    that evaluates the federation's global state): where this thread has just saved the same
+    bytes for the same round, in a directory of the same file system, that file is hard-linked
+    here, not written again. Returns the payload's digest, for the checkpoint that names this
+    file to hold and `load` to check it against. Such a file is never recycled in place (its
+    other links would change with it): the files beyond the newest KEEP are unlinked."""
+    recent = getattr(_open, "shared", None)
+    if recent is not None and recent[0] == round_:
+        digest = _arrays_save(state, None).hexdigest()
+        if digest == recent[1]:
+            header = _ARRAYS_MAGIC + digest.encode() + b"\n"
+            try:
+                _write_round(
+                    directory, round_, CHECKPOINT, (recent[2], header), spare, recycle=False
+                )
+                return digest
+            except OSError:  # another file system, no hard links there, the file gone or changed
+                log.debug("could not link %s into %s: writing it", recent[2], directory)
+    writer = _Headed(_ARRAYS_MAGIC, _arrays_save, state)
+    path = _write_round(directory, round_, CHECKPOINT, writer, spare, recycle=False)
+    _open.shared = (round_, writer.digest, path)
+    return writer.digest
+
+
+class _Headed:
     """A Writer of a checkpoint: the payload written after room for its header, then the
-    header, which holds the payload's digest (SHA-256, or the payload's own checksum)."""
+    header, which holds the payload's digest (SHA-256, or the payload's own checksum), kept
+    in `digest` once written."""
 
-    def write(fd: int) -> int:
+    def __init__(
+        self, magic: bytes, payload: Callable[[Any, int], _HashingFile], state: Any
+    ) -> None:
+        self.magic, self.payload, self.state, self.digest = magic, payload, state, ""
+
+    def __call__(self, fd: int) -> int:
         os.lseek(fd, _HEADER, os.SEEK_SET)
-        written = payload(state, fd)
-        os.pwrite(fd, magic + written.hexdigest().encode() + b"\n", 0)
+        written = self.payload(self.state, fd)
+        self.digest = written.hexdigest()
+        os.pwrite(fd, self.magic + self.digest.encode() + b"\n", 0)
         return _HEADER + written.size
-
-    return write
 
 
 def save_model(directory: Path, round_: int, state: dict[str, Any]) -> str:
@@ -510,21 +572,31 @@ def save_model(directory: Path, round_: int, state: dict[str, Any]) -> str:
 
 
 def _write_round(
-    directory: Path, round_: int, suffix: str, data: Writer, spare: int | None = None
+    directory: Path,
+    round_: int,
+    suffix: str,
+    data: Writer | tuple[Path, bytes],
+    spare: int | None = None,
+    recycle: bool = True,
 ) -> Path:
-    """Write the file of `round_`; the oldest beyond the newest KEEP is recycled into it (hidden
-    first, so that it is never read again), any other beyond them pruned; never round `spare`'s."""
+    """Write the file of `round_` (`data`, a file and its header: hard-link that file there if
+    it still begins with that header); with `recycle`,
+    the oldest beyond the newest KEEP is recycled into it (hidden first, so that it is never
+    read again); any other beyond them is pruned; never round `spare`'s."""
     files = _files(directory, create=True)
     path = path_of(directory, round_, suffix)
     older = sorted({*files, round_})[:-KEEP]
     stale = [files[old] for old in older if old in files and old != spare]
     block: _Block | None = getattr(_open, "block", None)
-    oldest = stale[0] if stale else None
+    oldest = stale[0] if stale and recycle and callable(data) else None
     if oldest is not None and block is not None and oldest in block.written:
         oldest = None  # not on disk for sure yet: only a durable file is given up early
     hidden = _hidden(oldest) if oldest is not None else None
     try:
-        write_atomic(path, data, hidden)
+        if callable(data):
+            write_atomic(path, data, hidden)
+        else:
+            _link_atomic(path, *data)
     except BaseException:
         if hidden is not None:
             hidden.unlink(missing_ok=True)
@@ -582,7 +654,8 @@ def _digest(checksum: Callable[[], Any], data: Buffer) -> str:
 def load(directory: Path, round_: int, sha256: str | None = None) -> Any:
     """The checkpoint of `round_`, after checking it against its header: the arrays kind
     (`save_arrays`) with numpy arrays, torch's kind (as older silos wrote theirs) with its
-    tensors. Or the model of `round_` (`save_model`), checked against `sha256` when given."""
+    tensors; given `sha256`, its header must hold that digest (`save_shared`'s). Or the model
+    of `round_` (`save_model`), checked against `sha256` when given."""
     path = _existing(directory, round_)
     if path is None:
         expected = path_of(directory, round_, CHECKPOINT if sha256 is None else MODEL)
@@ -595,7 +668,13 @@ def load(directory: Path, round_: int, sha256: str | None = None) -> Any:
             magic = header[: len(_MAGIC)]
             if len(header) < _HEADER or magic not in _KINDS or header[-1:] != b"\n":
                 raise CheckpointError(f"checkpoint {path}: partial (no complete header)")
-            sha256, source = header[len(_MAGIC) : -1].decode("ascii", "replace"), "its header"
+            named = header[len(_MAGIC) : -1].decode("ascii", "replace")
+            if sha256 is not None and named != sha256:
+                raise CheckpointError(
+                    f"checkpoint {path}: not the one expected (its digest differs from the "
+                    "checkpoint that names it)"
+                )
+            sha256, source = named, "its header"
             read, decode, checksum, name = _KINDS[magic]
             data = read(handle)
         else:
@@ -615,6 +694,14 @@ _KINDS: dict[bytes, tuple[Callable[[io.FileIO], Any], Callable[[Any], Any], Any,
     _SHA_MAGIC: (_read_aligned, _arrays_load, hashlib.sha256, "SHA-256"),
     _CRC_MAGIC: (_read_aligned, _arrays_load, _Crc32, "CRC-32"),
 }
+
+
+def load_shared(directory: Path, round_: int, digest: str) -> Any:
+    """The part of a checkpoint `save_shared` wrote for `round_`, whose digest was `digest`."""
+    path = path_of(directory, round_)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path}: not found")
+    return load(directory, round_, digest)
 
 
 def load_latest(directory: Path) -> tuple[int, Any] | None:

@@ -73,6 +73,10 @@ from silo_pfl.training import (
 # A checkpoint per committed round, as arrays under a GHASH: the round's personalized model (what
 # selection may choose, and the selected model is published from) and the state to resume from.
 CHECKPOINTS = "checkpoints"
+# The global keys of a checkpoint's model, when they are large (GLOBAL_PART_BYTES or more): a
+# file per round, which the silos of one worker holding the same bytes share as hard links.
+GLOBAL_PART = "checkpoints-global"
+GLOBAL_PART_BYTES = 1 << 20
 # Read only: each committed round's model, in its own file, as runs before 2026-12-05 wrote them.
 MODELS = "models"
 # The selected personalized model, published: its state_dict in torch's format, whose SHA-256
@@ -257,11 +261,37 @@ class Silo:
             "figures": json.dumps(figures),
             "rng": rng_state(),
         }
-        if model is not None:
-            saved["model"] = model
         spare = self._selected.round if self._selected is not None else None
+        if model is not None:
+            saved.update(self._model_parts(round_, model, spare))
         checkpoint.save_arrays(self.dir / CHECKPOINTS, round_, saved, spare)
         self.committed, self._dirty = round_, False
+
+    def _model_parts(
+        self, round_: int, model: dict[str, np.ndarray], spare: int | None
+    ) -> dict[str, Any]:
+        """A round's model as its checkpoint holds it: whole, or, where its global keys are
+        large, those in a file of their own (`checkpoint.save_shared`: written once for all the
+        silos of a worker whose model holds the same global keys, as when each evaluates the
+        federation's global state with its own local keys) and the rest, with the key order."""
+        global_keys = set(self.split.global_keys)
+        shared = {k: v for k, v in model.items() if k in global_keys}
+        if nbytes(shared) < GLOBAL_PART_BYTES:
+            return {"model": model}
+        digest = checkpoint.save_shared(self.dir / GLOBAL_PART, round_, shared, spare)
+        return {
+            "model": {k: v for k, v in model.items() if k not in global_keys},
+            "model_global": digest,
+            "model_keys": list(model),
+        }
+
+    def _model_of(self, round_: int, saved: dict[str, Any]) -> dict[str, np.ndarray] | None:
+        """The model a checkpoint of `round_` holds (None: none), whole again."""
+        model = saved.get("model")
+        if model is None or "model_global" not in saved:
+            return model
+        shared = checkpoint.load_shared(self.dir / GLOBAL_PART, round_, saved["model_global"])
+        return {k: model[k] if k in model else shared[k] for k in saved["model_keys"]}
 
     def restore(self, round_: int) -> str:
         """Load the checkpoint of `round_`; return the SHA-256 of the restored local keys."""
@@ -563,13 +593,15 @@ class Silo:
         older = self.dir / MODELS
         if older.is_dir() and round_ not in checkpoint.rounds(self.dir / CHECKPOINTS):
             return checkpoint.load(older, round_)
-        model = checkpoint.load(self.dir / CHECKPOINTS, round_).get("model")
+        model = self._model_of(round_, checkpoint.load(self.dir / CHECKPOINTS, round_))
         return model if model is not None else checkpoint.load(older, round_)
 
     def _committed_model(self) -> dict[str, np.ndarray] | None:
         """The model the last commit's checkpoint holds (None: none, as at round 0 or in a
         checkpoint of an older run), to write again with it."""
-        return checkpoint.load(self.dir / CHECKPOINTS, self.committed).get("model")
+        return self._model_of(
+            self.committed, checkpoint.load(self.dir / CHECKPOINTS, self.committed)
+        )
 
     @property
     def selected_path(self) -> Path:

@@ -450,6 +450,46 @@ def test_the_spared_round_outlives_the_newest_files(tmp_path):
     assert checkpoint.rounds(tmp_path) == [6, 7, 8]
 
 
+def test_the_same_bytes_saved_for_the_same_round_are_one_file_hard_linked(tmp_path):
+    """save_shared writes a round's bytes once per thread: the same bytes for the same round in
+    another directory are a hard link to that file; other bytes, another round, or a file
+    changed since it was saved are written anew. Each link is pruned on its own."""
+    same = {"w": np.arange(300_000, dtype=np.float32), "n": np.int64(7)}
+    other = {"w": same["w"] + 1, "n": np.int64(7)}
+    a, b, c, d, e = (tmp_path / name for name in "abcde")
+    with checkpoint.durable_together():
+        digest = checkpoint.save_shared(a, 1, same)
+        assert checkpoint.save_shared(b, 1, {**same, "w": same["w"].copy()}) == digest
+        changed = checkpoint.save_shared(c, 1, other)
+        assert changed != digest
+        assert checkpoint.save_shared(d, 2, other) == changed  # another round: written
+    inode = {n: checkpoint.path_of(n, 1).stat() for n in (a, b, c)}
+    assert inode[a].st_ino == inode[b].st_ino and inode[a].st_nlink == 2
+    assert inode[c].st_ino != inode[a].st_ino and inode[c].st_nlink == 1
+    assert checkpoint.path_of(d, 2).stat().st_nlink == 1
+    assert np.array_equal(checkpoint.load_shared(b, 1, digest)["w"], same["w"])
+    with pytest.raises(checkpoint.CheckpointError, match="not the one expected"):
+        checkpoint.load_shared(c, 1, digest)
+    with pytest.raises(checkpoint.CheckpointError, match=f"{e}.*not found"):
+        checkpoint.load_shared(e, 1, digest)
+
+    checkpoint.save_shared(d, 2, same)  # this thread's last: round 2, `same`, in d
+    checkpoint.save_arrays(d, 2, {"not": np.zeros(3)})  # d's file replaced behind its back
+    checkpoint.save_shared(e, 2, same)
+    assert checkpoint.path_of(e, 2).stat().st_ino != checkpoint.path_of(d, 2).stat().st_ino
+    assert np.array_equal(checkpoint.load_shared(e, 2, digest)["w"], same["w"])
+
+    for round_ in range(2, 6):
+        for folder in (a, b):
+            checkpoint.save_shared(folder, round_, {"r": np.full(3, round_)}, spare=1)
+    assert checkpoint.rounds(a) == checkpoint.rounds(b) == [1, 3, 4, 5]
+    for round_ in (1, 3, 4, 5):
+        assert checkpoint.path_of(b, round_).stat().st_nlink == 2
+    checkpoint.save_shared(a, 6, {"r": np.full(3, 6)})
+    assert checkpoint.rounds(a) == [4, 5, 6]
+    assert checkpoint.path_of(b, 1).stat().st_nlink == 1  # a's link is gone, b's file stays
+
+
 def test_arrays_go_to_their_file_and_back_without_a_copy_of_the_whole(tmp_path):
     """Each array's bytes go from its memory to the file (pickle's out-of-band buffers), hashed
     on the way; reading back allocates the file's size once, and the arrays are views of it.

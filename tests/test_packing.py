@@ -15,7 +15,7 @@ from silo_pfl.errors import ConfigError
 from silo_pfl.federation import Federation
 from silo_pfl.runtime.packing import pack
 from silo_pfl.server_start import new_server
-from silo_pfl.silo import CHECKPOINTS, SELECTED
+from silo_pfl.silo import CHECKPOINTS, GLOBAL_PART, SELECTED
 from silo_pfl.silo_group import SiloGroup
 
 SILOS = ("cleveland", "hungarian")
@@ -112,13 +112,22 @@ def _final(result) -> dict[str, np.ndarray]:
     return arrays
 
 
+def _links(result) -> set[int]:
+    """The link counts of the files that hold the global keys of the run's silos' models."""
+    silos = Path(result.run_dir) / "silos"
+    return {path.stat().st_nlink for path in silos.glob(f"*/{GLOBAL_PART}/round-*.ckpt")}
+
+
 @pytest.mark.usefixtures("ray_local")
 def test_a_packed_run_on_ray_equals_a_silo_per_process_bit_for_bit(tmp_path):
+    """Also with a model whose global keys each worker writes once a round for all its silos."""
     common = [
         "rounds=3",
         "data.num_silos=6",
         "tracking.enabled=false",
         "train.local_epochs=1",
+        "model.name=mlp",
+        "model.hidden=[2048,512]",
     ]
     results = {}
     for per_worker in ("1", "3"):
@@ -132,6 +141,7 @@ def test_a_packed_run_on_ray_equals_a_silo_per_process_bit_for_bit(tmp_path):
     assert [s.mean_val_accuracy for s in results["1"].history] == [
         s.mean_val_accuracy for s in results["3"].history
     ]
+    assert _links(results["1"]) == {1} and _links(results["3"]) == {3}
 
 
 @pytest.mark.usefixtures("ray_local")
