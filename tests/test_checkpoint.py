@@ -9,6 +9,7 @@ import os
 import pickle
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import tracemalloc
@@ -488,6 +489,20 @@ def test_the_same_bytes_saved_for_the_same_round_are_one_file_hard_linked(tmp_pa
     checkpoint.save_shared(a, 6, {"r": np.full(3, 6)})
     assert checkpoint.rounds(a) == [4, 5, 6]
     assert checkpoint.path_of(b, 1).stat().st_nlink == 1  # a's link is gone, b's file stays
+
+
+def test_the_same_bytes_on_another_file_system_are_written_there(tmp_path):
+    """A hard link cannot cross file systems: there the bytes are written, and read back."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("no second file system here")
+    same = {"w": np.arange(1000, dtype=np.float32)}
+    digest = checkpoint.save_shared(tmp_path / "a", 1, same)
+    with tempfile.TemporaryDirectory(dir=shm) as other:
+        assert checkpoint.save_shared(Path(other), 1, same) == digest
+        assert checkpoint.path_of(Path(other), 1).stat().st_nlink == 1
+        assert np.array_equal(checkpoint.load_shared(Path(other), 1, digest)["w"], same["w"])
+    assert checkpoint.path_of(tmp_path / "a", 1).stat().st_nlink == 1
 
 
 def test_arrays_go_to_their_file_and_back_without_a_copy_of_the_whole(tmp_path):
