@@ -148,6 +148,10 @@ class Silo:
         self.committed = 0  # the last round whose state this silo checkpointed
         self._dirty = False  # trained since that commit
         self._global_frozen = False  # adapt(): the silo's own model trains its local keys only
+        # The received global keys are never written by anyone (Ray's object store: immutable),
+        # so that the same arrays, received again, need not be copied in again (the runtime's).
+        self.inputs_immutable = False
+        self._loaded: tuple[dict[str, np.ndarray], dict[str, tuple[Any, int, int]]] | None = None
 
     def setup(self, resume: bool = False) -> SiloInfo:
         """Load this silo's private data; report sizes only (and, under secure aggregation, the
@@ -198,6 +202,7 @@ class Silo:
         if tuple(input_shape) != self.data.input_shape:
             raise ValueError(f"silo {self.name}: inputs {self.data.input_shape}, not {input_shape}")
         self.model = init_model(self.cfg, tuple(input_shape), num_classes)
+        self._loaded = None
         self.num_classes = num_classes
         self.split: Split = compute_split(self.model, split_rules(self.cfg))
         self.algorithm.check_split(self.split)
@@ -318,8 +323,24 @@ class Silo:
         if set(global_state) != set(self.split.global_keys):
             raise ValueError(f"silo {self.name}: received keys differ from its global keys")
         incoming = shared_tensors(global_state)
-        copy_into(self.model, incoming, f"silo {self.name}")
+        if not self._holds(global_state):
+            targets = copy_into(self.model, incoming, f"silo {self.name}")
+            if self.inputs_immutable:
+                self._loaded = (global_state, {k: _written(targets[k]) for k in global_state})
         return incoming
+
+    def _holds(self, global_state: dict[str, np.ndarray]) -> bool:
+        """Whether the model's global keys hold `global_state` already: the same immutable
+        arrays (the same memory: the object store's one buffer, kept alive by `_loaded`) were
+        copied into them last, and nothing has written into them since (torch counts every
+        in-place write of a tensor: training, a restore, any copy)."""
+        if self._loaded is None:
+            return False
+        loaded, versions = self._loaded
+        if not all(_same_memory(loaded[k], global_state[k]) for k in global_state):
+            return False
+        targets = self.model.state_dict(keep_vars=True)
+        return all(_written(targets[k]) == v for k, v in versions.items())
 
     def train(
         self,
@@ -673,6 +694,22 @@ def local_digest(state: dict[str, torch.Tensor], keys: list[str] | tuple[str, ..
         digest.update(key.encode())
         digest.update(state[key].detach().contiguous().numpy().tobytes())
     return digest.hexdigest()
+
+
+def _written(tensor: torch.Tensor) -> tuple[Any, int, int]:
+    """What changes when a tensor is written or replaced: its identity, its memory, the count
+    torch keeps of its in-place writes."""
+    return id(tensor), tensor.data_ptr(), tensor._version
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Two read-only views of the same bytes, laid out alike."""
+    a, b = np.asarray(a), np.asarray(b)
+    return (
+        not a.flags.writeable
+        and not b.flags.writeable
+        and a.__array_interface__ == b.__array_interface__
+    )
 
 
 def as_arrays(state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:

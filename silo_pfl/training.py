@@ -131,11 +131,13 @@ def to_tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor
     )
 
 
-def copy_into(model: nn.Module, tensors: dict[str, torch.Tensor], who: str) -> None:
+def copy_into(
+    model: nn.Module, tensors: dict[str, torch.Tensor], who: str
+) -> dict[str, torch.Tensor]:
     """Copy each of `tensors` into the parameter or buffer of `model` of the same name: what
     `load_state_dict(strict=False)` does for these keys, without its walk over every module and
     hook (about a quarter of a millisecond a call for a small model). A name the model lacks or a
-    shape that differs is an error naming `who`."""
+    shape that differs is an error naming `who`. Returns the model's parameters and buffers."""
     targets = model.state_dict(keep_vars=True)
     with torch.no_grad():
         for key, value in tensors.items():
@@ -146,6 +148,7 @@ def copy_into(model: nn.Module, tensors: dict[str, torch.Tensor], who: str) -> N
                     f"{who}: {key} of shape {tuple(value.shape)}: the model has {have}"
                 )
             target.copy_(value)
+    return targets
 
 
 def shared_tensors(arrays: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ import torch
 from silo_pfl.algorithms import ALGORITHMS
 from silo_pfl.config import to_dict
 from silo_pfl.data import silo_names
+from silo_pfl.federation import Federation
 from silo_pfl.server import Server
 from silo_pfl.server_start import new_server
 from silo_pfl.silo import Silo
@@ -111,3 +112,96 @@ def test_no_algorithm_writes_into_the_global_state_or_broadcast_it_received(job,
             for name, arrays in sent.items():
                 for key, array in arrays.items():
                     assert np.array_equal(array, kept[name][key]), (round_, name, key)
+
+
+def _versions(silo: Silo) -> dict[str, int]:
+    model = silo.model.state_dict(keep_vars=True)
+    return {key: model[key]._version for key in silo.split.global_keys}
+
+
+def test_the_same_immutable_arrays_received_again_are_not_copied_in_again(job):
+    """Under Ray (`inputs_immutable`) the new global state a silo evaluated is what its next fit
+    receives, the same object store buffer: the model holds it already. It is copied in again
+    once anything wrote into the model's global keys, the arrays are other memory, or the model
+    was built again."""
+    silos, server = federation(job, "fedavg")
+    silo = silos[0]
+    silo.inputs_immutable = True
+    received = read_only(server.global_state())
+    silo._load_global(received)
+    loaded = _versions(silo)
+    silo._load_global(dict(received))  # the same memory, in another dict: as Ray gives it again
+    assert _versions(silo) == loaded
+    silo._load_global(read_only(server.global_state()))  # equal values, other memory
+    assert all(_versions(silo)[k] > v for k, v in loaded.items())
+
+    key = silo.split.global_keys[0]
+    received = read_only(server.global_state())
+    silo._load_global(received)
+    with torch.no_grad():
+        silo.model.state_dict(keep_vars=True)[key].add_(1.0)
+    silo._load_global(received)
+    assert np.array_equal(silo.model.state_dict()[key].numpy(), received[key])
+
+    writable = {k: np.array(v) for k, v in received.items()}
+    silo._load_global(writable)
+    loaded = _versions(silo)
+    silo._load_global(writable)  # a writable array may have changed in place: copied again
+    assert all(_versions(silo)[k] > v for k, v in loaded.items())
+
+    silo._load_global(received)
+    silo.build(silo.data.input_shape, silo.num_classes)
+    silo._load_global(received)
+    assert np.array_equal(silo.model.state_dict()[key].numpy(), received[key])
+
+
+@pytest.mark.parametrize(
+    "algorithm", sorted(a for a, c in ALGORITHMS.items() if not c.__module__.startswith("tests."))
+)
+def test_skipping_the_copy_changes_no_number(job, algorithm):
+    """Each round's new global state, evaluated and then fitted on (the same arrays, as a
+    worker receives them), gives the same updates and evaluations whether the silos copy it in
+    every time or only when their model does not hold it."""
+    runs = []
+    for immutable in (False, True):
+        silos, server = federation(job, algorithm)
+        for silo in silos:
+            silo.inputs_immutable = immutable
+        seen = []
+        state = read_only(server.global_state())
+        for round_ in (1, 2, 3):
+            broadcast = {name: read_only(v) for name, v in server.broadcast().items()}
+            updates = [silo.fit(state, round_, 1, broadcast)[0] for silo in silos]
+            seen += [u.delta for u in updates]
+            assert server.aggregate(*updates).aggregated
+            state = read_only(server.global_state())
+            for silo in silos:
+                seen.append(silo.evaluate_and_commit(state, round_, round_ - 1 or None))
+        runs.append(seen)
+    for plain, skipped in zip(*runs, strict=True):
+        if isinstance(plain, dict):
+            assert plain.keys() == skipped.keys()
+            assert all(np.array_equal(plain[k], skipped[k]) for k in plain), algorithm
+        else:
+            assert plain == skipped, algorithm
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_on_ray_each_fit_after_the_first_starts_from_the_model_its_evaluation_left(tmp_path):
+    """Under Ray the new global state a worker's silos evaluate, and then fit on, is one object
+    read twice: rounds 2.. copy nothing into the model before training."""
+    result = Federation(
+        JOB,
+        [
+            "algorithm.name=count_held_loads",
+            "plugins=[tests.load_probe_plugins]",
+            "model.name=mlp",
+            "model.hidden=[1024]",  # its global state goes through the object store, not inline
+            "data.num_silos=5",
+            "rounds=4",
+            "eval.selection=last",
+            "tracking.enabled=false",
+            f"output_dir={tmp_path}",
+        ],
+    ).run()
+    assert {silo.extras["held_loads"] for silo in result.silos.values()} == {3.0}

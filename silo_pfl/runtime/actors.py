@@ -58,6 +58,8 @@ class SiloHost:
         """Hold the silos `names` of run `run_id`, as `config` (their view of it) describes."""
         self.close()
         self.group = SiloGroup(config, names, run_id)
+        for silo in self.group.silos.values():
+            silo.inputs_immutable = True  # what a call receives is read from the object store
         self.opened = (run_id, tuple(names))
         if metric_tags is not None:
             self.metrics = {name: SiloMetrics(metric_tags, name) for name in names}
