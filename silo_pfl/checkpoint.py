@@ -580,9 +580,9 @@ def _write_round(
     recycle: bool = True,
 ) -> Path:
     """Write the file of `round_` (`data`, a file and its header: hard-link that file there if
-    it still begins with that header); with `recycle`,
-    the oldest beyond the newest KEEP is recycled into it (hidden first, so that it is never
-    read again); any other beyond them is pruned; never round `spare`'s."""
+    it still begins with that header). With `recycle`, the oldest beyond the newest KEEP is
+    recycled into it (hidden first, so that it is never read again); any other beyond them is
+    pruned; never round `spare`'s."""
     files = _files(directory, create=True)
     path = path_of(directory, round_, suffix)
     older = sorted({*files, round_})[:-KEEP]
