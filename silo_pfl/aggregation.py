@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from silo_pfl.slices import CORES, for_slices
+from silo_pfl.slices import CORES, fault_in, for_slices
 
 State = dict[str, np.ndarray]
 
@@ -42,7 +42,8 @@ def weighted_mean(deltas: Sequence[Mapping[str, np.ndarray]], weights: Sequence[
     per key, and nothing of an update's size is allocated. Each delta is read once, where it is
     (Ray's read-only arrays are fine; the inputs are never written); a non-contiguous one is
     copied first. A vector of `THREADED_VALUES` values or more is cut into slices of whole
-    blocks, one a thread, over the process's cores."""
+    blocks, one a thread, over the process's cores, its pages faulted in on this thread first
+    (`slices.fault_in`)."""
     if not deltas:
         raise ValueError("no updates to aggregate")
     if len(deltas) != len(weights):
@@ -62,6 +63,7 @@ def weighted_mean(deltas: Sequence[Mapping[str, np.ndarray]], weights: Sequence[
         scales = [dtype.type(weight / total) for weight in weights]
         work = _blocks(flat, starts, sources, scales)
         if flat.size >= THREADED_VALUES:
+            fault_in(flat)
             for_slices(flat.size, SLICE, CORES, work)
         else:
             work(0, flat.size)

@@ -12,8 +12,21 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 # Threads for work the other parties wait on (the server's sum and unmasking): its cores, at most 4.
 CORES = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
+
+
+PAGE = 4096  # bytes: the smallest page the kernel maps
+
+
+def fault_in(array: np.ndarray) -> None:
+    """Write one byte of each page of a new `array` here, on one thread, before several threads
+    write it all. Threads that fault on the pages of one fresh allocation together can stall
+    in the kernel for many times the work itself (with transparent huge pages, in memory
+    compaction), where one thread faults on them at a steady cost."""
+    array.reshape(-1).view(np.uint8)[::PAGE] = 0
 
 
 def bounds(size: int, unit: int, parts: int) -> list[int]:
