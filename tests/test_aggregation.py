@@ -241,3 +241,22 @@ def test_apply_delta_rounds_once_and_allocates_only_its_result(resnet18_updates)
         assert np.array_equal(value, before[key]), key
     result = sum(np.asarray(v).nbytes for v in out.values())
     assert peak - result < max(v.nbytes for v in state.values()), (peak, result)
+
+
+@pytest.mark.skipif(not hasattr(__import__("resource"), "RUSAGE_THREAD"), reason="Linux only")
+def test_the_calling_thread_faults_in_the_mean_before_its_threads_write_it(monkeypatch):
+    """The threads write only memory this thread has mapped already: this thread takes a page
+    fault for each page of the new vector (at least one per 2 MiB huge page), they take none."""
+    import resource
+
+    monkeypatch.setattr(aggregation, "CORES", 2)
+    values = 12 << 20  # a 48 MiB vector: a fresh mapping of its own, every time
+    deltas = [{"w": np.full(values, float(i), np.float32)} for i in (1, 3)]
+
+    def faults() -> int:
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+    before = faults()
+    mean = weighted_mean(deltas, [1, 1])
+    assert faults() - before >= mean["w"].nbytes // (2 << 20)
+    assert float(mean["w"][0]) == float(mean["w"][-1]) == 2.0
