@@ -158,6 +158,13 @@ def write_atomic(path: Path, data: bytes | Writer, reuse: Path | None = None) ->
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    _entry_durable(path)
+
+
+def _entry_durable(path: Path) -> None:
+    """A file just renamed into place: its directory entry synced now, or with the enclosing
+    `durable_together` block."""
+    block: _Block | None = getattr(_open, "block", None)
     if block is None:
         _fsync(path.parent)
     else:
@@ -177,11 +184,7 @@ def _link_atomic(path: Path, source: Path, header: bytes) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)  # where `path` was already that file, the rename did nothing
-    block: _Block | None = getattr(_open, "block", None)
-    if block is None:
-        _fsync(path.parent)
-    else:
-        block.written.add(path)
+    _entry_durable(path)
 
 
 def _write_all(fd: int, data: Buffer) -> int:

@@ -279,10 +279,10 @@ class Silo:
         large, those in a file of their own (`checkpoint.save_shared`: written once for all the
         silos of a worker whose model holds the same global keys, as when each evaluates the
         federation's global state with its own local keys) and the rest, with the key order."""
+        if self.split.global_bytes < GLOBAL_PART_BYTES:
+            return {"model": model}
         global_keys = set(self.split.global_keys)
         shared = {k: v for k, v in model.items() if k in global_keys}
-        if nbytes(shared) < GLOBAL_PART_BYTES:
-            return {"model": model}
         digest = checkpoint.save_shared(self.dir / GLOBAL_PART, round_, shared, spare)
         return {
             "model": {k: v for k, v in model.items() if k not in global_keys},

@@ -103,10 +103,10 @@ class SiloHost:
         """`method` of each of `names`, one after another (called with num_returns=each): for
         each of a silo's `each` answers, the list of every silo's, one object for all, since
         Ray pays for each object returned (a fit's updates, for the server, and its metrics, for
-        the driver, are two). A silo whose call raised answers its error in
-        each place. `per_silo` gives each silo one more argument of its own, after `args`. The
-        checkpoints the silos write reach the disk together, as the call ends. A call sent before
-        its round's aggregation is known is given the round's `report` (else None) and runs once it
+        the driver, are two). A silo whose call raised answers its error in each place.
+        `per_silo` gives each silo one more argument of its own, after `args`. The checkpoints
+        the silos write reach the disk together, as the call ends. A call sent before its
+        round's aggregation is known is given the round's `report` (else None) and runs once it
         is in, for the silos it lets go on: none if the round was not aggregated, else all (with
         `accepted_only`, those whose update was aggregated); the others answer CallFailed."""
         lists: list[list[Any]] = [[] for _ in range(each)]
