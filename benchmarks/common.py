@@ -4,16 +4,16 @@ silos and server as plain objects in one process."""
 from __future__ import annotations
 
 import argparse
-import logging
 import time
 from typing import Any
 
 import ray
 
 from silo_pfl.callbacks import Callback
-from silo_pfl.config import FederationConfig, to_dict
+from silo_pfl.config import FederationConfig, RayConfig, to_dict
 from silo_pfl.data import silo_names
 from silo_pfl.results import RoundSummary
+from silo_pfl.runtime.session import local_options
 from silo_pfl.server import Server
 from silo_pfl.server_start import new_server
 from silo_pfl.silo import Silo
@@ -32,9 +32,7 @@ def job_parser(doc: str, default_job: str | None = None) -> argparse.ArgumentPar
 
 def start_local_ray() -> None:
     """A fresh local Ray for this process, never a cluster left running on the machine."""
-    ray.init(
-        address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING
-    )
+    ray.init(**local_options(RayConfig()))
 
 
 def in_process_federation(cfg: FederationConfig) -> tuple[list[Silo], Server]:

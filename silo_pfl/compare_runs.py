@@ -224,7 +224,7 @@ def _ensure_ray() -> None:
     import ray
 
     from silo_pfl.runtime.ray_token import ensure_local_token
-    from silo_pfl.runtime.session import shutdown_local
+    from silo_pfl.runtime.session import local_system_config, shutdown_local
 
     ensure_local_token()
     for attempt in range(1, RAY_START_ATTEMPTS + 1):
@@ -238,6 +238,7 @@ def _ensure_ray() -> None:
                 include_dashboard=False,
                 log_to_driver=False,
                 logging_level=logging.WARNING,
+                _system_config=local_system_config(),
             )
         except Exception:
             shutdown_local()

@@ -7,8 +7,11 @@ import logging
 
 
 def start() -> None:
-    """Start a fresh local Ray in this process: 2 CPUs, no dashboard, quiet."""
+    """Start a fresh local Ray in this process: 2 CPUs, no dashboard, quiet, with the system
+    settings of a run's local Ray."""
     import ray
+
+    from silo_pfl.runtime.session import local_system_config
 
     ray.init(
         address="local",
@@ -19,5 +22,5 @@ def start() -> None:
         # As cluster/local_cluster.py starts a cluster: every process, and every driver that
         # joins it, sends its metrics each second (Ray's default is 10 s), so a run that joins
         # waits 1 s, not 10, at its end for its last figures to be sent.
-        _system_config={"metrics_report_interval_ms": 1000},
+        _system_config={**local_system_config(), "metrics_report_interval_ms": 1000},
     )

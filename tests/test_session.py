@@ -1,5 +1,6 @@
-"""A local Ray instance's shutdown: the autoscaler monitor, which a local instance does not use,
-is killed first instead of being left to time out against a stopped GCS."""
+"""A local Ray instance: what its calls return inline, and its shutdown, where the autoscaler
+monitor, which a local instance does not use, is killed first instead of being left to time out
+against a stopped GCS."""
 
 from __future__ import annotations
 
@@ -45,4 +46,46 @@ def test_a_local_session_kills_only_the_autoscaler_monitor_and_still_runs_and_st
         "others running True",
         "worker ran",
         "ray stopped True",
+    ]
+
+
+INLINE = """
+import numpy as np
+import ray
+from silo_pfl.config import RayConfig
+from silo_pfl.models import build_model
+from silo_pfl.runtime import session
+
+@ray.remote
+class Worker:
+    def answer(self, silos, state):
+        return [{k: v.copy() for k, v in state.items()} for _ in range(silos)]
+
+state = {k: v.numpy() for k, v in build_model("cnn_small", (1, 8, 8), 10).state_dict().items()}
+with session.ray_session(RayConfig(num_cpus=1)):
+    worker = Worker.remote()
+    for silos in (5, 50):
+        ref = worker.answer.remote(silos, state)
+        got = ray.get(ref)
+        assert all(np.array_equal(g[k], state[k]) for g in got for k in state)
+        size = ray.experimental.get_object_locations([ref])[ref]["object_size"]
+        stored = bool(ray.experimental.get_object_locations([ref])[ref]["node_ids"])
+        print(silos, "silos", "over 100 KiB" if size > 100 * 1024 else "small",
+              "over the limit" if size > session.INLINE_BYTES else "under the limit",
+              "in the object store" if stored else "inline")
+"""
+
+
+@pytest.mark.slow
+def test_a_packed_workers_answers_for_a_small_model_come_back_inline_and_large_ones_stored():
+    """Five silos' states of cnn_small, one worker's answer, pass Ray's default of 100 KiB
+    but come back in the call's reply; fifty pass the local instance's limit and are stored."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", INLINE], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == [
+        "5 silos over 100 KiB under the limit inline",
+        "50 silos over 100 KiB over the limit in the object store",
     ]

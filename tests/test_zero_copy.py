@@ -196,7 +196,7 @@ def test_on_ray_each_fit_after_the_first_starts_from_the_model_its_evaluation_le
             "algorithm.name=count_held_loads",
             "plugins=[tests.load_probe_plugins]",
             "model.name=mlp",
-            "model.hidden=[1024]",  # its global state goes through the object store, not inline
+            "model.hidden=[4096]",  # its global state (1.2 MB) goes through the object store
             "data.num_silos=5",
             "rounds=4",
             "eval.selection=last",

@@ -92,6 +92,20 @@ def ray_session_while(draft: FederationConfig, load: Callable[[], T]) -> Iterato
             yield loaded.result()
 
 
+# The largest object a local instance's calls return inline, in the reply to the caller, rather
+# than through the shared-memory object store (Ray's default: 100 KiB). Each object in the store
+# costs several requests to the raylet, from its writer, its reader and its owner, and a packed
+# worker returns all its silos' updates as one object: for a small model, five of them pass
+# 100 KiB. Larger objects, a large model's state and updates, still go through the store, which
+# its readers on the node map without a copy.
+INLINE_BYTES = 1 << 20
+
+
+def local_system_config() -> dict[str, Any]:
+    """Ray's system settings for a local instance (a fresh dict: `ray.init` adds to it)."""
+    return {"max_direct_call_object_size": INLINE_BYTES}
+
+
 def local_options(cfg: RayConfig) -> dict[str, Any]:
     """ray.init's options for a fresh local instance, without Ray's dashboard."""
     return {
@@ -100,6 +114,7 @@ def local_options(cfg: RayConfig) -> dict[str, Any]:
         "include_dashboard": False,
         "log_to_driver": False,
         "logging_level": logging.WARNING,
+        "_system_config": local_system_config(),
     }
 
 
