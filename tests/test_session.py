@@ -33,14 +33,20 @@ print("ray stopped", not ray.is_initialized() and all(p.poll() is not None for p
 """
 
 
-@pytest.mark.slow
-def test_a_local_session_kills_only_the_autoscaler_monitor_and_still_runs_and_stops():
+def printed(script: str) -> list[str]:
+    """The lines `script` printed, run in a fresh Python with this checkout on its path; it
+    must exit 0."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.splitlines() == [
+    return proc.stdout.splitlines()
+
+
+@pytest.mark.slow
+def test_a_local_session_kills_only_the_autoscaler_monitor_and_still_runs_and_stops():
+    assert printed(SCRIPT) == [
         "monitor running True",
         "monitor killed True",
         "others running True",
@@ -80,12 +86,7 @@ with session.ray_session(RayConfig(num_cpus=1)):
 def test_a_packed_workers_answers_for_a_small_model_come_back_inline_and_large_ones_stored():
     """Five silos' states of cnn_small, one worker's answer, pass Ray's default of 100 KiB
     but come back in the call's reply; fifty pass the local instance's limit and are stored."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-c", INLINE], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.splitlines() == [
+    assert printed(INLINE) == [
         "5 silos over 100 KiB under the limit inline",
         "50 silos over 100 KiB over the limit in the object store",
     ]
