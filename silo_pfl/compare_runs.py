@@ -219,27 +219,19 @@ RAY_START_ATTEMPTS = 3
 def _ensure_ray() -> None:
     """This worker's local Ray, started on its first run. On a loaded machine Ray's raylet may
     miss its 30-second start-up deadline; then what was started is stopped and Ray tried again."""
-    import logging
-
     import ray
 
+    from silo_pfl.config import RayConfig
     from silo_pfl.runtime.ray_token import ensure_local_token
-    from silo_pfl.runtime.session import local_system_config, shutdown_local
+    from silo_pfl.runtime.session import local_options, shutdown_local
 
     ensure_local_token()
     for attempt in range(1, RAY_START_ATTEMPTS + 1):
         if ray.is_initialized():
             return
         try:
-            ray.init(
-                address="local",
-                num_cpus=_WORKER_RAY.get("num_cpus", 1),
-                object_store_memory=512 * 1024**2,
-                include_dashboard=False,
-                log_to_driver=False,
-                logging_level=logging.WARNING,
-                _system_config=local_system_config(),
-            )
+            cores = RayConfig(num_cpus=_WORKER_RAY.get("num_cpus", 1))
+            ray.init(**local_options(cores), object_store_memory=512 * 1024**2)
         except Exception:
             shutdown_local()
             if attempt == RAY_START_ATTEMPTS:

@@ -3,24 +3,18 @@
 
 from __future__ import annotations
 
-import logging
-
 
 def start() -> None:
-    """Start a fresh local Ray in this process: 2 CPUs, no dashboard, quiet, with the system
-    settings of a run's local Ray."""
+    """Start a fresh local Ray in this process as a run starts its own (`local_options`), with
+    2 CPUs."""
     import ray
 
-    from silo_pfl.runtime.session import local_system_config
+    from silo_pfl.config import RayConfig
+    from silo_pfl.runtime.session import local_options
 
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        logging_level=logging.WARNING,
-        # As cluster/local_cluster.py starts a cluster: every process, and every driver that
-        # joins it, sends its metrics each second (Ray's default is 10 s), so a run that joins
-        # waits 1 s, not 10, at its end for its last figures to be sent.
-        _system_config={**local_system_config(), "metrics_report_interval_ms": 1000},
-    )
+    options = local_options(RayConfig(num_cpus=2))
+    # As cluster/local_cluster.py starts a cluster: every process, and every driver that joins
+    # it, sends its metrics each second (Ray's default is 10 s), so a run that joins waits 1 s,
+    # not 10, at its end for its last figures to be sent.
+    options["_system_config"]["metrics_report_interval_ms"] = 1000
+    ray.init(**options)

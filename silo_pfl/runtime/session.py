@@ -101,20 +101,16 @@ def ray_session_while(draft: FederationConfig, load: Callable[[], T]) -> Iterato
 INLINE_BYTES = 1 << 20
 
 
-def local_system_config() -> dict[str, Any]:
-    """Ray's system settings for a local instance (a fresh dict: `ray.init` adds to it)."""
-    return {"max_direct_call_object_size": INLINE_BYTES}
-
-
 def local_options(cfg: RayConfig) -> dict[str, Any]:
-    """ray.init's options for a fresh local instance, without Ray's dashboard."""
+    """ray.init's options for a fresh local instance, without Ray's dashboard (a fresh dict each
+    call: `ray.init` adds to its system settings)."""
     return {
         "address": "local",
         "num_cpus": cfg.num_cpus,
         "include_dashboard": False,
         "log_to_driver": False,
         "logging_level": logging.WARNING,
-        "_system_config": local_system_config(),
+        "_system_config": {"max_direct_call_object_size": INLINE_BYTES},
     }
 
 
