@@ -4,7 +4,9 @@ silos and server as plain objects in one process."""
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -30,8 +32,14 @@ def job_parser(doc: str, default_job: str | None = None) -> argparse.ArgumentPar
     return parser
 
 
+BENCHMARKS = str(Path(__file__).resolve().parent)
+
+
 def start_local_ray() -> None:
-    """A fresh local Ray for this process, never a cluster left running on the machine."""
+    """A fresh local Ray for this process, never a cluster left running on the machine. Its
+    workers import this directory's modules too (the actors of `ray_limit.py`)."""
+    paths = [BENCHMARKS, *filter(None, [os.environ.get("PYTHONPATH")])]
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths)
     ray.init(**local_options(RayConfig()))
 
 

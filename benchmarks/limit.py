@@ -86,18 +86,31 @@ class PlainSilo:
         return scores
 
 
-def serve(connection: Any, job: str, overrides: Sequence[str], names: Sequence[str]) -> None:
-    """A limit worker holding silos `names`. Per message (state, round): evaluate `state` (the
-    previous round's model) unless round is 1, then fit every silo unless round is 0."""
+Fits = list[tuple[str, State, int]]  # each silo's name, delta and rows trained on
+Exchange = Any  # (state, round) -> each worker's (fits, evaluations), as `step` returns them
+
+
+def step(silos: Sequence[PlainSilo], state: State, round_: int) -> tuple[Fits, list[Any]]:
+    """A worker's part of a round: evaluate `state` (the previous round's model) unless round is
+    1, then fit every silo unless round is 0."""
+    evals = [s.evaluate(state) for s in silos] if round_ != 1 else []
+    fits = [(s.name, *s.fit(state, round_)) for s in silos] if round_ else []
+    return fits, evals
+
+
+def plain_silos(job: str, overrides: Sequence[str], names: Sequence[str]) -> list[PlainSilo]:
+    """A worker's silos, its torch threads set as a silo's worker sets them."""
     cfg = load_config(job, list(overrides))
     torch.set_num_threads(cfg.train.torch_threads)
-    silos = [PlainSilo(cfg, name) for name in names]
+    return [PlainSilo(cfg, name) for name in names]
+
+
+def serve(connection: Any, job: str, overrides: Sequence[str], names: Sequence[str]) -> None:
+    """A limit worker holding silos `names`, answering each message (state, round) with `step`."""
+    silos = plain_silos(job, overrides, names)
     connection.send("ready")
     while (message := connection.recv()) is not None:
-        state, round_ = message
-        evals = [s.evaluate(state) for s in silos] if round_ != 1 else []
-        fits = [(s.name, *s.fit(state, round_)) for s in silos] if round_ else []
-        connection.send((fits, evals))
+        connection.send(step(silos, *message))
 
 
 def run_limit(
@@ -105,41 +118,59 @@ def run_limit(
 ) -> tuple[list[float], State]:
     """Seconds of each round of the limit on `processes` worker processes, and its final
     global model. Starting the processes and loading the data are not timed."""
-    cfg = load_config(job, list(overrides))
-    names = silo_names(cfg.data)
+    names = silo_names(load_config(job, list(overrides)).data)
     context = multiprocessing.get_context("spawn")
     pipes, workers = [], []
-    for index in range(min(processes, len(names))):
+    for group in deal(names, processes):
         parent, child = context.Pipe()
-        group = names[index::processes]
         worker = context.Process(target=serve, args=(child, job, list(overrides), group))
         worker.start()
         pipes.append(parent)
         workers.append(worker)
+
+    def exchange(state: State, round_: int) -> list[tuple[Fits, list[Any]]]:
+        for pipe in pipes:
+            pipe.send((state, round_))
+        return [pipe.recv() for pipe in pipes]
+
     try:
         for pipe in pipes:
             pipe.recv()
-        initial = init_model(cfg, *_shape(cfg, names[0])).state_dict()
-        state = {k: v.numpy().copy() for k, v in initial.items()}
-        seconds = []
-        for round_ in range(1, rounds + 1):
-            began = time.perf_counter()
-            for pipe in pipes:
-                pipe.send((state, round_))
-            fits = sorted((fit for pipe in pipes for fit in pipe.recv()[0]), key=lambda f: f[0])
-            mean = weighted_mean([delta for _, delta, _ in fits], [n for _, _, n in fits])
-            state = apply_delta(state, mean)
-            seconds.append(time.perf_counter() - began)
-        for pipe in pipes:  # the last round's evaluation, untimed
-            pipe.send((state, 0))
+        result = drive(job, overrides, rounds, exchange)
         for pipe in pipes:
-            pipe.recv()
             pipe.send(None)
+        return result
     finally:
         for worker in workers:
             worker.join(timeout=JOIN_TIMEOUT_S)
             if worker.is_alive():
                 worker.kill()
+
+
+def deal(names: Sequence[str], workers: int) -> list[list[str]]:
+    """The silos of each worker, dealt as `runtime.packing` deals them."""
+    return [list(names[i::workers]) for i in range(min(workers, len(names)))]
+
+
+def drive(
+    job: str, overrides: Sequence[str], rounds: int, exchange: Exchange
+) -> tuple[list[float], State]:
+    """The rounds of a limit whose workers answer `exchange`: per round, the global state to
+    every worker and their fits back, then the server's mean. Returns each round's seconds and
+    the final global model; the last round's evaluation is not timed."""
+    cfg = load_config(job, list(overrides))
+    names = silo_names(cfg.data)
+    initial = init_model(cfg, *_shape(cfg, names[0])).state_dict()
+    state = {k: v.numpy().copy() for k, v in initial.items()}
+    seconds = []
+    for round_ in range(1, rounds + 1):
+        began = time.perf_counter()
+        answers = exchange(state, round_)
+        fits = sorted((fit for fits, _ in answers for fit in fits), key=lambda f: f[0])
+        mean = weighted_mean([delta for _, delta, _ in fits], [n for _, _, n in fits])
+        state = apply_delta(state, mean)
+        seconds.append(time.perf_counter() - began)
+    exchange(state, 0)
     return seconds, state
 
 

@@ -15,13 +15,17 @@ is the mlp's, widened by override). Tracking off, default packing.
 - limit (benchmarks/limit.py): FedAvg's arithmetic alone in plain PyTorch, the silos dealt over P
   worker processes as packing deals them, with P = the number of cores and P = 1. Its final
   global model must equal the federation's bit for bit (last column): both did the same work.
+- Ray alone (benchmarks/ray_limit.py): the limit's P = cores workers as Ray actors, one call
+  each a round, on the same Ray as the federation: the floor of a round on Ray, without
+  anything silo_pfl adds (the server actor, checkpoints, metrics, the round's rules).
 
 Steady state: the median over rounds 2..R. Every time is the minimum over --repeats runs of
-each side (the three sides alternate, each started once the shared machine is quiet:
-benchmarks/machine.py). Ratios: federation / limit (target <= 1.15 for
-cnn_small), and the parallel efficiency T(limit, 1 process) / (cores x T(federation)), which is
-1 when the federation uses the cores as perfectly parallel SGD would (target >= 0.9 on the wide
-body). The limit's own efficiency, T(limit, 1 process) / (cores x T(limit, cores)), is what the
+each side (the four sides alternate, each started once the shared machine is quiet:
+benchmarks/machine.py). Ratios: federation / limit (target <= 1.15 for cnn_small), Ray alone /
+limit (what Ray itself costs the same rounds), federation / Ray alone (what silo_pfl adds), and
+the parallel efficiency T(limit, 1 process) / (cores x T(federation)), which is 1 when the
+federation uses the cores as perfectly parallel SGD would (target >= 0.9 on the wide body). The
+limit's own efficiency, T(limit, 1 process) / (cores x T(limit, cores)), is what the
 machine allows at the time.
 """
 
@@ -37,6 +41,7 @@ import numpy as np
 from common import RoundClock, start_local_ray
 from limit import State, run_limit, same_model
 from machine import load_average, wait_for_quiet
+from ray_limit import run_ray_limit
 
 from silo_pfl.federation import Federation
 from silo_pfl.settings import load_config
@@ -65,23 +70,31 @@ def steady(seconds: Sequence[float]) -> float:
 def measure(label: str, overrides: list[str], rounds: int, repeats: int) -> str:
     """One table row: the minima over `repeats` of each side."""
     cores = os.cpu_count() or 1
-    fed, par, one, identical = [], [], [], True
+    fed, bare, par, one, identical = [], [], [], [], True
     for _ in range(repeats):
         wait_for_quiet()
         seconds, fed_state = federation(overrides, rounds)
         fed.append(steady(seconds))
+        wait_for_quiet()
+        seconds, bare_state = run_ray_limit(JOB, overrides, rounds, cores)
+        bare.append(steady(seconds))
         wait_for_quiet()
         seconds, par_state = run_limit(JOB, overrides, rounds, cores)
         par.append(steady(seconds))
         wait_for_quiet()
         seconds, one_state = run_limit(JOB, overrides, rounds, 1)
         one.append(steady(seconds))
-        identical &= same_model(fed_state, par_state) and same_model(fed_state, one_state)
-        print(f"  {label}: fed {fed[-1]:.3f} limit {par[-1]:.3f} one {one[-1]:.3f}", flush=True)
-    f, p, o = min(fed), min(par), min(one)
+        identical &= all(same_model(fed_state, s) for s in (bare_state, par_state, one_state))
+        print(
+            f"  {label}: fed {fed[-1]:.3f} ray {bare[-1]:.3f} limit {par[-1]:.3f} "
+            f"one {one[-1]:.3f}",
+            flush=True,
+        )
+    f, b, p, o = min(fed), min(bare), min(par), min(one)
     return (
-        f"| {label} | {f * 1000:.0f} | {p * 1000:.0f} | **{f / p:.2f}x** | {o * 1000:.0f} | "
-        f"**{o / (cores * f):.2f}** | {o / (cores * p):.2f} | {'yes' if identical else 'NO'} |"
+        f"| {label} | {f * 1000:.0f} | {b * 1000:.0f} | {p * 1000:.0f} | **{f / p:.2f}x** | "
+        f"{b / p:.2f}x | {f / b:.2f}x | {o * 1000:.0f} | **{o / (cores * f):.2f}** | "
+        f"{o / (cores * p):.2f} | {'yes' if identical else 'NO'} |"
     )
 
 
@@ -104,10 +117,11 @@ def main() -> None:
         f"2-{args.rounds}, minimum of {args.repeats} runs; load average {load_average()}\n"
     )
     print(
-        f"| body | federation | limit, {cores} processes | federation / limit | limit, 1 process "
-        "| parallel efficiency | limit's own efficiency | same final model |"
+        f"| body | federation | Ray alone | limit, {cores} processes | federation / limit "
+        "| Ray alone / limit | federation / Ray alone | limit, 1 process | parallel efficiency "
+        "| limit's own efficiency | same final model |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 
