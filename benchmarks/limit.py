@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import multiprocessing
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -87,10 +87,11 @@ class PlainSilo:
 
 
 Fits = list[tuple[str, State, int]]  # each silo's name, delta and rows trained on
-Exchange = Any  # (state, round) -> each worker's (fits, evaluations), as `step` returns them
+Answer = tuple[Fits, list[Any]]  # a worker's fits and evaluations of a round, as `step` returns
+Exchange = Callable[[State, int], list[Answer]]  # the state and round to every worker: answers
 
 
-def step(silos: Sequence[PlainSilo], state: State, round_: int) -> tuple[Fits, list[Any]]:
+def step(silos: Sequence[PlainSilo], state: State, round_: int) -> Answer:
     """A worker's part of a round: evaluate `state` (the previous round's model) unless round is
     1, then fit every silo unless round is 0."""
     evals = [s.evaluate(state) for s in silos] if round_ != 1 else []
@@ -128,7 +129,7 @@ def run_limit(
         pipes.append(parent)
         workers.append(worker)
 
-    def exchange(state: State, round_: int) -> list[tuple[Fits, list[Any]]]:
+    def exchange(state: State, round_: int) -> list[Answer]:
         for pipe in pipes:
             pipe.send((state, round_))
         return [pipe.recv() for pipe in pipes]

@@ -12,10 +12,9 @@ what silo_pfl adds over Ray, and this / limit is what Ray adds over pipes betwee
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import ray
-from limit import Fits, PlainSilo, State, deal, drive, plain_silos, step
+from limit import Answer, PlainSilo, State, deal, drive, plain_silos, step
 
 from silo_pfl.data import silo_names
 from silo_pfl.runtime.session import INLINE_BYTES
@@ -32,7 +31,7 @@ class LimitWorker:
     def ready(self) -> None:
         """Answers once the silos are set up."""
 
-    def step(self, state: State, round_: int) -> tuple[Fits, list[Any]]:
+    def step(self, state: State, round_: int) -> Answer:
         return step(self.silos, state, round_)
 
 
@@ -44,7 +43,7 @@ def run_ray_limit(
     names = silo_names(load_config(job, list(overrides)).data)
     workers = [LimitWorker.remote(job, list(overrides), group) for group in deal(names, actors)]
 
-    def exchange(state: State, round_: int) -> list[tuple[Fits, list[Any]]]:
+    def exchange(state: State, round_: int) -> list[Answer]:
         size = sum(v.nbytes for v in state.values())
         arg = ray.put(state) if size > INLINE_BYTES else state
         return ray.get([worker.step.remote(arg, round_) for worker in workers])
