@@ -38,8 +38,8 @@ BENCHMARKS = str(Path(__file__).resolve().parent)
 def start_local_ray() -> None:
     """A fresh local Ray for this process, never a cluster left running on the machine. Its
     workers import this directory's modules too (the actors of `ray_limit.py`)."""
-    paths = [BENCHMARKS, *filter(None, [os.environ.get("PYTHONPATH")])]
-    os.environ["PYTHONPATH"] = os.pathsep.join(paths)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join([BENCHMARKS, *(p for p in paths if p != BENCHMARKS)])
     ray.init(**local_options(RayConfig()))
 
 
