@@ -119,7 +119,8 @@ def run_limit(
 ) -> tuple[list[float], State]:
     """Seconds of each round of the limit on `processes` worker processes, and its final
     global model. Starting the processes and loading the data are not timed."""
-    names = silo_names(load_config(job, list(overrides)).data)
+    cfg = load_config(job, list(overrides))
+    names = silo_names(cfg.data)
     context = multiprocessing.get_context("spawn")
     pipes, workers = [], []
     for group in deal(names, processes):
@@ -137,7 +138,7 @@ def run_limit(
     try:
         for pipe in pipes:
             pipe.recv()
-        result = drive(job, overrides, rounds, exchange)
+        result = drive(cfg, rounds, exchange)
         for pipe in pipes:
             pipe.send(None)
         return result
@@ -153,13 +154,10 @@ def deal(names: Sequence[str], workers: int) -> list[list[str]]:
     return [list(names[i::workers]) for i in range(min(workers, len(names)))]
 
 
-def drive(
-    job: str, overrides: Sequence[str], rounds: int, exchange: Exchange
-) -> tuple[list[float], State]:
+def drive(cfg: FederationConfig, rounds: int, exchange: Exchange) -> tuple[list[float], State]:
     """The rounds of a limit whose workers answer `exchange`: per round, the global state to
     every worker and their fits back, then the server's mean. Returns each round's seconds and
     the final global model; the last round's evaluation is not timed."""
-    cfg = load_config(job, list(overrides))
     names = silo_names(cfg.data)
     initial = init_model(cfg, *_shape(cfg, names[0])).state_dict()
     state = {k: v.numpy().copy() for k, v in initial.items()}

@@ -40,7 +40,8 @@ def run_ray_limit(
 ) -> tuple[list[float], State]:
     """Seconds of each round on `actors` Ray actors (on the Ray this process started), and the
     final global model. Starting the actors and loading the data are not timed."""
-    names = silo_names(load_config(job, list(overrides)).data)
+    cfg = load_config(job, list(overrides))
+    names = silo_names(cfg.data)
     workers = [LimitWorker.remote(job, list(overrides), group) for group in deal(names, actors)]
 
     def exchange(state: State, round_: int) -> list[Answer]:
@@ -50,7 +51,7 @@ def run_ray_limit(
 
     try:
         ray.get([worker.ready.remote() for worker in workers])  # set up: not timed
-        return drive(job, overrides, rounds, exchange)
+        return drive(cfg, rounds, exchange)
     finally:
         for worker in workers:
             ray.kill(worker)

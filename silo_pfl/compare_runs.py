@@ -230,8 +230,8 @@ def _ensure_ray() -> None:
         if ray.is_initialized():
             return
         try:
-            cores = RayConfig(num_cpus=_WORKER_RAY.get("num_cpus", 1))
-            ray.init(**local_options(cores), object_store_memory=512 * 1024**2)
+            config = RayConfig(num_cpus=_WORKER_RAY.get("num_cpus", 1))
+            ray.init(**local_options(config), object_store_memory=512 * 1024**2)
         except Exception:
             shutdown_local()
             if attempt == RAY_START_ATTEMPTS:

@@ -74,8 +74,8 @@ with session.ray_session(RayConfig(num_cpus=1)):
         ref = worker.answer.remote(silos, state)
         got = ray.get(ref)
         assert all(np.array_equal(g[k], state[k]) for g in got for k in state)
-        size = ray.experimental.get_object_locations([ref])[ref]["object_size"]
-        stored = bool(ray.experimental.get_object_locations([ref])[ref]["node_ids"])
+        where = ray.experimental.get_object_locations([ref])[ref]
+        size, stored = where["object_size"], bool(where["node_ids"])
         print(silos, "silos", "over 100 KiB" if size > 100 * 1024 else "small",
               "over the limit" if size > session.INLINE_BYTES else "under the limit",
               "in the object store" if stored else "inline")
