@@ -2,7 +2,9 @@
 
 Every node is started with `ray start` on 127.0.0.1, with token authentication on; silo X's node
 carries the label `silo=X`, so `ray.placement=per_node` puts each silo actor on its own node and
-the server on the head. The dashboard (the Jobs API) listens on 127.0.0.1 only.
+the server on the head. The dashboard (the Jobs API) listens on 127.0.0.1 only. The silos' nodes
+start as many at once as there are cores, each on ports below the kernel's ephemeral range; a
+node whose `ray start` fails is stopped, alone, and started again (three attempts in all).
 
     python cluster/local_cluster.py cleveland hungarian switzerland va --tracking-server
     silo-pfl submit jobs/heart_disease.yaml ray.placement=per_node \
@@ -36,9 +38,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -53,15 +56,34 @@ ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT = 180.0
 GCS_NAME = "gcs_server"  # a Ray GCS process's name (/proc/<pid>/comm)
 STOP_POLL_SECONDS = 0.1
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+PORT_FLOOR = 20000  # above Ray's worker ports (10002-19999)
+NODE_VAR = "SILO_PFL_NODE"  # which node of the cluster a process belongs to
+NODE_START_ATTEMPTS = 3
 
 
-def free_ports(count: int) -> list[int]:
-    """`count` distinct TCP ports nothing listens on now (held open together while chosen)."""
+def free_ports(count: int, exclude: Collection[int] = ()) -> list[int]:
+    """`count` distinct TCP ports that nothing listens on now, none in `exclude`.
+
+    They are drawn from below the kernel's ephemeral range (and above Ray's worker ports, 10002
+    to 19999): a port from that range can be taken by any outgoing connection before its server
+    binds it, and a node whose metrics port is taken never registers (`ray start` fails after
+    30 s: "The current node timed out during startup"). Held open together while chosen."""
+    low = int(Path(EPHEMERAL_RANGE).read_text().split()[0])
+    pool = [port for port in range(PORT_FLOOR, low) if port not in exclude]
+    secrets.SystemRandom().shuffle(pool)
+    ports: list[int] = []
     with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in socks:
-            sock.bind((HOST, 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
+        for port in pool:
+            sock = stack.enter_context(socket.socket())
+            try:
+                sock.bind((HOST, port))
+            except OSError:
+                continue
+            ports.append(port)
+            if len(ports) == count:
+                return ports
+    raise RuntimeError(f"fewer than {count} free ports between {PORT_FLOOR} and {low}")
 
 
 def cluster_token() -> str:
@@ -92,11 +114,14 @@ def tls_env(tls_dir: str | None) -> dict[str, str]:
     }
 
 
-def _processes_marked(marker: str) -> list[int]:
-    """Pids of the live processes carrying SILO_PFL_CLUSTER=<marker>, and their descendants.
+def _processes_marked(marker: str, node: str | None = None) -> list[int]:
+    """Pids of the live processes carrying SILO_PFL_CLUSTER=<marker> (and SILO_PFL_NODE=<node>,
+    if given), and their descendants.
 
     Descendants count too: a process that rewrites its title can hide its environment."""
-    needle = f"{MARKER_VAR}={marker}".encode()
+    needles = {f"{MARKER_VAR}={marker}".encode()}
+    if node is not None:
+        needles.add(f"{NODE_VAR}={node}".encode())
     marked, parents = set(), {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -106,7 +131,7 @@ def _processes_marked(marker: str) -> list[int]:
             if fields[0] == "Z":
                 continue
             parents[int(entry.name)] = int(fields[1])
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
+            if needles <= set((entry / "environ").read_bytes().split(b"\0")):
                 marked.add(int(entry.name))
         except (OSError, IndexError):
             continue
@@ -139,20 +164,22 @@ def _stop(pids: Callable[[], list[int]], grace: float) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def stop_marked(marker: str, grace: float = 15.0) -> list[int]:
-    """Stop every process carrying the marker in Ray's own order (`ray stop`'s): all but the GCS
-    servers first, then what is left; each stage SIGTERM, then SIGKILL after `grace` seconds.
+def stop_marked(marker: str, grace: float = 15.0, node: str | None = None) -> list[int]:
+    """Stop every process carrying the marker (of `node` only, if given) in Ray's own order
+    (`ray stop`'s): all but the GCS servers first, then what is left; each stage SIGTERM, then
+    SIGKILL after `grace` seconds.
     Stopped all at once, the GCS went first and the raylets and the autoscaler monitor waited on
     it, 10 s and until the SIGKILL.
 
     Returns the pids still alive at the end (none, normally)."""
-    _stop(lambda: [pid for pid in _processes_marked(marker) if not _is_gcs(pid)], grace)
-    _stop(lambda: _processes_marked(marker), grace)
+    _stop(lambda: [pid for pid in _processes_marked(marker, node) if not _is_gcs(pid)], grace)
+    _stop(lambda: _processes_marked(marker, node), grace)
     time.sleep(0.5)
-    return _processes_marked(marker)
+    return _processes_marked(marker, node)
 
 
-# Prints the live nodes as JSON once `count` of them are alive (or after START_TIMEOUT).
+# Prints the live nodes as JSON once exactly `count` of them are alive (or after START_TIMEOUT):
+# a node whose start failed, and was stopped, may be listed alive until the GCS misses it.
 _NODES_SCRIPT = f"""
 import json, sys, time
 import ray
@@ -160,7 +187,7 @@ ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 deadline = time.monotonic() + {START_TIMEOUT}
 while True:
     alive = [n for n in ray.nodes() if n["Alive"]]
-    if len(alive) >= int(sys.argv[2]) or time.monotonic() > deadline:
+    if len(alive) == int(sys.argv[2]) or time.monotonic() > deadline:
         break
     time.sleep(0.5)
 print(json.dumps([{{"id": n["NodeID"], "labels": n["Labels"]}} for n in alive]))
@@ -186,30 +213,47 @@ class LocalCluster:
             # As on a node with this environment activated: a job's `python` is this one.
             "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
         }
-        # Every port the cluster needs, chosen together so that they are distinct: the GCS's,
-        # the Ray client server's, the dashboard's, the tracking server's, then two per node
-        # (its agent's and its metrics'), the head's first.
-        ports = free_ports(4 + 2 * (1 + len(args.silos)))
-        self.gcs_port, self.client_port = ports[0], ports[1]
-        self.dashboard_port = args.dashboard_port or ports[2]
-        self.tracking_port = args.tracking_port or ports[3]
-        self.node_ports = [ports[k : k + 2] for k in range(4, len(ports), 2)]
+        self._ports_given: set[int] = set()
+        self._ports_lock = threading.Lock()
+        self.tracking_port = args.tracking_port or self._ports(1)[0]
+        self.gcs_port = self.client_port = self.dashboard_port = 0  # set as the head starts
         self.tracking_uri: str | None = None
 
-    def _ray_start(
-        self, node: str, ports: list[int], *extra: str, env: dict[str, str] | None = None
-    ) -> None:
-        """`ray start` one node, with two free `ports` of its own (every node of this machine
-        needs its own agent and metrics ports: the defaults are fixed). Each node has a temp dir
-        of its own, as on its own machine: a node that found a shared one would delete job
-        files another node still uses."""
-        agent_port, metrics_port = ports
+    def _ports(self, count: int) -> list[int]:
+        """`count` free ports this cluster has not handed out before: a port chosen for one node
+        is not bound until its `ray start` runs, while the others choose theirs."""
+        with self._ports_lock:
+            ports = free_ports(count, exclude=self._ports_given)
+            self._ports_given.update(ports)
+        return ports
+
+    def _start_node(self, node: str, options: Callable[[], list[str]], env: dict[str, str]) -> None:
+        """`ray start` one node, up to NODE_START_ATTEMPTS times. A start that failed (on a
+        loaded machine, a raylet that did not register within Ray's 30 s) is stopped, its
+        processes and no other node's, and made again with fresh ports and a fresh temp dir;
+        `options()` gives each attempt its own options."""
+        for attempt in range(1, NODE_START_ATTEMPTS + 1):
+            try:
+                self._ray_start(f"{node}.{attempt}", options(), {**env, NODE_VAR: node})
+                return
+            except RuntimeError as failed:
+                stop_marked(self.marker, node=node)
+                if attempt == NODE_START_ATTEMPTS:
+                    raise
+                print(f"warning: node {node}: {failed}; starting it again", file=sys.stderr)
+
+    def _ray_start(self, temp_name: str, extra: list[str], env: dict[str, str]) -> None:
+        """`ray start` one node, with an agent port and a metrics port of its own (the defaults
+        are fixed, and every node of this machine needs its own). Each node has a temp dir of
+        its own, as on its own machine: a node that found a shared one would delete job files
+        another node still uses."""
+        agent_port, metrics_port = self._ports(2)
         command = [
             str(BIN / "ray"),
             "start",
             f"--node-ip-address={HOST}",
             f"--num-cpus={self.args.cpus_per_node}",
-            f"--temp-dir={self.temp_dir / node}",
+            f"--temp-dir={self.temp_dir / temp_name}",
             f"--dashboard-agent-listen-port={agent_port}",
             f"--metrics-export-port={metrics_port}",
             "--disable-usage-stats",
@@ -217,7 +261,7 @@ class LocalCluster:
         ]
         done = subprocess.run(
             command,
-            env=env or self.env,
+            env=env,
             capture_output=True,
             text=True,
             timeout=START_TIMEOUT,
@@ -227,14 +271,11 @@ class LocalCluster:
             tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
             raise RuntimeError(f"{' '.join(command[:3])} failed: {' | '.join(tail)}")
 
-    def start(self) -> dict:
-        """Start the head, then the silos' nodes together, the tracking server meanwhile;
-        return the cluster info."""
-        tracking = self._launch_tracking_server() if self.args.tracking_server else None
-        silos = self.args.silos
-        self._ray_start(
-            "head",
-            self.node_ports[0],
+    def _head_options(self) -> list[str]:
+        """The head's options for one attempt to start it, with fresh ports of its own."""
+        self.gcs_port, self.client_port = self._ports(2)
+        self.dashboard_port = self.args.dashboard_port or self._ports(1)[0]
+        return [
             "--head",
             f"--port={self.gcs_port}",
             f"--dashboard-host={HOST}",
@@ -244,17 +285,23 @@ class LocalCluster:
             # The head's system config reaches every node and every driver that joins.
             "--system-config="
             + json.dumps({"metrics_report_interval_ms": round(1000 * self.args.metrics_interval)}),
-        )
+        ]
+
+    def start(self) -> dict:
+        """Start the head, then the silos' nodes (as many at once as there are cores: each then
+        registers well within Ray's 30 s), the tracking server meanwhile; return the cluster
+        info."""
+        tracking = self._launch_tracking_server() if self.args.tracking_server else None
+        silos = self.args.silos
+        self._start_node("head", self._head_options, self.env)
         address = f"{HOST}:{self.gcs_port}"
-        with ThreadPoolExecutor(max_workers=len(silos)) as pool:
+        with ThreadPoolExecutor(max_workers=min(len(silos), os.cpu_count() or 1)) as pool:
             starts = [
                 pool.submit(
-                    self._ray_start,
+                    self._start_node,
                     f"n{i + 1}",
-                    self.node_ports[i + 1],
-                    f"--address={address}",
-                    f"--labels={SILO_LABEL}={silo}",
-                    env=self._node_env(silo),
+                    lambda silo=silo: [f"--address={address}", f"--labels={SILO_LABEL}={silo}"],
+                    self._node_env(silo),
                 )
                 for i, silo in enumerate(silos)
             ]

@@ -1,0 +1,69 @@
+"""`cluster/local_cluster.py` starts its nodes on ports no outgoing connection can take, and a
+node whose `ray start` failed is stopped, alone, and started again."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from loopback_cluster import CLIENT_VARS, cluster_script
+
+
+def test_free_ports_lie_below_the_ephemeral_range_are_distinct_and_skip_those_excluded():
+    local_cluster = cluster_script("local_cluster")
+    low = int(Path(local_cluster.EPHEMERAL_RANGE).read_text().split()[0])
+    first = local_cluster.free_ports(8)
+    second = local_cluster.free_ports(8, exclude=first)
+    assert len(set(first + second)) == 16
+    assert all(local_cluster.PORT_FLOOR <= port < low for port in first + second)
+    with socket.socket() as sock:
+        sock.bind((local_cluster.HOST, second[0]))
+
+
+def _sleeper(env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(["sleep", "600"], env={**os.environ, **env}, start_new_session=True)
+
+
+def test_a_node_is_stopped_alone():
+    local_cluster = cluster_script("local_cluster")
+    marker = secrets.token_hex(8)
+    mark = {local_cluster.MARKER_VAR: marker}
+    failed = _sleeper({**mark, local_cluster.NODE_VAR: "n1"})
+    other = _sleeper({**mark, local_cluster.NODE_VAR: "n2"})
+    try:
+        deadline = time.monotonic() + 30
+        while len(local_cluster._processes_marked(marker)) < 2:
+            assert time.monotonic() < deadline, "the two processes did not start"
+            time.sleep(0.05)
+        assert local_cluster._processes_marked(marker, "n1") == [failed.pid]
+        assert local_cluster.stop_marked(marker, grace=5, node="n1") == []
+        assert failed.wait(timeout=5) is not None
+        assert other.poll() is None
+        assert local_cluster._processes_marked(marker) == [other.pid]
+    finally:
+        for proc in (failed, other):
+            proc.kill()
+            proc.wait()
+
+
+def test_a_node_whose_start_failed_is_started_again(monkeypatch, capsys):
+    """Its first temp dir is a file, so its first `ray start` fails, as a real one does."""
+    local_cluster = cluster_script("local_cluster")
+    for name in CLIENT_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))  # ~/.ray/auth_token is left alone
+    args = local_cluster._parser().parse_args(["cleveland"])
+    cluster = local_cluster.LocalCluster(args)
+    (cluster.temp_dir / "n1.1").write_text("not a directory")
+    try:
+        info = cluster.start()
+        assert set(info["nodes"]) == {"cleveland"}
+        assert info["nodes"]["cleveland"] != info["head"]
+        assert "warning: node n1: " in capsys.readouterr().err
+        assert (cluster.temp_dir / "n1.2").is_dir()
+    finally:
+        assert cluster.stop() == []
