@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -14,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
+from loopback_cluster import cluster_script
 from processes import stop_group, wait_for_http
 
 STARTUP_SECONDS = 180
@@ -21,9 +21,8 @@ BIN = Path(sys.executable).parent
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port for a server to come: the cluster's own choice, out of outgoing connections' way."""
+    return cluster_script("local_cluster").free_ports(1)[0]
 
 
 @contextlib.contextmanager

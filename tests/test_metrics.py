@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from typing import Any
 import pytest
 import yaml
 from processes import stop_group
+from serving import free_port
 
 from silo_pfl.runtime.metrics import (
     METRIC_NAMES,
@@ -41,12 +41,6 @@ DASHBOARD = ROOT / "dashboards" / "grafana" / "silo_pfl.json"
 SILOS = ("silo_0", "silo_1")
 ROUNDS = 3
 ARRIVAL_SECONDS = 60  # how long the series may take to show up in Prometheus after the run
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _get(url: str) -> Any:
@@ -78,7 +72,7 @@ def prometheus(tmp_path: Path, ray_tmp: Path) -> Iterator[SimpleNamespace]:
             sd["refresh_interval"] = "1s"
     path = tmp_path / "prometheus.yml"
     path.write_text(yaml.safe_dump(config))
-    port = _free_port()
+    port = free_port()
     log = (tmp_path / "prometheus.log").open("w")
     proc = subprocess.Popen(
         [
