@@ -17,15 +17,15 @@ digest) tells apart, so that `load` needs no argument to read any:
   builds nothing but numpy arrays, dtypes and scalars (`_ALLOWED`), and `save_arrays` refuses,
   before it writes, anything that would need more. The digest is a GHASH: AES-GCM's tag over
   the payload as associated data, under a key and nonce of zeros, a 128-bit polynomial checksum
-  that OpenSSL computes with carry-less multiplication at 8-12 GB/s (a SHA-256 runs at 1.4-1.6
-  GB/s here, zlib's CRC-32 at 2.3-3): a large model's file costs its checksum a fraction of its
+  that OpenSSL computes with carry-less multiplication, several times faster than a SHA-256 or
+  zlib's CRC-32 (docs/BENCHMARKS.md): a large model's file costs its checksum a fraction of its
   writing. It catches a flipped, lost or moved byte, not a forgery; no digest without a secret
   key would, and nothing but its party writes a checkpoint directory. Whoever keeps something
   taken from such a file hashes that (`save_model`). Arrays files written before under a
   SHA-256 (`silo_pfl arrays     sha256=`) or a CRC-32 (`silo_pfl arrays      crc32=`) are still
   read and checked, so that a run resumes across the change.
 - Read only: torch.save's bytes of plain containers and tensors, read back with
-  `weights_only=True`, as silos wrote their checkpoints before 2026-12-05. Header `silo_pfl
+  `weights_only=True`, as silos of earlier versions wrote their checkpoints. Header `silo_pfl
   checkpoint sha256=<hex>`: their SHA-256.
 
 A file whose header is missing or cut short is partial; one whose bytes do not match its header is

@@ -1,13 +1,13 @@
 """numpy's global generator (`np.random.*`), set aside and put back cheaply.
 
 numpy's documented way, `np.random.get_state` and `set_state`, copies the MT19937 generator's 624
-words one by one in Python: about 60 us each way, paid on every call into a packed silo. Those
-words and their position are 2,500 bytes in the bit generator's memory, read and written here in
-a microsecond. The rest of the legacy state is one cached Gaussian (`has_gauss`, `gauss`), which
-only `get_state` shows. A Gaussian is cached only by drawing Gaussians, which consumes words: so
-words equal to those of a moment when no Gaussian was cached prove that none is cached now, and
-only then are the words alone taken. In every other case (a cached Gaussian, another bit
-generator) the documented calls do it, exactly as before.
+words one by one in Python, paid on every call into a packed silo. Those words and their position
+are 2,500 bytes in the bit generator's memory, read and written here directly. The rest of the
+legacy state is one cached Gaussian (`has_gauss`, `gauss`), which only `get_state` shows. A
+Gaussian is cached only by drawing Gaussians, which consumes words: so words equal to those of a
+moment when no Gaussian was cached prove that none is cached now, and only then are the words alone
+taken. In every other case (a cached Gaussian, another bit generator) the documented calls do it,
+exactly as before.
 """
 
 from __future__ import annotations

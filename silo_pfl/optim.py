@@ -1,8 +1,8 @@
 """SGD and Adam for the training loop, with torch.optim's update rules.
 
-torch.optim.Optimizer imports torch._dynamo on first use: 1.6-3 s of CPU in every fresh silo
-process, paid again by each of N silo actors sharing a machine (see docs/BENCHMARKS.md). These
-two small classes do the same arithmetic without it; tests check them against torch.optim.
+torch.optim.Optimizer imports torch._dynamo on first use, seconds of CPU in every fresh silo
+process (docs/BENCHMARKS.md, "Cold start of a silo"). These two small classes do the same
+arithmetic without it; tests check them against torch.optim.
 """
 
 from __future__ import annotations

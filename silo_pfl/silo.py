@@ -77,7 +77,7 @@ CHECKPOINTS = "checkpoints"
 # file per round, which the silos of one worker holding the same bytes share as hard links.
 GLOBAL_PART = "checkpoints-global"
 GLOBAL_PART_BYTES = 1 << 20
-# Read only: each committed round's model, in its own file, as runs before 2026-12-05 wrote them.
+# Read only: each committed round's model, in its own file, as earlier versions wrote them.
 MODELS = "models"
 # The selected personalized model, published: its state_dict in torch's format, whose SHA-256
 # the silo's next checkpoint holds.

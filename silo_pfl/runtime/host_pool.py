@@ -4,7 +4,7 @@ A run that starts its own Ray stops it at its end, and its workers with it. A pr
 one Ray up across runs (the Python API in a notebook or a sweep, `silo-pfl compare`'s workers,
 the test suite) gives a finished run's workers back here instead, and the next run opens its
 silos (or its server) in one with the same actor options: no new process, no new torch import
-(about 3 s of CPU a worker). A worker is kept only when it is closed (it holds no run's state),
+(seconds of CPU a worker). A worker is kept only when it is closed (it holds no run's state),
 reserves no resources and recorded no live metrics (its figures end with its run); at most
 `KEEP` are kept, the others stopped.
 """

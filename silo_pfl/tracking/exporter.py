@@ -12,9 +12,8 @@ the silo's process straight into that one store, never through the driver:
   store never sees the model.
 
 A silo imports MLflow in `check`, before round 1: a node that cannot import it fails before
-training, and the import (about 1.7 CPU-seconds) overlaps the server actor's start-up, which
-round 1 waits for anyway. (Importing in a thread during training was measured slower: it
-contends with round 1 for the silo's GIL and the machine's cores.)
+training, and the import overlaps the server actor's start-up, which round 1 waits for anyway,
+rather than contending with round 1's training for the silo's GIL and the machine's cores.
 """
 
 from __future__ import annotations
