@@ -21,13 +21,14 @@ model.name=mlp model.hidden=[2048,512] rounds=6 tracking.enabled=false (10 silos
   its reveal), from the messages of a real round, against its masked vector (8 (values + 1)
   bytes);
 - rounds: the job with aggregation.secure off and on, alternately, --pairs pairs in one Ray
-  session; each run's median round (rounds 2..: round 1 pays the actors' start-up) and the
-  median of the pair ratios on / off (target <= 1.15). Then the key stream's floor, measured
-  in the same run: the words every silo's mask adds (its self mask and one stream per peer)
-  and the server's regenerated self masks, at the rate `apply_streams` makes them here with a
-  silo's keys (best of --repeats, one core), spread over every core, added to the median plain
-  round. No implementation of this protocol and encoding goes under that ratio on this machine;
-  it leaves out everything else a secure round does (encoding, shares, unmasking's sum);
+  session; each run's median round (rounds 2..: round 1 pays the actors' start-up; its progress
+  line adds the mean and the slowest) and the median of the pair ratios on / off (target <= 1.15).
+  Then the key stream's floor, measured in the same run: the words every silo's mask adds (its
+  self mask and one stream per peer) and the server's regenerated self masks, at the rate
+  `apply_streams` makes them here with a silo's keys (best of --repeats, one core), spread over
+  every core, added to the median plain round. No implementation of this protocol and encoding
+  goes under that ratio on this machine; it leaves out everything else a secure round does
+  (encoding, shares, unmasking's sum);
 - ray: the job with rounds=4 for 10 and 25 silos, secure off, full mesh and SecAgg+, one run
   each; the median of rounds 2-4.
 
@@ -291,9 +292,9 @@ def section_bytes(values: int) -> None:
     print("\n".join(rows))
 
 
-def ray_run(job: str, overrides: Sequence[str], keys: str) -> tuple[float, int]:
-    """One run on the session's Ray: its median round (rounds 2..) in seconds, and its global
-    parameters. Each silo's identity key lives under `keys`."""
+def ray_run(job: str, overrides: Sequence[str], keys: str) -> tuple[list[float], int]:
+    """One run on the session's Ray: the seconds of its rounds 2.. (round 1 pays the actors'
+    start-up), and its global parameters. Each silo's identity key lives under `keys`."""
     cfg = load_config(job, list(overrides))
     homes = [f"silos.{name}.key_dir={keys}/{name}" for name in silo_names(cfg.data)]
     clock = RoundClock()
@@ -301,7 +302,7 @@ def ray_run(job: str, overrides: Sequence[str], keys: str) -> tuple[float, int]:
         wait_for_quiet()
         cfg = load_config(job, [*overrides, *homes, f"output_dir={tmp}"])
         result = Federation(cfg, callbacks=[clock]).run()
-    return statistics.median(clock.round_seconds()[1:]), result.global_parameters
+    return clock.round_seconds()[1:], result.global_parameters
 
 
 def keystream_floor(
@@ -330,8 +331,14 @@ def section_rounds(job: str, overrides: Sequence[str], pairs: int, keys: str, re
         seconds = {}
         for secure in (False, True) if pair % 2 == 0 else (True, False):
             flag = f"aggregation.secure={str(secure).lower()}"
-            seconds[secure], size = ray_run(job, [*overrides, flag], keys)
-            print(f"  pair {pair + 1} secure {secure}: {1000 * seconds[secure]:.0f} ms", flush=True)
+            rounds, size = ray_run(job, [*overrides, flag], keys)
+            seconds[secure] = statistics.median(rounds)
+            print(
+                f"  pair {pair + 1} secure {secure}: median {1000 * seconds[secure]:.0f} ms, "
+                f"mean {1000 * statistics.mean(rounds):.0f}, slowest {1000 * max(rounds):.0f} "
+                f"({len(rounds)} rounds)",
+                flush=True,
+            )
         ratios.append(seconds[True] / seconds[False])
         plain.append(seconds[False])
         order = "off, on" if pair % 2 == 0 else "on, off"
@@ -369,7 +376,7 @@ def section_ray(job: str, overrides: Sequence[str], keys: str) -> None:
         base = [*overrides, f"rounds={RAY_ROUNDS}", f"data.num_silos={count}"]
         times = {}
         for mode, peers, flags in modes:
-            seconds = times[mode] = ray_run(job, [*base, *flags], keys)[0]
+            seconds = times[mode] = statistics.median(ray_run(job, [*base, *flags], keys)[0])
             print(f"  {count} silos, {mode}: {1000 * seconds:.0f} ms", flush=True)
             shown = "" if mode == "off" else str(peers)
             ratio = seconds / times["off"]

@@ -21,7 +21,7 @@ from silo_pfl.config import FederationConfig
 from silo_pfl.config_views import actor_view
 from silo_pfl.errors import FederationError, SiloPflError, typed_line
 from silo_pfl.messages import CallFailed, RoundReport
-from silo_pfl.runtime import host_pool
+from silo_pfl.runtime import host_pool, huge_pages
 from silo_pfl.runtime.metrics import SiloMetrics
 from silo_pfl.runtime.placement import actor_options, server_selector, silo_selector
 from silo_pfl.runtime.server_host import ServerHost
@@ -44,6 +44,7 @@ class SiloHost:
     and, given the run's metric tags, records each silo's figures as live metrics."""
 
     def __init__(self) -> None:
+        huge_pages.no_advice()
         self.group: SiloGroup | None = None
         self.opened: tuple[str, tuple[str, ...]] | None = None  # (run id, silos)
         self.metrics: dict[str, SiloMetrics] = {}

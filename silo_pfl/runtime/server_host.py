@@ -10,6 +10,7 @@ from typing import Any
 import ray
 
 from silo_pfl.messages import RoundReport, SiloUpdate
+from silo_pfl.runtime import huge_pages
 from silo_pfl.runtime.metrics import ServerMetrics
 from silo_pfl.secure.aggregator import SecureRoundError
 from silo_pfl.secure.messages import Advertisement, Reveal, SealedShares
@@ -22,6 +23,7 @@ class ServerHost:
     server's start from them. Like a silo worker it is opened for a run and closed after it."""
 
     def __init__(self) -> None:
+        huge_pages.no_advice()
         self.config: dict[str, Any] = {}
         self.run_id = ""
         self.metrics: ServerMetrics | None = None

@@ -1,0 +1,25 @@
+"""numpy's transparent huge page advice, turned off in the silo and server workers.
+
+numpy asks the kernel (madvise MADV_HUGEPAGE) to back every new array of 4 MB or more with 2 MB
+pages. Where the kernel takes that advice at the fault, as on these VMs, the first touch of a
+fresh large array now and then stalls for tens of milliseconds: a masked update, a delta, a sum
+on the server, made anew every round. Without the advice, such an array costs its ordinary page
+faults, every time (docs/BENCHMARKS.md, "Huge pages"). An operator's own NUMPY_MADVISE_HUGEPAGE
+in the environment wins: numpy then does as it says.
+"""
+
+from __future__ import annotations
+
+import os
+
+from numpy._core import multiarray
+
+ENV = "NUMPY_MADVISE_HUGEPAGE"
+
+
+def no_advice() -> None:
+    """Stop numpy advising huge pages for the arrays this process makes from now on, unless
+    the environment says otherwise."""
+    setter = getattr(multiarray, "_set_madvise_hugepage", None)
+    if setter is not None and ENV not in os.environ:
+        setter(False)
