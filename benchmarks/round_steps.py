@@ -9,8 +9,9 @@ share_keys, unmask) from the driver's wait for it to its last answer (a round's 
 with the previous round's aggregation, are already running by then), the server's calls
 (aggregation, and under secure its enrolment, routing and unmasking), the server's round
 checkpoint, and the whole round between two `on_round_end`s. Prints the median of rounds 3.. of
-each (and of the server's checkpoint over the last 5 rounds, since what it writes may grow), and
-per silo worker (as default packing deals them) the sum of its silos' `train_seconds`: the fits'
+each (and of the server's checkpoint over the last 5 rounds, since what it writes may grow; and
+the mean and the slowest of the rounds, where a stall shows that the median hides), and per
+silo worker (as default packing deals them) the sum of its silos' `train_seconds`: the fits'
 own work, one silo after another.
 """
 
@@ -118,6 +119,9 @@ def main() -> None:
         kept = seconds[SKIP:] if step.startswith(("silos", "server")) else seconds[SKIP - 1 :]
         if kept:
             print(f"| {step} | {1000 * statistics.median(kept):.1f} |")
+    rounds = times["round (between round ends)"][SKIP - 1 :]
+    mean, slowest = 1000 * statistics.mean(rounds), 1000 * max(rounds)
+    print(f"| round: mean / slowest | {mean:.1f} / {slowest:.1f} |")
     late = 1000 * statistics.median(times["server: round checkpoint"][-LATE:])
     print(f"| server: round checkpoint, last {LATE} rounds | {late:.1f} |")
     workers = pack(config, silo_names(config.data), os.cpu_count() or 1)
