@@ -18,14 +18,14 @@ import statistics
 import time
 
 import numpy as np
-from numpy._core import multiarray
 
+from silo_pfl.runtime.huge_pages import set_advice
 from silo_pfl.secure.fixed_point import encode
 
 
 def batch(values: int, calls: int, advice: bool) -> list[float]:
     """Milliseconds of each of `calls` encodes, with numpy's huge page advice on or off."""
-    multiarray._set_madvise_hugepage(advice)
+    set_advice(advice)
     rng = np.random.default_rng(0)
     payload = {"update": rng.standard_normal(values, dtype=np.float32) * 0.01}
     kept: list[np.ndarray] = []

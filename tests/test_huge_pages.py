@@ -11,12 +11,12 @@ import sys
 import pytest
 
 PROBE = """
-from numpy._core import multiarray
 from silo_pfl.runtime.actors import SiloHost
+from silo_pfl.runtime.huge_pages import set_advice
 from silo_pfl.runtime.server_host import ServerHost
-before = multiarray._set_madvise_hugepage(True)
+before = set_advice(True)
 {host}()
-print(before, multiarray._set_madvise_hugepage(True))
+print(before, set_advice(True))
 """
 
 

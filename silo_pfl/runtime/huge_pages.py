@@ -12,14 +12,21 @@ from __future__ import annotations
 
 import os
 
-from numpy._core import multiarray
-
 ENV = "NUMPY_MADVISE_HUGEPAGE"
 
 
-def no_advice() -> None:
-    """Stop numpy advising huge pages for the arrays this process makes from now on, unless
-    the environment says otherwise."""
+def set_advice(on: bool) -> bool | None:
+    """Turn numpy's huge page advice on or off for the arrays this process makes from now on;
+    returns the setting it replaced (None where numpy has no such switch)."""
+    try:
+        from numpy._core import multiarray
+    except ImportError:  # numpy 1.x
+        from numpy.core import multiarray
     setter = getattr(multiarray, "_set_madvise_hugepage", None)
-    if setter is not None and ENV not in os.environ:
-        setter(False)
+    return None if setter is None else bool(setter(on))
+
+
+def no_advice() -> None:
+    """Stop numpy advising huge pages in this process, unless the environment says otherwise."""
+    if ENV not in os.environ:
+        set_advice(False)
