@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -11,6 +12,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 from loopback_cluster import cluster_script
@@ -20,9 +22,15 @@ STARTUP_SECONDS = 180
 BIN = Path(sys.executable).parent
 
 
+@functools.cache
+def _local_cluster() -> ModuleType:
+    """cluster/local_cluster.py, loaded once for every port this module hands out."""
+    return cluster_script("local_cluster")
+
+
 def free_port() -> int:
     """A port for a server to come: the cluster's own choice, out of outgoing connections' way."""
-    return cluster_script("local_cluster").free_ports(1)[0]
+    return _local_cluster().free_ports(1)[0]
 
 
 @contextlib.contextmanager
