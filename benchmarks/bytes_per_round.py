@@ -20,13 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 
+from paths import in_repo
+
 from silo_pfl.algorithms import build_algorithm
 from silo_pfl.errors import ConfigError
 from silo_pfl.models import build_model
 from silo_pfl.settings import load_config, split_rules
 from silo_pfl.split import compute_split
 
-JOB = "jobs/digits_label_skew.yaml"
+JOB_NAME = "jobs/digits_label_skew.yaml"  # as the table names it
+JOB = in_repo(JOB_NAME)
 MODELS = {"cnn_small": (1, 8, 8), "resnet18": (3, 32, 32), "transformer": (1, 8, 8)}
 NUM_CLASSES = 10
 # label -> overrides; fedavg first: the baseline every other row is compared with.
@@ -92,7 +95,7 @@ def main() -> None:
             )
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump({"job": JOB, "input_shapes": MODELS, "results": rows}, fh, indent=2)
+            json.dump({"job": JOB_NAME, "input_shapes": MODELS, "results": rows}, fh, indent=2)
 
 
 if __name__ == "__main__":

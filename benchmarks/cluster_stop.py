@@ -18,7 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from paths import ROOT
+
 START_TIMEOUT_S = 180.0
 
 

@@ -19,11 +19,12 @@ import tempfile
 import time
 
 from common import in_process_federation
+from paths import in_repo
 
 from silo_pfl import checkpoint
 from silo_pfl.settings import load_config
 
-JOB = "jobs/digits_label_skew.yaml"
+JOB = in_repo("jobs/digits_label_skew.yaml")
 BASE = ["algorithm.name=fedavg", "tracking.enabled=false"]
 MODELS = {
     "wide body, 4.3 MB": ["model.name=mlp", "model.hidden=[1024,1024]"],

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from paths import in_repo
 
 from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig, RayConfig, to_dict
@@ -22,12 +23,13 @@ from silo_pfl.silo import Silo
 
 
 def job_parser(doc: str, default_job: str | None = None) -> argparse.ArgumentParser:
-    """A parser taking a job YAML (optional when `default_job` is given) and key=value overrides."""
+    """A parser taking a job YAML (optional when `default_job`, a path in the repository, is given)
+    and key=value overrides."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
     if default_job is None:
         parser.add_argument("job")
     else:
-        parser.add_argument("job", nargs="?", default=default_job)
+        parser.add_argument("job", nargs="?", default=in_repo(default_job))
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
     return parser
 

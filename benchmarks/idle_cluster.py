@@ -25,12 +25,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import ray
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-import session_ray  # noqa: E402
-from loopback_cluster import start  # noqa: E402
-from processes import stop_group, wait_for_http  # noqa: E402
+import session_ray
+from loopback_cluster import start
+from processes import stop_group, wait_for_http
 
 SETTLE_S = 30.0  # after a start answered, before sampling: the start's own work is over
 TRACKING_PORT = 5097

@@ -23,7 +23,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from paths import ROOT
+
 SILOS = ("cleveland", "hungarian")
 START_TIMEOUT_S = 180.0
 

@@ -24,7 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from paths import ROOT
+
 SILOS = ("cleveland", "hungarian", "switzerland", "va")
 
 

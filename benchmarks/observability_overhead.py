@@ -24,8 +24,7 @@ import time
 from pathlib import Path
 
 from common import job_parser
-
-ROOT = Path(__file__).resolve().parents[1]
+from paths import ROOT
 
 
 def timed_run(job: str, overrides: list[str], on: bool, tmp: Path) -> float:

@@ -25,6 +25,8 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from paths import in_repo
+
 from silo_pfl.callbacks import Callback
 from silo_pfl.data import silo_names
 from silo_pfl.federation import Federation
@@ -32,7 +34,7 @@ from silo_pfl.runtime import aggregation_steps, orchestrator, rounds
 from silo_pfl.runtime.packing import pack
 from silo_pfl.settings import load_config
 
-JOB = "jobs/digits_label_skew.yaml"
+JOB = in_repo("jobs/digits_label_skew.yaml")
 DEFAULT = ["algorithm.name=fedavg", "tracking.enabled=false"]
 SKIP = 2  # rounds whose figures are left out: the actors' first calls are slower
 LATE = 5  # the last rounds, for what grows with the history

@@ -41,12 +41,13 @@ import numpy as np
 from common import RoundClock, start_local_ray
 from limit import State, run_limit, same_model
 from machine import load_average, wait_for_quiet
+from paths import in_repo
 from ray_limit import run_ray_limit
 
 from silo_pfl.federation import Federation
 from silo_pfl.settings import load_config
 
-JOB = "jobs/digits_label_skew.yaml"
+JOB = in_repo("jobs/digits_label_skew.yaml")
 BASE = ["algorithm.name=fedavg", "tracking.enabled=false"]
 WIDE = ["model.name=mlp", "model.hidden=[1024,1024]"]
 

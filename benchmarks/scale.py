@@ -44,12 +44,13 @@ from typing import Any
 from common import RoundClock, start_local_ray
 from limit import run_limit
 from machine import load_average, wait_for_quiet
+from paths import in_repo
 
 from silo_pfl.data import load_silo_data, silo_names
 from silo_pfl.federation import Federation
 from silo_pfl.settings import load_config
 
-JOB = "jobs/digits_label_skew.yaml"
+JOB = in_repo("jobs/digits_label_skew.yaml")
 BASE = ["algorithm.name=fedavg", "model.name=mlp", "tracking.enabled=false"]
 SAMPLE_S = 0.5
 MIB = 1024 * 1024

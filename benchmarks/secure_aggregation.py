@@ -53,6 +53,7 @@ from common import RoundClock, job_parser, start_local_ray
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from machine import load_average, wait_for_quiet
+from paths import in_repo
 
 from silo_pfl.data import silo_names
 from silo_pfl.federation import Federation
@@ -66,7 +67,7 @@ from silo_pfl.secure.prg import apply_stream, apply_streams
 from silo_pfl.secure.topology import default_threshold
 from silo_pfl.settings import load_config
 
-JOB = "jobs/digits_label_skew.yaml"
+JOB = in_repo("jobs/digits_label_skew.yaml")
 OVERRIDES = ["model.name=mlp", "model.hidden=[2048,512]", "rounds=6", "tracking.enabled=false"]
 SECTIONS = ("prg", "cost", "bytes", "rounds", "ray")
 COST_SILOS = (10, 25, 50)

@@ -15,6 +15,8 @@ import statistics
 import tempfile
 import time
 
+from paths import in_repo
+
 from silo_pfl.config import to_dict
 from silo_pfl.settings import load_config
 from silo_pfl.silo_group import SiloGroup
@@ -28,7 +30,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=3000)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config("jobs/heart_disease.yaml", [f"output_dir={tmp}"])
+        cfg = load_config(in_repo("jobs/heart_disease.yaml"), [f"output_dir={tmp}"])
         group = SiloGroup(to_dict(cfg), SILOS)
         seconds = []
         for index in range(args.calls):

@@ -19,11 +19,12 @@ import tempfile
 import time
 
 from common import in_process_federation
+from paths import in_repo
 
 from silo_pfl import checkpoint
 from silo_pfl.settings import load_config
 
-JOB = "jobs/digits_label_skew.yaml"
+JOB = in_repo("jobs/digits_label_skew.yaml")
 BASE = ["algorithm.name=fedavg", "model.name=mlp", "tracking.enabled=false"]
 WARM_UP = 3
 

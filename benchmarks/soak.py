@@ -43,6 +43,7 @@ from typing import Any
 
 import ray
 from common import job_parser
+from paths import ROOT
 
 from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig
@@ -51,7 +52,6 @@ from silo_pfl.federation import Federation
 from silo_pfl.messages import SiloInfo, SplitInfo
 from silo_pfl.results import FederationResult, RoundSummary
 
-ROOT = Path(__file__).resolve().parents[1]
 KILL_DELAY_S = 0.05  # after the round starts: the silos are fitting by then
 MAX_RSS_GROWTH = 0.10
 LEAK_GRACE_S = 5.0  # how long after the run a process it started may take to exit

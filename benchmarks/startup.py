@@ -43,13 +43,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from machine import load_average, wait_for_quiet
+from paths import ROOT, in_repo
 
-ROOT = Path(__file__).resolve().parents[1]
-JOB = "jobs/digits_label_skew.yaml"
+JOB = in_repo("jobs/digits_label_skew.yaml")
 OVERRIDES = ["algorithm.name=fedavg", "tracking.enabled=false"]
 RUNNING, FINISHED = 8, 11  # ray.core.generated.common_pb2.TaskStatus
 HOSTS = ("SiloHost", "ServerHost")

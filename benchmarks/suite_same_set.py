@@ -22,7 +22,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from paths import ROOT
+
 SUMMARY = re.compile(r"^=*\s*(\d+ passed.*?) in ([0-9.]+)s")
 DURATION = re.compile(r"^([0-9.]+)s (?:call|setup|teardown)\s+(\S+?)::")
 

@@ -19,12 +19,13 @@ import tempfile
 import time
 
 import ray
+from paths import in_repo
 
 from silo_pfl.federation import Federation
 from silo_pfl.runtime import host_pool
 from silo_pfl.settings import load_config
 
-JOB = "jobs/digits_label_skew.yaml"
+JOB = in_repo("jobs/digits_label_skew.yaml")
 BASE = ["algorithm.name=fedavg", "tracking.enabled=false", "rounds=1"]
 
 

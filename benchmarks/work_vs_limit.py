@@ -32,21 +32,26 @@ from silo_pfl.aggregation import apply_delta, weighted_mean
 from silo_pfl.selection import Selector
 from silo_pfl.settings import load_config
 
-JOB = "jobs/digits_label_skew.yaml"
 BASE = ["algorithm.name=fedavg", "tracking.enabled=false"]
 FEDERATION = ("fit", "aggregate", "evaluate and commit", "server checkpoint")
 LIMIT = ("limit: evaluate", "limit: fit", "limit: mean")
 
 
 def main() -> None:
-    parser = job_parser(__doc__, JOB)
+    parser = job_parser(__doc__, "jobs/digits_label_skew.yaml")
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
     if args.rounds < 5:
         raise SystemExit("--rounds: at least 5 (rounds 1-3 are not counted)")
     torch.set_num_threads(1)
-    overrides = [*BASE, *args.overrides, f"output_dir={tempfile.mkdtemp()}"]
-    cfg = load_config(args.job, overrides)
+    with tempfile.TemporaryDirectory() as tmp:
+        measure(args.job, args.overrides, args.rounds, tmp)
+
+
+def measure(job: str, extra: list[str], rounds: int, out_dir: str) -> None:
+    """Both sides' rounds, the federation's files in `out_dir`; prints the table."""
+    overrides = [*BASE, *extra, f"output_dir={out_dir}"]
+    cfg = load_config(job, overrides)
     silos, server = in_process_federation(cfg)
     selector = Selector(cfg.eval.selection)
     selected: dict[str, int | None] = {silo.name: None for silo in silos}
@@ -62,7 +67,7 @@ def main() -> None:
         spent[step].append(time.perf_counter() - began)
         return result
 
-    for round_ in range(1, args.rounds + 1):
+    for round_ in range(1, rounds + 1):
         fits = timed("fit", lambda r=round_: [s.fit(server.global_state(), r) for s in silos])
         timed("aggregate", lambda f=fits: server.aggregate(*[u for u, _ in f]))
 
@@ -85,7 +90,7 @@ def main() -> None:
     median = {step: statistics.median(seconds[3:]) * 1e3 for step, seconds in spent.items()}
     federation = sum(median[step] for step in FEDERATION)
     limit = sum(median[step] for step in LIMIT)
-    print(f"{args.job} {' '.join(overrides[:-1])}: ms per round, median of rounds 4-{args.rounds}")
+    print(f"{job} {' '.join(overrides[:-1])}: ms per round, median of rounds 4-{rounds}")
     print("| step | ms |\n|---|---|")
     for step, ms in median.items():
         print(f"| {step} | {ms:.1f} |")
