@@ -56,16 +56,30 @@ def test_a_local_session_kills_only_the_autoscaler_monitor_and_still_runs_and_st
 
 
 INLINE = """
+import time
+
 import numpy as np
 import ray
 from silo_pfl.config import RayConfig
 from silo_pfl.models import build_model
 from silo_pfl.runtime import session
 
+LOCATION_WAIT_S = 3.0
+
 @ray.remote
 class Worker:
     def answer(self, silos, state):
         return [{k: v.copy() for k, v in state.items()} for _ in range(silos)]
+
+# Where the object is. A stored object's node reaches its owner a moment after the get, so this
+# asks until one is named, or for LOCATION_WAIT_S (an object returned inline never has one).
+def located(ref):
+    deadline = time.monotonic() + LOCATION_WAIT_S
+    while True:
+        where = ray.experimental.get_object_locations([ref])[ref]
+        if where["node_ids"] or time.monotonic() > deadline:
+            return where
+        time.sleep(0.05)
 
 state = {k: v.numpy() for k, v in build_model("cnn_small", (1, 8, 8), 10).state_dict().items()}
 with session.ray_session(RayConfig(num_cpus=1)):
@@ -74,7 +88,7 @@ with session.ray_session(RayConfig(num_cpus=1)):
         ref = worker.answer.remote(silos, state)
         got = ray.get(ref)
         assert all(np.array_equal(g[k], state[k]) for g in got for k in state)
-        where = ray.experimental.get_object_locations([ref])[ref]
+        where = located(ref)
         size, stored = where["object_size"], bool(where["node_ids"])
         print(silos, "silos", "over 100 KiB" if size > 100 * 1024 else "small",
               "over the limit" if size > session.INLINE_BYTES else "under the limit",
