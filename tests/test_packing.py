@@ -19,6 +19,7 @@ from silo_pfl.silo import CHECKPOINTS, GLOBAL_PART, SELECTED
 from silo_pfl.silo_group import SiloGroup
 
 SILOS = ("cleveland", "hungarian")
+HOSPITALS = ("cleveland", "hungarian", "switzerland", "va")
 
 
 def test_auto_packs_one_worker_per_cpu_and_per_node_one_silo_each(job):
@@ -33,6 +34,19 @@ def test_auto_packs_one_worker_per_cpu_and_per_node_one_silo_each(job):
     assert [len(g) for g in pack(three, names, cpus=2)] == [3, 3, 2, 2]
     per_node = job("jobs/digits_label_skew.yaml", "ray.placement=per_node")
     assert pack(per_node, names, cpus=2) == [[n] for n in names]
+
+
+def test_per_node_gives_each_silo_its_own_worker_whatever_silos_per_worker_says(job):
+    """Two silos on one labelled node, and a k for packing: still one actor per silo."""
+    shared = ["silos.cleveland.node_label.site=a", "silos.hungarian.node_label.site=a"]
+    packed = job("jobs/heart_disease.yaml", "ray.silos_per_worker=3", *shared)
+    assert ["cleveland", "hungarian"] in pack(packed, list(HOSPITALS), cpus=2)
+    per_node = job("jobs/heart_disease.yaml", "ray.placement=per_node", "ray.silos_per_worker=3")
+    assert pack(per_node, list(HOSPITALS), cpus=2) == [[n] for n in HOSPITALS]
+    both = job(
+        "jobs/heart_disease.yaml", "ray.placement=per_node", "ray.silos_per_worker=3", *shared
+    )
+    assert pack(both, list(HOSPITALS), cpus=2) == [[n] for n in HOSPITALS]
 
 
 def test_a_silo_pinned_to_a_node_gets_its_own_worker_under_auto(job):
