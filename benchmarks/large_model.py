@@ -20,9 +20,10 @@ The federation's rounds 2.. (round 1 pays start-up) are the repetitions; each fi
   (rollback, loading the global keys, the local step, the divergence check, the delta): what
   fit copies counts as training here.
 - outside training: round - training, per round.
-- object store move: ray.put in the driver of the bytes a round moves (the global state twice,
-  for the fits and for the evaluations, and each silo's delta) as that many states of the model,
-  then ray.get of them in another worker process; the fastest of MOVE_REPEATS (8).
+- object store move: ray.put in the driver of the bytes a round moves (the global state once,
+  the server's aggregate's answer, which the evaluations and the next fits share, and each
+  silo's delta) as that many states of the model, then ray.get of them in another worker
+  process; the fastest of MOVE_REPEATS (8).
 Timed apart on plain Silos and a plain Server of the same config, in this process with the same
 Ray, min of 3, summed per worker and the slowest worker taken where silos do it (a round reports
 none of them per call):
@@ -30,9 +31,9 @@ none of them per call):
   worker's silos here run without the other worker's disk writes beside them; a worker's
   commits are its silos' `evaluate_and_commit` calls in one durable block, as on Ray, less
   their `evaluate` calls: writing each round's model and checkpoint, and one sync);
-- the data path: the server's two puts of the global state; per silo, getting it from the store
-  and loading it (for fit, and again for evaluate), making its delta and putting its update; the
-  server getting the updates and aggregating them.
+- the data path: the server's put of the global state; per silo, getting it from the store and
+  loading it (once: a fit after the evaluation of the same state does not load it again),
+  making its delta and putting its update; the server getting the updates and aggregating them.
 Aggregation, on 10 updates of resnet18's shapes, in GB/s of updates read: Server.aggregate
 (checks, weighted mean, the server optimizer's step) and aggregation.weighted_mean, against
 numpy's in-place sum of the same arrays (float32: `acc += d`) and that sum into a float64
@@ -155,7 +156,6 @@ def plain_silos(cfg: FederationConfig, groups: list[list[str]]) -> dict[str, flo
             state = silo.model.state_dict()
             delta = {k: (state[k] - reference[k]).numpy() for k in silo.split.global_keys}
             ray.put(SiloUpdate(name, 1, 16, delta))
-            silo._load_global(ray.get(start))
 
         data[name] = best_of(move)
     evaluate, both = [], []
@@ -206,7 +206,7 @@ def numpy_sum(deltas: list[State], dtype: type | None) -> State:
 
 def plain_server(cfg: FederationConfig) -> dict[str, float]:
     """The server here: its aggregate, the weighted mean and the plain numpy sums in GB/s of
-    updates read; in seconds, its checkpoint of a round, its two puts of the global state and
+    updates read; in seconds, its checkpoint of a round, its put of the global state and
     getting the updates from the store and aggregating them."""
     config = to_dict(cfg)
     server = new_server(config, *model_inputs(cfg))
@@ -232,7 +232,7 @@ def plain_server(cfg: FederationConfig) -> dict[str, float]:
     return figures | {
         "bytes": float(size),
         "checkpoint": best_of(lambda: server.checkpoint(server.round, {})),
-        "data": 2 * best_of(lambda: ray.put(server.global_state())) + stored,
+        "data": best_of(lambda: ray.put(server.global_state())) + stored,
     }
 
 
@@ -249,7 +249,7 @@ def main() -> None:
         rounds, training = federation(cfg, groups)
         outside = min(r - t for r, t in zip(rounds, training, strict=True))
         start = new_server(to_dict(cfg), *model_inputs(cfg)).global_state()
-        states = [{k: v.copy() for k, v in start.items()} for _ in range(len(names) + 2)]
+        states = [{k: v.copy() for k, v in start.items()} for _ in range(len(names) + 1)]
         moved = sum(v.nbytes for state in states for v in state.values())
         move = object_store_move(states)
         del states
