@@ -70,11 +70,13 @@ class RunDir:
         parent = federation_dir(cfg)
         if run_id is not None:
             if not (parent / run_id / RUN_FILE).is_file():
-                raise ConfigError(f"--resume {run_id}: no run {run_id} of {cfg.name} in {parent}")
+                raise ConfigError(
+                    f"--resume {run_id}: no run {run_id} of {cfg.name} in {_where(cfg, parent)}"
+                )
             return cls(run_id, parent / run_id)
         runs = [p.parent for p in parent.glob(f"*/{RUN_FILE}")] if parent.is_dir() else []
         if not runs:
-            raise ConfigError(f"--resume: no run of {cfg.name} to resume in {parent}")
+            raise ConfigError(f"--resume: no run of {cfg.name} to resume in {_where(cfg, parent)}")
         latest = max(runs, key=lambda p: (_read(p / RUN_FILE).get("started_ns", 0), p.name))
         return cls(latest.name, latest)
 
@@ -94,6 +96,14 @@ class RunDir:
     def finished(self) -> bool:
         """Whether the run ended and wrote its result."""
         return (self.path / RESULT_FILE).is_file()
+
+
+def _where(cfg: FederationConfig, parent: Path) -> str:
+    """`parent` as an absolute path, saying so where output_dir is relative: a run is found
+    only from the working directory it was started in."""
+    if Path(cfg.output_dir).expanduser().is_absolute():
+        return str(parent)
+    return f"{parent.absolute()} (output_dir={cfg.output_dir} is relative to the working directory)"
 
 
 def _read(path: Path) -> dict[str, Any]:

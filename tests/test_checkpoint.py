@@ -589,6 +589,23 @@ def test_cli_resume_errors_are_one_line(tmp_path, capsys, before, message):
     assert err.startswith(message) and err.count("\n") == 1 and "Traceback" not in err
 
 
+def test_cli_resume_names_the_absolute_directory_it_looked_in(tmp_path, monkeypatch, capsys):
+    job = str(Path(__file__).resolve().parents[1] / "jobs" / "heart_disease.yaml")
+    monkeypatch.chdir(tmp_path)
+    code = main(["run", job, "output_dir=runs", "--resume"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err == (
+        f"error: --resume: no run of heart_disease to resume in {Path.cwd()}/runs/heart_disease "
+        "(output_dir=runs is relative to the working directory)\n"
+    )
+    code = main(["run", job, f"output_dir={tmp_path}", "--resume", "20261130-052301-3fa9c2"])
+    assert capsys.readouterr().err == (
+        "error: --resume 20261130-052301-3fa9c2: no run 20261130-052301-3fa9c2 of heart_disease "
+        f"in {tmp_path}/heart_disease\n"
+    )
+
+
 def _draws() -> tuple[float, float, float]:
     import random
 
