@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,8 @@ from silo_pfl.errors import ConfigError, typed_line
 from silo_pfl.models import build_model, check_adapters, check_hidden
 from silo_pfl.server_optimizers import resolve_server_optimizer
 from silo_pfl.split import compute_split, parse_rules
+
+log = logging.getLogger("silo_pfl.settings")
 
 # Input shapes that build each model only to read its state_dict keys (they do not depend on it:
 # the transformer's keys are the same for images and feature vectors, only their shapes differ).
@@ -150,6 +153,27 @@ def _check_secure(cfg: FederationConfig, names: list[str]) -> None:
     configured_keys(cfg, names)
 
 
+def _warn_secure_only(cfg: FederationConfig) -> None:
+    """Settings that only secure aggregation reads, set while it is off: said once, since the
+    updates then reach the server in the clear (and aggregation.clip clips nothing)."""
+    agg = cfg.aggregation
+    settings = {
+        "aggregation.secure_threshold": agg.secure_threshold,
+        "aggregation.secure_graph.neighbors": agg.secure_graph.neighbors,
+        "aggregation.identity_keys": agg.identity_keys,
+        "aggregation.clip": agg.clip,
+        **{f"silos.{name}.identity_key": s.identity_key for name, s in sorted(cfg.silos.items())},
+    }
+    unused = [key for key, value in settings.items() if value is not None]
+    if unused:
+        log.warning(
+            "aggregation.secure is false, so %s %s no effect: the updates reach the server in "
+            "the clear; set aggregation.secure=true to mask them",
+            ", ".join(unused),
+            "has" if len(unused) == 1 else "have",
+        )
+
+
 def _check_silos(cfg: FederationConfig) -> None:
     """silos.<name> must name a silo of this federation; store URIs must be usable; secure
     aggregation's settings must fit its silos."""
@@ -164,6 +188,8 @@ def _check_silos(cfg: FederationConfig) -> None:
         )
     if cfg.aggregation.secure:
         _check_secure(cfg, names)
+    else:
+        _warn_secure_only(cfg)
     every = all_silo_names(cfg.data)
     for silo, settings in cfg.silos.items():
         if silo not in every:

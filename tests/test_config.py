@@ -199,3 +199,24 @@ def test_config_refuses_bad_input_in_one_line():
     assert done.returncode == 2
     assert done.stderr.strip().startswith("error: train.lrate: unknown key; allowed:")
     assert len(done.stderr.strip().splitlines()) == 1 and not done.stdout
+
+
+def test_settings_only_secure_aggregation_reads_are_named_when_it_is_off(caplog):
+    job = "jobs/heart_disease.yaml"
+    secure_only = [
+        "aggregation.secure_threshold=3",
+        "aggregation.secure_graph.neighbors=2",
+        "aggregation.clip=1.5",
+    ]
+    with caplog.at_level("WARNING", logger="silo_pfl.settings"):
+        load_config(job, secure_only)
+    assert [r.getMessage() for r in caplog.records] == [
+        "aggregation.secure is false, so aggregation.secure_threshold, "
+        "aggregation.secure_graph.neighbors, aggregation.clip have no effect: the updates reach "
+        "the server in the clear; set aggregation.secure=true to mask them"
+    ]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="silo_pfl.settings"):
+        load_config(job, [*secure_only, "aggregation.secure=true"])
+        load_config(job, [])
+    assert caplog.records == []
