@@ -1,5 +1,5 @@
 """A worker's commit of its silos, keeping their models: the files taken to the disk as each is
-written (checkpoint.WRITEBACK_BYTES, sync_file_range) against all of them at the block's end.
+written (durable.WRITEBACK_BYTES, sync_file_range) against all of them at the block's end.
 
     python benchmarks/commit_writeback.py [--silos 5] [--repeats 10]
 
@@ -21,7 +21,7 @@ import time
 from common import in_process_federation
 from paths import in_repo
 
-from silo_pfl import checkpoint
+from silo_pfl import durable
 from silo_pfl.settings import load_config
 
 JOB = in_repo("jobs/digits_label_skew.yaml")
@@ -40,7 +40,7 @@ NEVER = 1 << 62  # a threshold no file reaches: every file waits for the block's
 
 def timed_blocks(overrides: list[str], silos: int, repeats: int) -> dict[bool, list[float]]:
     """Seconds of each commit block, by whether files start to the disk as they are written."""
-    early = checkpoint.WRITEBACK_BYTES
+    early = durable.WRITEBACK_BYTES
     seconds: dict[bool, list[float]] = {True: [], False: []}
     with tempfile.TemporaryDirectory(dir=".") as tmp:
         cfg = load_config(JOB, [*BASE, *overrides, f"output_dir={tmp}"])
@@ -52,15 +52,15 @@ def timed_blocks(overrides: list[str], silos: int, repeats: int) -> dict[bool, l
                 for silo in worker:
                     silo.evaluate(state, round_)
                 way = round_ % 2 == 0
-                checkpoint.WRITEBACK_BYTES = early if way else NEVER
+                durable.WRITEBACK_BYTES = early if way else NEVER
                 began = time.perf_counter()
-                with checkpoint.durable_together():
+                with durable.durable_together():
                     for silo in worker:
                         silo.commit(round_, keep=True)
                 if round_ > 1:  # the first block creates the files that later ones recycle
                     seconds[way].append(time.perf_counter() - began)
         finally:
-            checkpoint.WRITEBACK_BYTES = early
+            durable.WRITEBACK_BYTES = early
     return seconds
 
 

@@ -51,7 +51,7 @@ import numpy as np
 import ray
 from common import RoundClock, job_parser, start_local_ray
 
-from silo_pfl import checkpoint
+from silo_pfl import durable
 from silo_pfl.aggregation import State, weighted_mean
 from silo_pfl.config import FederationConfig, to_dict
 from silo_pfl.data import load_silo_data, silo_names
@@ -141,7 +141,7 @@ def model_inputs(cfg: FederationConfig) -> tuple[tuple[int, ...], int]:
 def plain_silos(cfg: FederationConfig, groups: list[list[str]]) -> dict[str, float]:
     """On the slowest worker: its silos' evaluations, commits and share of the data path. A
     worker's commits are timed as it makes them: its silos' evaluations and commits one after
-    another in one durable block (checkpoint.durable_together), less their evaluations."""
+    another in one durable block (durable.durable_together), less their evaluations."""
     config = to_dict(cfg)
     start = ray.put(new_server(config, *model_inputs(cfg)).global_state())
     data: dict[str, float] = {}
@@ -168,7 +168,7 @@ def plain_silos(cfg: FederationConfig, groups: list[list[str]]) -> dict[str, flo
                 silos[name].evaluate(ray.get(start), round_)
             evaluate[-1].append(time.perf_counter() - began)
             began = time.perf_counter()
-            with checkpoint.durable_together():
+            with durable.durable_together():
                 for name in group:
                     silos[name].evaluate_and_commit(ray.get(start), round_ + 1, round_ - 1 or None)
             both[-1].append(time.perf_counter() - began)

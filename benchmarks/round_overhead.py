@@ -18,7 +18,7 @@ import time
 
 from common import in_process_federation, job_parser, start_local_ray
 
-from silo_pfl import checkpoint
+from silo_pfl import durable
 from silo_pfl.federation import Federation
 from silo_pfl.selection import Selector
 from silo_pfl.settings import load_config
@@ -36,7 +36,7 @@ def in_process(cfg) -> list[float]:
         updates = [silo.fit(state, round_)[0] for silo in silos]
         server.aggregate(*updates)
         state = server.global_state()
-        with checkpoint.durable_together():  # as a worker's one call for its silos
+        with durable.durable_together():  # as a worker's one call for its silos
             evals = [s.evaluate_and_commit(state, round_, selected[s.name]) for s in silos]
         selected.update(dict.fromkeys(selector.choose(evals), round_))
         server.checkpoint(round_, {})

@@ -21,7 +21,7 @@ import time
 from common import in_process_federation
 from paths import in_repo
 
-from silo_pfl import checkpoint
+from silo_pfl import durable
 from silo_pfl.settings import load_config
 
 JOB = in_repo("jobs/digits_label_skew.yaml")
@@ -49,7 +49,7 @@ def main() -> None:
             for silo in silos:
                 silo.evaluate(state, round_)
             committing = time.perf_counter()
-            with checkpoint.durable_together():
+            with durable.durable_together():
                 for silo in silos:
                     silo.commit(round_, keep=True)
             ended = time.perf_counter()

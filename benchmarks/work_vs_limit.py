@@ -27,7 +27,7 @@ import torch
 from common import in_process_federation, job_parser
 from limit import PlainSilo
 
-from silo_pfl import checkpoint
+from silo_pfl import durable
 from silo_pfl.aggregation import apply_delta, weighted_mean
 from silo_pfl.selection import Selector
 from silo_pfl.settings import load_config
@@ -72,7 +72,7 @@ def measure(job: str, extra: list[str], rounds: int, out_dir: str) -> None:
         timed("aggregate", lambda f=fits: server.aggregate(*[u for u, _ in f]))
 
         def evaluate_and_commit(r: int = round_) -> list:
-            with checkpoint.durable_together():
+            with durable.durable_together():
                 state = server.global_state()
                 return [s.evaluate_and_commit(state, r, selected[s.name]) for s in silos]
 

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from silo_pfl import checkpoint
+from silo_pfl import checkpoint, durable
 
 LOG_FILE = "history.jsonl"
 
@@ -25,11 +25,11 @@ class RoundLog:
 
     def append(self, round_: int, summary: dict[str, Any]) -> None:
         """Log round `round_`, the next one; on disk when this returns, or when the enclosing
-        `checkpoint.durable_together` block ends."""
+        `durable.durable_together` block ends."""
         if round_ != self.rounds + 1:
             raise RuntimeError(f"{self.path}: round {round_} logged after {self.rounds}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        checkpoint.append_line(self.path, _line(round_, summary))
+        durable.append_line(self.path, _line(round_, summary))
         self.rounds = round_
 
     def read(self, rounds: int) -> list[dict[str, Any]]:
@@ -67,7 +67,7 @@ class RoundLog:
         """Start the log afresh with `summaries` (rounds 1 to len(summaries))."""
         lines = [_line(i, summary) for i, summary in enumerate(summaries, 1)]
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        checkpoint.write_atomic(self.path, b"".join(lines))
+        durable.write_atomic(self.path, b"".join(lines))
         self.rounds = len(summaries)
 
 

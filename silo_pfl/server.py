@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from silo_pfl import checkpoint
+from silo_pfl import checkpoint, durable
 from silo_pfl.aggregation import State, flatten, unflatten, weighted_mean
 from silo_pfl.config import merge_config
 from silo_pfl.messages import RoundReport, SiloUpdate
@@ -282,7 +282,7 @@ class Server:
         holds the history; the checkpoint records how many rounds the log then held."""
         if round_ != self.round:
             raise RuntimeError(f"server: checkpoint({round_}) after round {self.round}")
-        with checkpoint.durable_together():  # one sync of its file system, not five fsyncs
+        with durable.durable_together():  # one sync of its file system, not five fsyncs
             if driver.get("summary") is not None:
                 self.history.append(round_, driver["summary"])
             saved = {

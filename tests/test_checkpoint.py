@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from old_checkpoints import save_torch_kind
 from plain_federation import federation, play_round
 
-from silo_pfl import checkpoint
+from silo_pfl import checkpoint, checkpoint_format, durable
 from silo_pfl.cli import main
 from silo_pfl.errors import ConfigError
 from silo_pfl.run_dir import RunDir, check_resumable
@@ -61,14 +61,14 @@ def _counting(monkeypatch, module, name) -> list:
     return calls
 
 
-@pytest.mark.skipif(checkpoint._SYNCFS is None, reason="this OS has no syncfs")
+@pytest.mark.skipif(durable._SYNCFS is None, reason="this OS has no syncfs")
 def test_saves_made_durable_together_wait_for_the_disk_once(tmp_path, monkeypatch):
     """A worker's call for its silos: every file written, then one sync of the file system as
     the block ends; the checkpoints they replace are deleted only after that."""
-    fsyncs = _counting(monkeypatch, checkpoint.os, "fsync")
-    syncs = _counting(monkeypatch, checkpoint, "_syncfs")
+    fsyncs = _counting(monkeypatch, durable.os, "fsync")
+    syncs = _counting(monkeypatch, durable, "_syncfs")
     silos = [tmp_path / name for name in ("a", "b", "c")]
-    with checkpoint.durable_together():
+    with durable.durable_together():
         for folder in silos:
             _write(folder, range(6))
         assert not fsyncs and not syncs
@@ -104,9 +104,9 @@ def test_a_checkpoint_recycles_the_one_it_replaces_and_deletes_nothing(tmp_path,
 
 
 def test_without_syncfs_a_block_fsyncs_each_file_and_directory_as_it_ends(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint, "_SYNCFS", None)
-    fsyncs = _counting(monkeypatch, checkpoint.os, "fsync")
-    with checkpoint.durable_together():
+    monkeypatch.setattr(durable, "_SYNCFS", None)
+    fsyncs = _counting(monkeypatch, durable.os, "fsync")
+    with durable.durable_together():
         _write(tmp_path / "a", range(2))
         _write(tmp_path / "b", range(1))
         assert not fsyncs
@@ -123,7 +123,7 @@ def _sectors_written(path: Path) -> int | None:
         return None
 
 
-@pytest.mark.skipif(checkpoint._SYNC_FILE_RANGE is None, reason="this OS has no sync_file_range")
+@pytest.mark.skipif(durable._SYNC_FILE_RANGE is None, reason="this OS has no sync_file_range")
 def test_inside_a_block_a_large_file_starts_to_the_disk_as_it_is_written(tmp_path):
     """So that the block's sync at its end waits for less. Left alone, the file's pages would
     wait in memory for that sync (or for the kernel's 30 s expiry): here the device writes them
@@ -132,8 +132,8 @@ def test_inside_a_block_a_large_file_starts_to_the_disk_as_it_is_written(tmp_pat
     if before is None:
         pytest.skip("no statistics for the block device of this directory")
     size = 64 << 20
-    assert size >= checkpoint.WRITEBACK_BYTES
-    with checkpoint.durable_together():
+    assert size >= durable.WRITEBACK_BYTES
+    with durable.durable_together():
         checkpoint.save_model(tmp_path, 1, {"w": torch.ones(size // 4)})
         deadline = time.monotonic() + 20
         while (_sectors_written(tmp_path) - before) * 512 < size and time.monotonic() < deadline:
@@ -243,10 +243,10 @@ def test_importing_the_module_and_saving_arrays_imports_no_torch(tmp_path):
 
         import numpy as np
 
-        from silo_pfl import checkpoint
+        from silo_pfl import checkpoint, durable
 
         directory = Path(sys.argv[1])
-        with checkpoint.durable_together():
+        with durable.durable_together():
             checkpoint.save_arrays(directory, 1, {"w": np.arange(3.0), "round": 1})
         checkpoint.save_arrays(directory, 2, {"w": np.arange(4.0), "round": 2})
         assert checkpoint.load(directory, 1)["w"].tolist() == [0.0, 1.0, 2.0]
@@ -365,7 +365,7 @@ def test_an_arrays_checkpoint_in_numpy_1_s_names_is_read(tmp_path):
 
 def test_load_tells_the_two_kinds_apart_by_their_header(tmp_path):
     """Callers load either kind alike; a file of either kind is recycled into the next."""
-    assert len(checkpoint._ARRAYS_MAGIC) == len(checkpoint._MAGIC)
+    assert len(checkpoint_format.ARRAYS_MAGIC) == len(checkpoint_format.MAGIC)
     save_torch_kind(tmp_path, 0, {"w": torch.ones(2)})
     checkpoint.save_arrays(tmp_path, 1, {"w": np.ones(2)})
     save_torch_kind(tmp_path, 2, {"w": torch.zeros(1000)})
@@ -391,7 +391,7 @@ def _ghash(data: bytes) -> bytes:
 
 
 @pytest.mark.parametrize(
-    "values", [1000, checkpoint._Ghash.ONE_SHOT // 4 + 1000], ids=["one-shot", "streamed"]
+    "values", [1000, checkpoint_format.Ghash.ONE_SHOT // 4 + 1000], ids=["one-shot", "streamed"]
 )
 def test_an_arrays_file_is_read_back_and_a_flipped_or_lost_byte_is_named(tmp_path, values):
     """The arrays kind (every checkpoint written now) is under a GHASH, tagged in one call up to
@@ -401,7 +401,7 @@ def test_an_arrays_file_is_read_back_and_a_flipped_or_lost_byte_is_named(tmp_pat
     checkpoint.save_arrays(tmp_path, 1, {"w": weights})
     path = checkpoint.path_of(tmp_path, 1)
     data = path.read_bytes()
-    header = data[: len(checkpoint._MAGIC) + 65]
+    header = data[: len(checkpoint_format.MAGIC) + 65]
     assert header == b"silo_pfl arrays      ghash=" + _ghash(data[len(header) :]) + b"\n"
     assert np.array_equal(checkpoint.load(tmp_path, 1)["w"], weights)
     swapped = data[:-16] + data[-8:] + data[-16:-8]
@@ -433,7 +433,7 @@ def test_an_arrays_file_written_before_the_ghash_is_still_read_and_checked(
     weights = np.arange(10, dtype=np.float64)
     checkpoint.save_arrays(tmp_path, 1, {"w": weights})
     path = checkpoint.path_of(tmp_path, 1)
-    payload = path.read_bytes()[len(checkpoint._MAGIC) + 65 :]
+    payload = path.read_bytes()[len(checkpoint_format.MAGIC) + 65 :]
     path.write_bytes(magic + digest(payload) + b"\n" + payload)
     assert np.array_equal(checkpoint.load(tmp_path, 1)["w"], weights)
     path.write_bytes(magic + digest(payload) + b"\n" + payload[:-1] + b"\1")
@@ -458,7 +458,7 @@ def test_the_same_bytes_saved_for_the_same_round_are_one_file_hard_linked(tmp_pa
     same = {"w": np.arange(300_000, dtype=np.float32), "n": np.int64(7)}
     other = {"w": same["w"] + 1, "n": np.int64(7)}
     a, b, c, d, e = (tmp_path / name for name in "abcde")
-    with checkpoint.durable_together():
+    with durable.durable_together():
         digest = checkpoint.save_shared(a, 1, same)
         assert checkpoint.save_shared(b, 1, {**same, "w": same["w"].copy()}) == digest
         changed = checkpoint.save_shared(c, 1, other)
@@ -525,7 +525,7 @@ def test_arrays_go_to_their_file_and_back_without_a_copy_of_the_whole(tmp_path):
     assert loading < size * 1.25
     _same(state, back)
     data = path.read_bytes()
-    header, payload = data[: checkpoint._HEADER], data[checkpoint._HEADER :]
+    header, payload = data[: checkpoint_format.HEADER], data[checkpoint_format.HEADER :]
     assert header == b"silo_pfl arrays      ghash=" + _ghash(payload) + b"\n"
     at = 8 + int.from_bytes(payload[:8], "little")
     assert len(payload[8:at]) < 1000  # the stream: no array's bytes

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from silo_pfl import checkpoint
+from silo_pfl import checkpoint, durable
 from silo_pfl.config import to_dict
 from silo_pfl.server_start import new_server
 from silo_pfl.silo import CHECKPOINTS, GLOBAL_PART, SELECTED, Silo, as_arrays
@@ -30,7 +30,7 @@ def worker(config: dict) -> tuple[list[Silo], dict[str, dict[int, dict]]]:
     for round_ in range(1, ROUNDS + 1):
         updates = [silo.fit(server.global_state(), round_)[0] for silo in silos]
         assert server.aggregate(*updates).aggregated
-        with checkpoint.durable_together():
+        with durable.durable_together():
             for silo in silos:
                 silo.evaluate_and_commit(server.global_state(), round_, round_ - 1 or None)
                 model = as_arrays(silo._evaluated.state_dict())

@@ -9,7 +9,7 @@ import pytest
 import torch
 from old_checkpoints import save_torch_kind
 
-from silo_pfl import checkpoint
+from silo_pfl import checkpoint, checkpoint_format
 from silo_pfl.config import to_dict
 from silo_pfl.server_start import new_server
 from silo_pfl.silo import CHECKPOINTS, MODELS, SELECTED, Silo
@@ -123,7 +123,7 @@ def test_a_silo_of_an_older_run_resumes_and_publishes_its_model_from_its_own_fil
     assert again.outcome() == now.outcome()
     assert_same_state(load_model(again), load_model(now))
     rewritten = checkpoint.path_of(again.dir / CHECKPOINTS, len(keeps)).read_bytes()
-    assert rewritten.startswith(checkpoint._ARRAYS_MAGIC)  # the choice, in this code's kind
+    assert rewritten.startswith(checkpoint_format.ARRAYS_MAGIC)  # the choice, in this code's kind
 
     last = Silo(config, SILO, "older")
     info = last.setup(resume=True)

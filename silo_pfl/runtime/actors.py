@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 
-from silo_pfl import checkpoint
+from silo_pfl import durable
 from silo_pfl.config import FederationConfig
 from silo_pfl.config_views import actor_view
 from silo_pfl.errors import FederationError, SiloPflError, typed_line
@@ -111,7 +111,7 @@ class SiloHost:
         is in, for the silos it lets go on: none if the round was not aggregated, else all (with
         `accepted_only`, those whose update was aggregated); the others answer CallFailed."""
         lists: list[list[Any]] = [[] for _ in range(each)]
-        with checkpoint.durable_together():
+        with durable.durable_together():
             for name in names:
                 own = (per_silo[name],) if per_silo is not None else ()
                 stop = _stopped(report, accepted_only, name)
