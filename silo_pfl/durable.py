@@ -39,12 +39,17 @@ class _Block:
     stale: list[Path] = field(default_factory=list)
 
 
+def _open_block() -> _Block | None:
+    """This thread's open durable_together block, if any."""
+    return getattr(_open, "block", None)
+
+
 def write_atomic(path: Path, data: bytes | Writer, reuse: Path | None = None) -> None:
     """Write `data` to a temporary file beside `path`, then rename it; on disk when this returns,
     or when the enclosing `durable_together` block ends. `data` is the bytes, or a Writer that
     writes them into the open file. `reuse`, a hidden file no longer needed (a recycled
     checkpoint), is that temporary file, overwritten in place: nothing is freed or allocated."""
-    block: _Block | None = getattr(_open, "block", None)
+    block = _open_block()
     if reuse is None:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     else:
@@ -69,7 +74,7 @@ def write_atomic(path: Path, data: bytes | Writer, reuse: Path | None = None) ->
 def _entry_durable(path: Path) -> None:
     """A file just renamed into place: its directory entry synced now, or with the enclosing
     `durable_together` block."""
-    block: _Block | None = getattr(_open, "block", None)
+    block = _open_block()
     if block is None:
         _fsync(path.parent)
     else:
@@ -104,7 +109,7 @@ def write_all(fd: int, data: Buffer) -> int:
 def append_line(path: Path, line: bytes) -> None:
     """Append `line` to `path` (created if absent); on disk when this returns, or when the
     enclosing `durable_together` block ends."""
-    block: _Block | None = getattr(_open, "block", None)
+    block = _open_block()
     with open(path, "ab") as handle:
         handle.write(line)
         if block is None:
@@ -164,7 +169,7 @@ def durable_together() -> Iterator[None]:
     """Files written in this block (in this thread) reach the disk together as it ends: one
     sync per file system where the OS has syncfs, else each file and directory fsynced. The
     files given up in it (`delete_when_durable`) are deleted after that."""
-    if getattr(_open, "block", None) is not None:
+    if _open_block() is not None:
         yield  # already inside a block: its end makes these durable too
         return
     _open.block = block = _Block()
@@ -187,13 +192,13 @@ def durable_together() -> Iterator[None]:
 
 def in_open_block(path: Path) -> bool:
     """Whether `path` was written in this thread's open block, so not surely on disk yet."""
-    block: _Block | None = getattr(_open, "block", None)
+    block = _open_block()
     return block is not None and path in block.written
 
 
 def delete_when_durable(paths: list[Path]) -> None:
     """Delete `paths` now, or, inside a block, once what it wrote is durable."""
-    block: _Block | None = getattr(_open, "block", None)
+    block = _open_block()
     if block is None:
         _delete(paths)
     else:
