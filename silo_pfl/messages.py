@@ -35,7 +35,7 @@ class RejoinInfo:
 
     silo: str
     round: int
-    local_digest: str  # SHA-256 of the restored local keys (see silo.local_digest)
+    local_digest: str  # SHA-256 of the restored local keys (see tensor_state.local_digest)
     pid: int
 
 

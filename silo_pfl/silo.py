@@ -2,10 +2,11 @@
 
 A plain class with a narrow API (`setup`, `build`, `fit`, `evaluate`, `commit`,
 `evaluate_and_commit`, `select`, `rejoin`, `outcome`, `attach`, `export`), so it is tested
-without Ray; the runtime makes it an actor. Its directory, on its own node, holds a checkpoint
-per committed round (the round's personalized model, its local keys, its algorithm's personal
-state, which model is selected, its RNG state: one file, arrays under a GHASH) and its selected
-personalized model, which only the exporters attached to it may send anywhere.
+without Ray; the runtime makes it an actor. Its directory, on its own node (`silo_store`), holds
+a checkpoint per committed round (the round's personalized model, its local keys, its
+algorithm's personal state, which model is selected, its RNG state: one file, arrays under a
+GHASH) and its selected personalized model, which only the exporters attached to it may send
+anywhere.
 
 Each committed round's checkpoint holds its model, since the driver may select it. `commit` is
 given the driver's choice at once; `evaluate_and_commit` commits without waiting for it (the
@@ -21,10 +22,8 @@ next fit, so a retried round computes exactly what it would have the first time.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +59,9 @@ from silo_pfl.secure.messages import Advertisement, Reveal, SealedShares, Unmask
 from silo_pfl.secure.params import secure_params
 from silo_pfl.seeding import derive_seed, rng_state, seed_everything, set_rng_state
 from silo_pfl.settings import from_dict, split_rules
+from silo_pfl.silo_store import SiloStore
 from silo_pfl.split import Split, compute_split
+from silo_pfl.tensor_state import as_arrays, as_tensors, first_not_finite, local_digest, nbytes
 from silo_pfl.training import (
     ExtraLoss,
     copy_into,
@@ -69,19 +70,6 @@ from silo_pfl.training import (
     to_tensors,
     train_epochs,
 )
-
-# A checkpoint per committed round, as arrays under a GHASH: the round's personalized model (what
-# selection may choose, and the selected model is published from) and the state to resume from.
-CHECKPOINTS = "checkpoints"
-# The global keys of a checkpoint's model, when they are large (GLOBAL_PART_BYTES or more): a
-# file per round, which the silos of one worker holding the same bytes share as hard links.
-GLOBAL_PART = "checkpoints-global"
-GLOBAL_PART_BYTES = 1 << 20
-# Read only: each committed round's model, in its own file, as earlier versions wrote them.
-MODELS = "models"
-# The selected personalized model, published: its state_dict in torch's format, whose SHA-256
-# the silo's next checkpoint holds.
-SELECTED = "selected"
 
 
 def init_model(
@@ -132,12 +120,13 @@ class Silo:
         self.cfg = config if isinstance(config, FederationConfig) else from_dict(config)
         self.name = name
         self.dir = silo_dir(self.cfg, run_id, name)
+        self.store = SiloStore(self.dir)
         self.algorithm = build_algorithm(self.cfg.algorithm, self.cfg.train)
         self._last: EvalMetrics | None = None
         self._selected: EvalMetrics | None = None
         self._selected_report: dict[str, float] = {}  # the algorithm's figures of that model
         self._selected_sha256 = ""  # of its published file ('' until it is published)
-        # The figures of the models in MODELS, which may still be selected: round -> eval, report.
+        # The figures of the committed models that may still be selected: round -> eval, report.
         self._models: dict[int, dict[str, Any]] = {}
         self._exporters: dict[str, SiloExporter] = {}
         self._identity: Any = None  # its Ed25519 identity, under aggregation.secure
@@ -170,9 +159,7 @@ class Silo:
         if resume and not self.dir.is_dir():
             raise FederationError(f"silo {self.name}: no state to resume from in {self.dir}")
         if not resume:
-            if self.dir.exists():
-                shutil.rmtree(self.dir)
-            self.dir.mkdir(parents=True)
+            self.store.start_fresh()
         if self.cfg.aggregation.secure:
             self._identity = identity.load_or_create(identity.key_dir(self.cfg, self.name))
             self._trusted = identity.configured_keys(self.cfg, silo_names(self.cfg.data))
@@ -215,7 +202,7 @@ class Silo:
             self._secure = SecureClient(params, self.name, self._identity, trusted)
             like = {name: shapes for name in self.algorithm.Strategy.extras}
             sent = 8 * vector_length(flatten(shapes, like))
-        if not checkpoint.rounds(self.dir / CHECKPOINTS):  # a resumed silo restores its own
+        if not self.store.rounds():  # a resumed silo restores its own
             self._checkpoint(0)
         return SplitInfo(
             global_parameters=self.split.global_parameters,
@@ -267,47 +254,19 @@ class Silo:
             "rng": rng_state(),
         }
         spare = self._selected.round if self._selected is not None else None
-        if model is not None:
-            saved.update(self._model_parts(round_, model, spare))
-        checkpoint.save_arrays(self.dir / CHECKPOINTS, round_, saved, spare)
+        self.store.save(round_, saved, model, self.split.global_keys, spare)
         self.committed, self._dirty = round_, False
-
-    def _model_parts(
-        self, round_: int, model: dict[str, np.ndarray], spare: int | None
-    ) -> dict[str, Any]:
-        """A round's model as its checkpoint holds it: whole, or, where its global keys are
-        large, those in a file of their own (`checkpoint.save_shared`: written once for all the
-        silos of a worker whose model holds the same global keys, as when each evaluates the
-        federation's global state with its own local keys) and the rest, with the key order."""
-        if self.split.global_bytes < GLOBAL_PART_BYTES:
-            return {"model": model}
-        global_keys = set(self.split.global_keys)
-        shared = {k: v for k, v in model.items() if k in global_keys}
-        digest = checkpoint.save_shared(self.dir / GLOBAL_PART, round_, shared, spare)
-        return {
-            "model": {k: v for k, v in model.items() if k not in global_keys},
-            "model_global": digest,
-            "model_keys": list(model),
-        }
-
-    def _model_of(self, round_: int, saved: dict[str, Any]) -> dict[str, np.ndarray] | None:
-        """The model a checkpoint of `round_` holds (None: none), whole again."""
-        model = saved.get("model")
-        if model is None or "model_global" not in saved:
-            return model
-        shared = checkpoint.load_shared(self.dir / GLOBAL_PART, round_, saved["model_global"])
-        return {k: model[k] if k in model else shared[k] for k in saved["model_keys"]}
 
     def restore(self, round_: int) -> str:
         """Load the checkpoint of `round_`; return the SHA-256 of the restored local keys."""
-        state = checkpoint.load(self.dir / CHECKPOINTS, round_)
+        state = self.store.load(round_)
         self.model.load_state_dict(as_tensors(state["local"]), strict=False)
         self.algorithm.load_local_state(self, as_tensors(state["algorithm"]))
         figures = json.loads(state["figures"])
         self._selected = EvalMetrics(**figures["selected"]) if figures["selected"] else None
         self._selected_sha256 = figures["selected_sha256"]
         if self._selected_sha256:  # its published file is there, and is the one selected
-            checkpoint.load(self.dir / SELECTED, self._selected.round, self._selected_sha256)
+            self.store.check_published(self._selected.round, self._selected_sha256)
         self._selected_report = figures["selected_report"]
         self._last = EvalMetrics(**figures["last"]) if figures["last"] else None
         self._models = {int(r): f for r, f in figures.get("models", {}).items()}
@@ -604,32 +563,20 @@ class Silo:
         assert self._selected is not None
         round_ = self._selected.round
         if model is None:
-            model = self._saved_model(round_)
-        state = as_tensors(model)
-        self._selected_sha256 = checkpoint.save_model(self.dir / SELECTED, round_, state)
-
-    def _saved_model(self, round_: int) -> dict[str, np.ndarray]:
-        """Round `round_`'s model as committed: in its checkpoint, or in a file of its own where
-        an older run wrote it (MODELS), its checkpoint holding none or pruned."""
-        older = self.dir / MODELS
-        if older.is_dir() and round_ not in checkpoint.rounds(self.dir / CHECKPOINTS):
-            return checkpoint.load(older, round_)
-        model = self._model_of(round_, checkpoint.load(self.dir / CHECKPOINTS, round_))
-        return model if model is not None else checkpoint.load(older, round_)
+            model = self.store.committed_model(round_)
+        self._selected_sha256 = self.store.publish(round_, as_tensors(model))
 
     def _committed_model(self) -> dict[str, np.ndarray] | None:
         """The model the last commit's checkpoint holds (None: none, as at round 0 or in a
         checkpoint of an older run), to write again with it."""
-        return self._model_of(
-            self.committed, checkpoint.load(self.dir / CHECKPOINTS, self.committed)
-        )
+        return self.store.model_of(self.committed, self.store.load(self.committed))
 
     @property
     def selected_path(self) -> Path:
         """The file of the selected personalized model's state_dict."""
         if self._selected is None or not self._selected_sha256:
             raise RuntimeError(f"silo {self.name}: no model selected and published yet")
-        return checkpoint.path_of(self.dir / SELECTED, self._selected.round, checkpoint.MODEL)
+        return self.store.published_path(self._selected.round)
 
     def outcome(self) -> SiloOutcome:
         """The selected personalized model's scores."""
@@ -672,30 +619,6 @@ class Silo:
         )
 
 
-def first_not_finite(state: dict[str, torch.Tensor]) -> str | None:
-    """The first key whose tensor holds a NaN or an infinity, or None. A sum is finite only if
-    every value is (a NaN or an infinity carries through it), so one check of the sum of every
-    tensor's sum answers for them all, far cheaper than `isfinite(...).all()` on each. The exact
-    test runs key by key only where that sum is not finite, from divergence or from an overflow
-    of finite values."""
-    sums = [value.sum() for value in state.values()]
-    if not sums or bool(torch.isfinite(torch.stack(sums).sum())):
-        return None
-    for key, value in state.items():
-        if not bool(torch.isfinite(value).all()):
-            return key
-    return None
-
-
-def local_digest(state: dict[str, torch.Tensor], keys: list[str] | tuple[str, ...]) -> str:
-    """SHA-256 over the named tensors' bytes, in key order: proves two states equal bit for bit."""
-    digest = hashlib.sha256()
-    for key in sorted(keys):
-        digest.update(key.encode())
-        digest.update(state[key].detach().contiguous().numpy().tobytes())
-    return digest.hexdigest()
-
-
 def _written(tensor: torch.Tensor) -> tuple[Any, int, int]:
     """What changes when a tensor is written or replaced: its identity, its memory, the count
     torch keeps of its in-place writes."""
@@ -710,22 +633,6 @@ def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
         and not b.flags.writeable
         and a.__array_interface__ == b.__array_interface__
     )
-
-
-def as_arrays(state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    """Tensors as numpy arrays over the same memory, for `checkpoint.save_arrays`."""
-    return {k: v.detach().numpy() for k, v in state.items()}
-
-
-def as_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """What a checkpoint gave back (numpy arrays, or tensors from an older run's torch
-    checkpoint) as tensors, over the same memory."""
-    return {k: torch.as_tensor(v) for k, v in state.items()}
-
-
-def nbytes(arrays: dict[str, Any]) -> int:
-    """The bytes of a mapping of arrays (global keys, a strategy's broadcast)."""
-    return int(sum(np.asarray(v).nbytes for v in arrays.values()))
 
 
 def label_counts(data: SiloData) -> tuple[int, ...]:

@@ -28,7 +28,7 @@ from silo_pfl.cli import main
 from silo_pfl.errors import ConfigError
 from silo_pfl.run_dir import RunDir, check_resumable
 from silo_pfl.settings import load_config
-from silo_pfl.silo import SELECTED
+from silo_pfl.silo_store import SELECTED
 
 
 def _write(tmp_path, rounds, kind="torch"):

@@ -12,7 +12,8 @@ from old_checkpoints import save_torch_kind
 from silo_pfl import checkpoint, checkpoint_format
 from silo_pfl.config import to_dict
 from silo_pfl.server_start import new_server
-from silo_pfl.silo import CHECKPOINTS, MODELS, SELECTED, Silo
+from silo_pfl.silo import Silo
+from silo_pfl.silo_store import CHECKPOINTS, MODELS, SELECTED
 
 SILO = "cleveland"
 JOB = ("jobs/heart_disease.yaml", "algorithm.name=fedper", "round.min_silos=1")

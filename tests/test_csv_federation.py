@@ -20,7 +20,8 @@ from silo_pfl.federation import Federation
 from silo_pfl.results import FederationResult
 from silo_pfl.run_dir import silo_dir
 from silo_pfl.settings import load_config
-from silo_pfl.silo import SELECTED, init_model
+from silo_pfl.silo import init_model
+from silo_pfl.silo_store import SELECTED
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

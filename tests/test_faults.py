@@ -22,7 +22,8 @@ from silo_pfl.callbacks import Callback
 from silo_pfl.federation import Federation
 from silo_pfl.progress import ProgressPrinter
 from silo_pfl.results import FederationResult
-from silo_pfl.silo import CHECKPOINTS, SELECTED, as_tensors, local_digest
+from silo_pfl.silo_store import CHECKPOINTS, SELECTED
+from silo_pfl.tensor_state import as_tensors, local_digest
 
 JOB = "jobs/heart_disease.yaml"
 ROUNDS = 6

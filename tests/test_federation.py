@@ -11,7 +11,8 @@ import torch
 from silo_pfl.cli import main
 from silo_pfl.data import load_silo_data
 from silo_pfl.federation import Federation
-from silo_pfl.silo import first_not_finite, init_model
+from silo_pfl.silo import init_model
+from silo_pfl.tensor_state import first_not_finite
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

@@ -15,8 +15,8 @@ from silo_pfl.errors import ConfigError
 from silo_pfl.federation import Federation
 from silo_pfl.runtime.packing import pack
 from silo_pfl.server_start import new_server
-from silo_pfl.silo import CHECKPOINTS, GLOBAL_PART, SELECTED
 from silo_pfl.silo_group import SiloGroup
+from silo_pfl.silo_store import CHECKPOINTS, GLOBAL_PART, SELECTED
 
 SILOS = ("cleveland", "hungarian")
 HOSPITALS = ("cleveland", "hungarian", "switzerland", "va")
