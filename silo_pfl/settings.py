@@ -150,6 +150,15 @@ def _check_secure(cfg: FederationConfig, names: list[str]) -> None:
             f"round.min_silos: got {quorum}, but a secure round needs {threshold} silos "
             "(aggregation.secure_threshold); raise it or set it to null"
         )
+    neighbors = cfg.aggregation.secure_graph.neighbors
+    if neighbors is not None and neighbors >= len(names) - 1:
+        log.warning(
+            "aggregation.secure_graph.neighbors=%d: with %d silos each silo pairs with every "
+            "other, a full mesh as with null; SecAgg+ saves only with fewer than %d",
+            neighbors,
+            len(names),
+            len(names) - 1,
+        )
     configured_keys(cfg, names)
 
 

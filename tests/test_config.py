@@ -220,3 +220,25 @@ def test_settings_only_secure_aggregation_reads_are_named_when_it_is_off(caplog)
         load_config(job, [*secure_only, "aggregation.secure=true"])
         load_config(job, [])
     assert caplog.records == []
+
+
+def test_a_secagg_graph_as_large_as_the_full_mesh_is_named(caplog):
+    job = "jobs/heart_disease.yaml"  # 4 silos
+    secure = ["aggregation.secure=true"]
+
+    def full_mesh_warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "full mesh" in r.getMessage()]
+
+    for neighbors in (3, 7):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="silo_pfl.settings"):
+            load_config(job, [*secure, f"aggregation.secure_graph.neighbors={neighbors}"])
+        assert full_mesh_warnings() == [
+            f"aggregation.secure_graph.neighbors={neighbors}: with 4 silos each silo pairs with "
+            "every other, a full mesh as with null; SecAgg+ saves only with fewer than 3"
+        ]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="silo_pfl.settings"):
+        load_config(job, [*secure, "aggregation.secure_graph.neighbors=2"])
+        load_config(job, secure)
+    assert full_mesh_warnings() == []
