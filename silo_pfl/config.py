@@ -266,13 +266,20 @@ def omegaconf_error(exc: OmegaConfBaseException, schema: Any = None) -> ConfigEr
     """Turn OmegaConf's multi-line error into one line that names the key."""
     key = getattr(exc, "full_key", None) or ""
     reason = one_line(exc)
+    value = getattr(exc, "value", None)
     converted = re.search(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", reason)
     if converted:
         reason = (
             f"got {converted.group(1)!r}, expected a value of type {converted.group(2).lower()}"
         )
     elif "is not a ListConfig" in reason:
-        reason = "expected a list, e.g. [32, 16]"
+        reason = f"got {value!r}, expected a list, e.g. [{value}]"
+    elif "is not a valid bool" in reason:
+        reason = f"got {value!r}, expected true or false"
+    elif reason.startswith("Cannot assign") and "to Dict" in reason:
+        reason = f"got {value!r}, expected a mapping, e.g. {{name: value}}"
+    elif "is not Optional" in reason:
+        reason = "got null, expected a value"
     elif "Key '" in reason and "not in" in reason:
         reason = "unknown key" + (_known_keys(schema, key) if schema is not None else "")
     elif "issing mandatory value" in reason:
