@@ -59,7 +59,13 @@ class RunDir:
         """A new run: its directory, with run.json."""
         run_id = new_run_id()
         path = run_path(cfg, run_id)
-        path.mkdir(parents=True)
+        try:
+            path.mkdir(parents=True)
+        except OSError as exc:
+            raise ConfigError(
+                f"output_dir: cannot make the run's directory {path.absolute()} "
+                f"({exc.strerror or exc}); expected a directory this user can write in"
+            ) from None
         record = {"run_id": run_id, "started_ns": time.time_ns(), "config": to_dict(cfg)}
         write_json_atomic(path / RUN_FILE, record)
         return cls(run_id, path)

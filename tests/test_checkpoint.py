@@ -549,6 +549,19 @@ def test_each_run_has_its_own_directory_and_resume_finds_the_latest(tmp_path):
         RunDir.find(cfg, "nope")
 
 
+def test_a_run_directory_that_cannot_be_made_names_output_dir(tmp_path):
+    taken = tmp_path / "a_file"
+    taken.write_text("not a directory")
+    cfg = load_config("jobs/heart_disease.yaml", [f"output_dir={taken}"])
+    with pytest.raises(ConfigError) as info:
+        RunDir.create(cfg)
+    assert str(info.value).startswith(
+        f"output_dir: cannot make the run's directory {taken}/heart_disease/"
+    )
+    assert str(info.value).endswith("; expected a directory this user can write in")
+    assert taken.read_text() == "not a directory"
+
+
 def test_resume_allows_only_more_rounds(tmp_path):
     cfg = load_config("jobs/heart_disease.yaml", [f"output_dir={tmp_path}"])
     run = RunDir.create(cfg)
