@@ -341,11 +341,14 @@ def _keys(args: argparse.Namespace) -> int:
         if args.key_dir
         else identity.default_key_dir(args.federation, args.silo)
     )
+    where = f"--federation {args.federation} --silo {args.silo}"
+    if args.key_dir:
+        where += f" --key-dir {args.key_dir}"
     if args.action == "init":
-        key = identity.create(directory)
+        key = identity.create(directory, f"silo-pfl keys show {where}")
         print(f"created {directory / identity.PRIVATE_FILE}; its public key, for the config:")
     else:
-        key = identity.load(directory)
+        key = identity.load(directory, f"silo-pfl keys init {where}")
     public = identity.encode_public(identity.public_bytes(key))
     print(f"silos.{args.silo}.identity_key={public}")
     return 0

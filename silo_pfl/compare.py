@@ -340,6 +340,12 @@ def main(args: argparse.Namespace) -> int:
     """`silo-pfl compare`: run (or read from the cache) every run, then write the tables."""
     from silo_pfl import compare_table
 
+    if args.spec == DEFAULT_SPEC and not Path(DEFAULT_SPEC).is_file():
+        raise ConfigError(
+            f"spec: no {DEFAULT_SPEC} in {Path.cwd()}; the default spec and outputs are the "
+            "repository's, relative to the working directory: run silo-pfl compare from the "
+            "repository's root, or name a spec"
+        )
     spec = load_spec(args.spec).select(args.jobs, args.algorithms, args.max_seeds)
     if not args.dry_run:
         compare_table.check_outputs(args.out, args.json)

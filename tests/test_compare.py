@@ -242,6 +242,18 @@ def test_a_missing_job_file_or_spec_is_named_and_debug_shows_the_traceback(tmp_p
     assert code == 2 and "Traceback" in err
 
 
+def test_the_default_spec_outside_the_repository_says_where_it_looked(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    assert main(["compare", "--dry-run"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: spec: no jobs/compare/all.yaml in {tmp_path}; the default spec and outputs are "
+        "the repository's, relative to the working directory: run silo-pfl compare from the "
+        "repository's root, or name a spec\n"
+    )
+
+
 def test_a_spec_mapping_is_checked_before_any_job_is_read():
     with pytest.raises(ConfigError, match="spec: jobs: required key is missing"):
         parse_spec({"algorithms": {"local": {}}})

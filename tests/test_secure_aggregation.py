@@ -412,10 +412,16 @@ def test_keys_init_makes_a_key_once_and_show_prints_it(tmp_path, capsys):
     assert main(["keys", "show", *where]) == 0
     assert capsys.readouterr().out.splitlines() == created[1:]
     assert main(["keys", "init", *where]) == 1
-    assert "an identity key exists already" in capsys.readouterr().err
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path}/va/{identity.PRIVATE_FILE}: an identity key exists already and is "
+        f"never replaced; silo-pfl keys show {' '.join(where)} prints its public key\n"
+    )
     missing = ["--federation", "fed", "--silo", "x", "--key-dir", str(tmp_path / "x")]
     assert main(["keys", "show", *missing]) == 1
-    assert "no identity key; create it with silo-pfl keys init" in capsys.readouterr().err
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path}/x/{identity.PRIVATE_FILE}: no identity key; create it with "
+        f"silo-pfl keys init {' '.join(missing)}\n"
+    )
 
 
 def test_silos_making_one_identity_at_once_all_get_the_same_whole_key(tmp_path):

@@ -37,11 +37,14 @@ def key_dir(cfg: Any, silo: str) -> Path:
     return Path(configured).expanduser() if configured else default_key_dir(cfg.name, silo)
 
 
-def create(directory: Path) -> Ed25519PrivateKey:
-    """A new identity in `directory`; refuses to replace one."""
+def create(directory: Path, show_command: str = "silo-pfl keys show") -> Ed25519PrivateKey:
+    """A new identity in `directory`; refuses to replace one (`show_command` prints it)."""
     key = _create_new(directory)
     if key is None:
-        raise SiloPflError(f"{directory / PRIVATE_FILE}: an identity key exists already")
+        raise SiloPflError(
+            f"{directory / PRIVATE_FILE}: an identity key exists already and is never replaced; "
+            f"{show_command} prints its public key"
+        )
     return key
 
 
@@ -52,14 +55,14 @@ def _create_new(directory: Path) -> Ed25519PrivateKey | None:
     return key if create_once(directory / PRIVATE_FILE, raw) else None
 
 
-def load(directory: Path) -> Ed25519PrivateKey:
-    """The identity in `directory`."""
+def load(directory: Path, init_command: str = "silo-pfl keys init") -> Ed25519PrivateKey:
+    """The identity in `directory` (`init_command` makes it, where there is none)."""
     path = directory / PRIVATE_FILE
     try:
         raw = path.read_bytes()
         return Ed25519PrivateKey.from_private_bytes(raw)
     except FileNotFoundError:
-        raise SiloPflError(f"{path}: no identity key; create it with silo-pfl keys init") from None
+        raise SiloPflError(f"{path}: no identity key; create it with {init_command}") from None
     except ValueError:
         raise SiloPflError(f"{path}: not a raw 32-byte Ed25519 private key") from None
 
