@@ -1,6 +1,6 @@
 """Where a round's milliseconds go, as the driver sees them: each step of a round timed.
 
-    python benchmarks/round_steps.py [JOB] [key=value ...] [--rounds 10]
+    python benchmarks/round_steps.py [JOB] [key=value ...] [--rounds 10] [--disk-writer]
 
 Runs JOB (default `jobs/digits_label_skew.yaml algorithm.name=fedavg tracking.enabled=false`) with
 `Federation(config).run()` on a local Ray, with the driver's waits wrapped in timers: each silo
@@ -12,19 +12,23 @@ checkpoint, and the whole round between two `on_round_end`s. Prints the median o
 each (and of the server's checkpoint over the last 5 rounds, since what it writes may grow; and
 the mean and the slowest of the rounds, where a stall shows that the median hides), and per
 silo worker (as default packing deals them) the sum of its silos' `train_seconds`: the fits'
-own work, one silo after another.
+own work, one silo after another. With `--disk-writer`, another process writes to the run's
+file system throughout (`disk_writer.py`), as other work on a silo's server might.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
+from disk_writer import other_writer
 from paths import in_repo
 
 from silo_pfl.callbacks import Callback
@@ -106,12 +110,19 @@ def main() -> None:
     parser.add_argument("job", nargs="?", default=JOB)
     parser.add_argument("overrides", nargs="*", default=DEFAULT)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument(
+        "--disk-writer",
+        action="store_true",
+        help="another process writes to the run's file system throughout (disk_writer.py)",
+    )
     args = parser.parse_args()
     clock = RoundEnds()
     with tempfile.TemporaryDirectory() as tmp:
         overrides = [*args.overrides, f"rounds={args.rounds}", f"output_dir={tmp}"]
         config = load_config(args.job, overrides)
-        result = Federation(config, callbacks=[clock]).run()
+        writing = other_writer(Path(tmp)) if args.disk_writer else contextlib.nullcontext()
+        with writing:
+            result = Federation(config, callbacks=[clock]).run()
     times["round (between round ends)"] = [
         b - a for a, b in zip(clock.ends[:-1], clock.ends[1:], strict=True)
     ]
