@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import shlex
 import sys
 import traceback
 from collections.abc import Sequence
@@ -341,9 +342,8 @@ def _keys(args: argparse.Namespace) -> int:
         if args.key_dir
         else identity.default_key_dir(args.federation, args.silo)
     )
-    where = f"--federation {args.federation} --silo {args.silo}"
-    if args.key_dir:
-        where += f" --key-dir {args.key_dir}"
+    options = ["--federation", args.federation, "--silo", args.silo]
+    where = shlex.join(options + (["--key-dir", args.key_dir] if args.key_dir else []))
     if args.action == "init":
         key = identity.create(directory, f"silo-pfl keys show {where}")
         print(f"created {directory / identity.PRIVATE_FILE}; its public key, for the config:")

@@ -278,7 +278,7 @@ def omegaconf_error(exc: OmegaConfBaseException, schema: Any = None) -> ConfigEr
         reason = f"got {value!r}, expected true or false"
     elif reason.startswith("Cannot assign") and "to Dict" in reason:
         reason = f"got {value!r}, expected a mapping, e.g. {{name: value}}"
-    elif "is not Optional" in reason:
+    elif "is not Optional" in reason or reason.startswith("Incompatible value 'None'"):
         reason = "got null, expected a value"
     elif "Key '" in reason and "not in" in reason:
         reason = "unknown key" + (_known_keys(schema, key) if schema is not None else "")

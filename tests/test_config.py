@@ -59,6 +59,7 @@ def test_every_job_loads():
         (["metrics.enabled=maybe"], "metrics.enabled: got 'maybe', expected true or false"),
         (["split.local=head"], "split.local: got 'head', expected a list, e.g. [head]"),
         (["model.hidden=5"], "model.hidden: got 5, expected a list, e.g. [5]"),
+        (["rounds=null"], "rounds: got null, expected a value"),
         (
             ["silos.cleveland.node_label=a"],
             "silos.cleveland.node_label: got 'a', expected a mapping, e.g. {name: value}",
