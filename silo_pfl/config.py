@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from silo_pfl import builtin_names
+from silo_pfl.config_errors import first_clash, omegaconf_error
 from silo_pfl.errors import ConfigError, one_line
 from silo_pfl.selection import MODES as SELECTION_MODES
 
@@ -247,50 +247,18 @@ class FederationConfig:
     plugins: list[str] = field(default_factory=list)
 
 
-def _known_keys(schema: Any, key: str) -> str:
-    """The keys allowed beside `key` in the dataclass `schema`, as '; allowed: a, b' (or '')."""
-    kind: Any = schema if isinstance(schema, type) else type(schema)
-    parts = key.split(".")[:-1]
-    while parts and dataclasses.is_dataclass(kind):
-        hint = typing.get_type_hints(kind).get(parts.pop(0))
-        if typing.get_origin(hint) is dict and parts:
-            parts.pop(0)
-            hint = typing.get_args(hint)[1]
-        kind = hint
-    if parts or not dataclasses.is_dataclass(kind):
-        return ""
-    return "; allowed: " + ", ".join(f.name for f in dataclasses.fields(kind))
-
-
-def omegaconf_error(exc: OmegaConfBaseException, schema: Any = None) -> ConfigError:
-    """Turn OmegaConf's multi-line error into one line that names the key."""
-    key = getattr(exc, "full_key", None) or ""
-    reason = one_line(exc)
-    value = getattr(exc, "value", None)
-    converted = re.search(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", reason)
-    if converted:
-        reason = (
-            f"got {converted.group(1)!r}, expected a value of type {converted.group(2).lower()}"
-        )
-    elif "is not a ListConfig" in reason:
-        reason = f"got {value!r}, expected a list, e.g. [{value}]"
-    elif "is not a valid bool" in reason:
-        reason = f"got {value!r}, expected true or false"
-    elif reason.startswith("Cannot assign") and "to Dict" in reason:
-        reason = f"got {value!r}, expected a mapping, e.g. {{name: value}}"
-    elif "is not Optional" in reason or reason.startswith("Incompatible value 'None'"):
-        reason = "got null, expected a value"
-    elif "Key '" in reason and "not in" in reason:
-        reason = "unknown key" + (_known_keys(schema, key) if schema is not None else "")
-    elif "issing mandatory value" in reason:
-        reason = "required value is missing"
-    return ConfigError(f"{key}: {reason}" if key else reason)
-
-
 def _merge(schema: Any, *parts: Any) -> DictConfig:
+    base = OmegaConf.structured(schema)
     try:
-        return OmegaConf.merge(OmegaConf.structured(schema), *parts)
-    except OmegaConfBaseException as exc:
+        return OmegaConf.merge(base, *parts)
+    except (OmegaConfBaseException, TypeError) as exc:
+        if isinstance(exc, OmegaConfBaseException) and getattr(exc, "full_key", None):
+            raise omegaconf_error(exc, schema) from None
+        clash = first_clash(base, parts)  # OmegaConf's error names no key
+        if clash is not None:
+            raise clash from None
+        if isinstance(exc, TypeError):
+            raise
         raise omegaconf_error(exc, schema) from None
 
 

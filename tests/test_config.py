@@ -60,6 +60,15 @@ def test_every_job_loads():
         (["split.local=head"], "split.local: got 'head', expected a list, e.g. [head]"),
         (["model.hidden=5"], "model.hidden: got 5, expected a list, e.g. [5]"),
         (["rounds=null"], "rounds: got null, expected a value"),
+        (["split.local={a: 1}"], "split.local: got a mapping, expected a list"),
+        (
+            ["silos.cleveland.node_label=[a]"],
+            "silos.cleveland.node_label: got a list, expected a mapping",
+        ),
+        (["model=[1]"], "model: got a list, expected a mapping"),
+        (["train=5"], "train: got 5, expected a mapping"),
+        (["silos.cleveland=5"], "silos.cleveland: got 5, expected a mapping"),
+        (["rounds={a: 1}"], "rounds: got \"{'a': 1}\", expected a value of type integer"),
         (
             ["silos.cleveland.node_label=a"],
             "silos.cleveland.node_label: got 'a', expected a mapping, e.g. {name: value}",

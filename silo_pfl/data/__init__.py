@@ -11,7 +11,8 @@ import numpy as np
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from silo_pfl.config import DataConfig, omegaconf_error
+from silo_pfl.config import DataConfig
+from silo_pfl.config_errors import omegaconf_error
 from silo_pfl.data import csv_source, digits, heart_disease
 from silo_pfl.data.base import Preprocessing, SiloData
 from silo_pfl.errors import ConfigError

@@ -1,0 +1,111 @@
+"""OmegaConf's errors as one line that names the key and says what is allowed."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from silo_pfl.errors import ConfigError, one_line
+
+
+def _known_keys(schema: Any, key: str) -> str:
+    """The keys allowed beside `key` in the dataclass `schema`, as '; allowed: a, b' (or '')."""
+    kind: Any = schema if isinstance(schema, type) else type(schema)
+    parts = key.split(".")[:-1]
+    while parts and dataclasses.is_dataclass(kind):
+        hint = typing.get_type_hints(kind).get(parts.pop(0))
+        if typing.get_origin(hint) is dict and parts:
+            parts.pop(0)
+            hint = typing.get_args(hint)[1]
+        kind = hint
+    if parts or not dataclasses.is_dataclass(kind):
+        return ""
+    return "; allowed: " + ", ".join(f.name for f in dataclasses.fields(kind))
+
+
+def omegaconf_error(exc: OmegaConfBaseException, schema: Any = None) -> ConfigError:
+    """Turn OmegaConf's multi-line error into one line that names the key."""
+    key = getattr(exc, "full_key", None) or ""
+    reason = one_line(exc)
+    value = getattr(exc, "value", None)
+    to_section = "is not a subclass" in reason or (
+        reason.startswith("Cannot assign") and "to Dict" in reason
+    )
+    converted = re.search(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", reason)
+    if converted:
+        reason = (
+            f"got {converted.group(1)!r}, expected a value of type {converted.group(2).lower()}"
+        )
+    elif "is not a ListConfig" in reason:
+        reason = f"got {value!r}, expected a list, e.g. [{value}]"
+    elif "is not a valid bool" in reason:
+        reason = f"got {value!r}, expected true or false"
+    elif to_section:
+        reason = f"got {value!r}, expected a mapping, e.g. {{name: value}}"
+    elif "is not Optional" in reason or reason.startswith("Incompatible value 'None'"):
+        reason = "got null, expected a value"
+    elif "Key '" in reason and "not in" in reason:
+        reason = "unknown key" + (_known_keys(schema, key) if schema is not None else "")
+    elif "issing mandatory value" in reason:
+        reason = "required value is missing"
+    return ConfigError(f"{key}: {reason}" if key else reason)
+
+
+def _nested(path: list[str], value: Any) -> dict[str, Any]:
+    """`value` under the keys of `path`: {"a": {"b": value}} for a.b."""
+    for name in reversed(path):
+        value = {name: value}
+    return value
+
+
+def _merges(base: DictConfig, probe: Any) -> bool:
+    """Whether `probe` merges into `base` without an error."""
+    try:
+        OmegaConf.merge(base, probe)
+    except (OmegaConfBaseException, TypeError):
+        return False
+    return True
+
+
+def _kind(value: Any) -> str:
+    """A container's kind as an error says it ('' for a plain value)."""
+    return "a mapping" if isinstance(value, dict) else "a list" if isinstance(value, list) else ""
+
+
+def first_clash(base: DictConfig, parts: tuple[Any, ...]) -> ConfigError | None:
+    """The first key, from the top, where a part puts a mapping, a list or a value in place of
+    another of these (OmegaConf's merge then names no key): found by merging each key alone,
+    an empty container for a container, into what the parts before it made."""
+
+    def takes(path: list[str]) -> str:
+        kinds = (("a mapping", {}), ("a list", []))
+        return next((kind for kind, empty in kinds if _merges(base, _nested(path, empty))), "")
+
+    def walk(node: dict[Any, Any], path: list[str]) -> ConfigError | None:
+        for key, value in node.items():
+            here = [*path, str(key)]
+            empty = {} if isinstance(value, dict) else [] if isinstance(value, list) else value
+            if not _merges(base, _nested(here, empty)):
+                expected = takes(here)
+                if expected and expected != _kind(value):
+                    got = _kind(value) or f"{value!r}"
+                    return ConfigError(f"{'.'.join(here)}: got {got}, expected {expected}")
+                continue
+            if isinstance(value, dict) and (found := walk(value, here)) is not None:
+                return found
+        return None
+
+    for part in parts:
+        if isinstance(part, DictConfig):
+            part = OmegaConf.to_container(part, resolve=False)
+        if isinstance(part, dict) and (clash := walk(part, [])) is not None:
+            return clash
+        if not _merges(base, part):
+            return None
+        base = OmegaConf.merge(base, part)
+    return None
