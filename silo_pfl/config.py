@@ -18,7 +18,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from silo_pfl import builtin_names
-from silo_pfl.config_errors import first_clash, omegaconf_error
+from silo_pfl.config_errors import merge_structured, omegaconf_error
 from silo_pfl.errors import ConfigError, one_line
 from silo_pfl.selection import MODES as SELECTION_MODES
 
@@ -247,21 +247,6 @@ class FederationConfig:
     plugins: list[str] = field(default_factory=list)
 
 
-def _merge(schema: Any, *parts: Any) -> DictConfig:
-    base = OmegaConf.structured(schema)
-    try:
-        return OmegaConf.merge(base, *parts)
-    except (OmegaConfBaseException, TypeError) as exc:
-        if isinstance(exc, OmegaConfBaseException) and getattr(exc, "full_key", None):
-            raise omegaconf_error(exc, schema) from None
-        clash = first_clash(base, parts)  # OmegaConf's error names no key
-        if clash is not None:
-            raise clash from None
-        if isinstance(exc, TypeError):
-            raise
-        raise omegaconf_error(exc, schema) from None
-
-
 def _parse_overrides(overrides: list[str]) -> DictConfig:
     for item in overrides:
         if "=" not in item or item.startswith("="):
@@ -451,7 +436,7 @@ def merge_config(base: Any = None, overrides: list[str] | None = None) -> Federa
     """Merge a mapping (or DictConfig) with `key=value` overrides into the structure, and check
     the values that need no registry."""
     parts = [base] if base is not None else []
-    merged = _merge(FederationConfig, *parts, _parse_overrides(overrides or []))
+    merged = merge_structured(FederationConfig, *parts, _parse_overrides(overrides or []))
     try:
         cfg: FederationConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:

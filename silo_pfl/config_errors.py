@@ -13,6 +13,31 @@ from omegaconf.errors import OmegaConfBaseException
 from silo_pfl.errors import ConfigError, one_line
 
 
+class KeyedError(ConfigError):
+    """A config error of one key (relative to the schema merged; '' for the whole): its key and
+    its reason, apart, for a caller that names the key its own way."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"{key}: {reason}" if key else reason)
+        self.key, self.reason = key, reason
+
+
+def merge_structured(schema: Any, *parts: Any) -> DictConfig:
+    """`parts` merged over the dataclass `schema`; any error is one KeyedError naming its key."""
+    base = OmegaConf.structured(schema)
+    try:
+        return OmegaConf.merge(base, *parts)
+    except (OmegaConfBaseException, TypeError) as exc:
+        if isinstance(exc, OmegaConfBaseException) and getattr(exc, "full_key", None):
+            raise omegaconf_error(exc, schema) from None
+        clash = first_clash(base, parts)  # OmegaConf's error names no key
+        if clash is not None:
+            raise clash from None
+        if isinstance(exc, TypeError):
+            raise
+        raise omegaconf_error(exc, schema) from None
+
+
 def _known_keys(schema: Any, key: str) -> str:
     """The keys allowed beside `key` in the dataclass `schema`, as '; allowed: a, b' (or '')."""
     kind: Any = schema if isinstance(schema, type) else type(schema)
@@ -28,7 +53,7 @@ def _known_keys(schema: Any, key: str) -> str:
     return "; allowed: " + ", ".join(f.name for f in dataclasses.fields(kind))
 
 
-def omegaconf_error(exc: OmegaConfBaseException, schema: Any = None) -> ConfigError:
+def omegaconf_error(exc: OmegaConfBaseException, schema: Any = None) -> KeyedError:
     """Turn OmegaConf's multi-line error into one line that names the key."""
     key = getattr(exc, "full_key", None) or ""
     reason = one_line(exc)
@@ -53,7 +78,7 @@ def omegaconf_error(exc: OmegaConfBaseException, schema: Any = None) -> ConfigEr
         reason = "unknown key" + (_known_keys(schema, key) if schema is not None else "")
     elif "issing mandatory value" in reason:
         reason = "required value is missing"
-    return ConfigError(f"{key}: {reason}" if key else reason)
+    return KeyedError(key, reason)
 
 
 def _nested(path: list[str], value: Any) -> dict[str, Any]:
@@ -77,7 +102,7 @@ def _kind(value: Any) -> str:
     return "a mapping" if isinstance(value, dict) else "a list" if isinstance(value, list) else ""
 
 
-def first_clash(base: DictConfig, parts: tuple[Any, ...]) -> ConfigError | None:
+def first_clash(base: DictConfig, parts: tuple[Any, ...]) -> KeyedError | None:
     """The first key, from the top, where a part puts a mapping, a list or a value in place of
     another of these (OmegaConf's merge then names no key): found by merging each key alone,
     an empty container for a container, into what the parts before it made."""
@@ -86,7 +111,7 @@ def first_clash(base: DictConfig, parts: tuple[Any, ...]) -> ConfigError | None:
         kinds = (("a mapping", {}), ("a list", []))
         return next((kind for kind, empty in kinds if _merges(base, _nested(path, empty))), "")
 
-    def walk(node: dict[Any, Any], path: list[str]) -> ConfigError | None:
+    def walk(node: dict[Any, Any], path: list[str]) -> KeyedError | None:
         for key, value in node.items():
             here = [*path, str(key)]
             empty = {} if isinstance(value, dict) else [] if isinstance(value, list) else value
@@ -94,7 +119,7 @@ def first_clash(base: DictConfig, parts: tuple[Any, ...]) -> ConfigError | None:
                 expected = takes(here)
                 if expected and expected != _kind(value):
                     got = _kind(value) or f"{value!r}"
-                    return ConfigError(f"{'.'.join(here)}: got {got}, expected {expected}")
+                    return KeyedError(".".join(here), f"got {got}, expected {expected}")
                 continue
             if isinstance(value, dict) and (found := walk(value, here)) is not None:
                 return found

@@ -60,6 +60,11 @@ def test_every_job_loads():
         (["split.local=head"], "split.local: got 'head', expected a list, e.g. [head]"),
         (["model.hidden=5"], "model.hidden: got 5, expected a list, e.g. [5]"),
         (["rounds=null"], "rounds: got null, expected a value"),
+        (["data.late_silos={a: 1}"], "data.late_silos: got a mapping, expected a list"),
+        (
+            ["algorithm.fedper.head_warmup_epochs=[1]"],
+            "algorithm.fedper.head_warmup_epochs: got '[1]', expected a value of type integer",
+        ),
         (["split.local={a: 1}"], "split.local: got a mapping, expected a list"),
         (
             ["silos.cleveland.node_label=[a]"],

@@ -6,11 +6,11 @@ import dataclasses
 from typing import Any
 
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from silo_pfl.algorithms.base import Algorithm, NoParams, Phase
 from silo_pfl.config import TrainConfig
-from silo_pfl.errors import ConfigError, one_line
+from silo_pfl.config_errors import KeyedError, merge_structured
+from silo_pfl.errors import ConfigError
 
 ALGORITHMS: dict[str, type[Algorithm]] = {}
 
@@ -37,13 +37,12 @@ def _params(name: str, values: Any) -> object:
     """Validate one algorithm's options section against its Params dataclass."""
     cls = ALGORITHMS[name]
     try:
-        params = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls.Params), values))
-    except OmegaConfBaseException as exc:
-        sub = getattr(exc, "full_key", "")
-        key = f"algorithm.{name}.{sub}" if sub else f"algorithm.{name}"
+        params = OmegaConf.to_object(merge_structured(cls.Params, values))
+    except KeyedError as error:
+        key = f"algorithm.{name}.{error.key}" if error.key else f"algorithm.{name}"
         allowed = ", ".join(f.name for f in dataclasses.fields(cls.Params)) or "none"
-        reason = one_line(exc)
-        if "not in" in reason or "not a" in reason:
+        reason = error.reason
+        if reason.startswith("unknown key"):
             reason = f"unknown option of {name}; its options: {allowed}"
         raise ConfigError(f"{key}: {reason}") from None
     check = getattr(params, "validate", None)

@@ -9,10 +9,9 @@ from typing import Any
 
 import numpy as np
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from silo_pfl.config import DataConfig
-from silo_pfl.config_errors import omegaconf_error
+from silo_pfl.config_errors import KeyedError, merge_structured
 from silo_pfl.data import csv_source, digits, heart_disease
 from silo_pfl.data.base import Preprocessing, SiloData
 from silo_pfl.errors import ConfigError
@@ -52,13 +51,12 @@ def data_config(raw: Any) -> DataConfig:
     source = _source(values["source"])
     options = ", ".join(f.name for f in dataclasses.fields(source.Params))
     try:
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(source.Params), values))
-    except OmegaConfBaseException as exc:
-        error = omegaconf_error(exc)
-        key = f"data.{getattr(exc, 'full_key', '')}"
-        if "unknown key" in str(error):
+        cfg = OmegaConf.to_object(merge_structured(source.Params, values))
+    except KeyedError as error:
+        if error.reason.startswith("unknown key"):
             raise ConfigError(
-                f"{key}: not an option of data.source={values['source']}; its options: {options}"
+                f"data.{error.key}: not an option of data.source={values['source']}; its "
+                f"options: {options}"
             ) from None
         raise ConfigError(f"data.{error}") from None
     if not 0.0 <= cfg.val_fraction < 1.0:
