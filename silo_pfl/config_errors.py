@@ -21,6 +21,10 @@ class KeyedError(ConfigError):
         super().__init__(f"{key}: {reason}" if key else reason)
         self.key, self.reason = key, reason
 
+    def __reduce__(self) -> tuple[type[KeyedError], tuple[str, str]]:
+        """Pickled whole, as Ray sends an actor's error to the driver."""
+        return KeyedError, (self.key, self.reason)
+
 
 def merge_structured(schema: Any, *parts: Any) -> DictConfig:
     """`parts` merged over the dataclass `schema`; any error is one KeyedError naming its key."""

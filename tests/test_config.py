@@ -263,3 +263,18 @@ def test_a_secagg_graph_as_large_as_the_full_mesh_is_named(caplog):
         load_config(job, [*secure, "aggregation.secure_graph.neighbors=2"])
         load_config(job, secure)
     assert full_mesh_warnings() == []
+
+
+def test_a_keyed_config_error_survives_pickling_as_an_actors_error_does():
+    import pickle
+
+    from silo_pfl.config_errors import KeyedError
+
+    with pytest.raises(KeyedError) as info:
+        load_config(JOB, ["split.local={a: 1}"])
+    again = pickle.loads(pickle.dumps(info.value))
+    assert (again.key, again.reason, str(again)) == (
+        "split.local",
+        "got a mapping, expected a list",
+        "split.local: got a mapping, expected a list",
+    )
