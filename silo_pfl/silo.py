@@ -254,7 +254,7 @@ class Silo:
             "rng": rng_state(),
         }
         spare = self._selected.round if self._selected is not None else None
-        self.store.save(round_, saved, model, self.split.global_keys, spare)
+        self.store.save(round_, saved, model, self.split, spare)
         self.committed, self._dirty = round_, False
 
     def restore(self, round_: int) -> str:
@@ -563,7 +563,7 @@ class Silo:
         assert self._selected is not None
         round_ = self._selected.round
         if model is None:
-            model = self.store.committed_model(round_)
+            model = self.store.saved_model(round_)
         self._selected_sha256 = self.store.publish(round_, as_tensors(model))
 
     def _committed_model(self) -> dict[str, np.ndarray] | None:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from silo_pfl import checkpoint
+from silo_pfl.split import Split
 
 CHECKPOINTS = "checkpoints"
 GLOBAL_PART = "checkpoints-global"
@@ -53,30 +54,26 @@ class SiloStore:
         round_: int,
         saved: dict[str, Any],
         model: dict[str, np.ndarray] | None,
-        global_keys: tuple[str, ...] | list[str],
+        split: Split,
         spare: int | None,
     ) -> None:
         """Checkpoint `round_`: `saved`, with `model`, the round's personalized model, if given.
         `spare`: a round kept beyond checkpoint.KEEP (the selected one, which holds its model)."""
         if model is not None:
-            saved = {**saved, **self._model_parts(round_, model, global_keys, spare)}
+            saved = {**saved, **self._model_parts(round_, model, split, spare)}
         checkpoint.save_arrays(self.dir / CHECKPOINTS, round_, saved, spare)
 
     def _model_parts(
-        self,
-        round_: int,
-        model: dict[str, np.ndarray],
-        global_keys: tuple[str, ...] | list[str],
-        spare: int | None,
+        self, round_: int, model: dict[str, np.ndarray], split: Split, spare: int | None
     ) -> dict[str, Any]:
         """A round's model as its checkpoint holds it: whole, or, where its global keys are
         large, those in a GLOBAL_PART file (written once for all the silos of a worker whose
         model holds the same global keys, as when each evaluates the federation's global state
         with its own local keys) and the rest, with the key order."""
-        shared_keys = set(global_keys)
-        shared = {k: v for k, v in model.items() if k in shared_keys}
-        if sum(np.asarray(v).nbytes for v in shared.values()) < GLOBAL_PART_BYTES:
+        if split.global_bytes < GLOBAL_PART_BYTES:
             return {"model": model}
+        shared_keys = set(split.global_keys)
+        shared = {k: v for k, v in model.items() if k in shared_keys}
         digest = checkpoint.save_shared(self.dir / GLOBAL_PART, round_, shared, spare)
         return {
             "model": {k: v for k, v in model.items() if k not in shared_keys},
@@ -96,7 +93,7 @@ class SiloStore:
         shared = checkpoint.load_shared(self.dir / GLOBAL_PART, round_, saved["model_global"])
         return {k: model[k] if k in model else shared[k] for k in saved["model_keys"]}
 
-    def committed_model(self, round_: int) -> dict[str, np.ndarray]:
+    def saved_model(self, round_: int) -> dict[str, np.ndarray]:
         """Round `round_`'s model as committed: in its checkpoint, or in a file of its own where
         an older run wrote it (MODELS), its checkpoint holding none or pruned."""
         older = self.dir / MODELS

@@ -62,7 +62,7 @@ def test_a_worker_writes_a_rounds_global_keys_once_and_each_silo_reads_its_model
         for silo in silos:
             saved = checkpoint.load(silo.dir / CHECKPOINTS, round_)
             assert set(saved["model"]) == set(saved["model"]) - global_keys
-            assert_same(silo.store.committed_model(round_), evaluated[silo.name][round_])
+            assert_same(silo.store.saved_model(round_), evaluated[silo.name][round_])
             assert (silo.dir / CHECKPOINTS / f"round-{round_:06d}.ckpt").stat().st_size < 100_000
 
     for silo in silos:  # the last round selected: published from the two files
@@ -76,7 +76,7 @@ def test_a_worker_writes_a_rounds_global_keys_once_and_each_silo_reads_its_model
     info = again.setup(resume=True)
     again.build(info.input_shape, info.num_classes)
     again.restore(ROUNDS)
-    assert_same(again.store.committed_model(4), evaluated[first.name][4])
+    assert_same(again.store.saved_model(4), evaluated[first.name][4])
 
 
 def test_a_damaged_or_swapped_global_part_is_named(job, tmp_path):
@@ -89,11 +89,11 @@ def test_a_damaged_or_swapped_global_part_is_named(job, tmp_path):
         handle.seek(-1, 1)
         handle.write(bytes([byte[0] ^ 1]))
     with pytest.raises(checkpoint.CheckpointError, match=f"{path}: corrupted"):
-        silo.store.committed_model(4)
+        silo.store.saved_model(4)
     path.unlink()
     path.hardlink_to(checkpoint.path_of(silo.dir / GLOBAL_PART, 5))  # round 5's, as 4's
     with pytest.raises(checkpoint.CheckpointError, match=f"{path}: not the one expected"):
-        silo.store.committed_model(4)
+        silo.store.saved_model(4)
 
 
 def test_a_small_model_is_kept_whole_in_the_checkpoint(job, tmp_path):
