@@ -75,6 +75,39 @@ def test_the_next_rounds_fits_run_while_the_driver_ends_a_round(job, tmp_path, s
     assert all(s.attempts == 1 and not s.absent for s in result.history)
 
 
+class HoldTheDriver(Callback):
+    """At round 1's end, holds the driver until (up to WAIT_S) every silo's fit of round 3 has
+    begun: for that, round 2 must have been fitted, aggregated and evaluated meanwhile."""
+
+    def __init__(self, markers: Path) -> None:
+        self.markers = markers
+        self.started: list[str] = []
+        self.silos: list[str] = []
+
+    def on_start(self, config, silos, split) -> None:
+        self.silos = sorted(info.silo for info in silos)
+
+    def on_round_end(self, summary) -> None:
+        if summary.round == 1:
+            self.started = await_fits(self.markers, 3, len(self.silos))
+
+
+def test_a_rounds_aggregation_follows_its_fits_without_the_driver(job, tmp_path):
+    """Round 2's aggregation is sent while its fits run, with its evaluations and round 3's fits
+    after it: the server waits for the updates itself. So round 2 goes from fit to aggregation to
+    evaluation, and round 3's fits begin, while the driver is still at round 1's end; and every
+    round still aggregates all four silos, at its first attempt."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    held = HoldTheDriver(markers)
+    marking = ("plugins=[tests.fit_markers]", "algorithm.name=mark_fits")
+    config = job(*SMALL, *marking, f"algorithm.mark_fits.marker_dir={markers}")
+    result = Federation(config, callbacks=[held]).run()
+    assert held.started == [f"fit-3-{silo}" for silo in held.silos]
+    assert [len(s.participants) for s in result.history] == [4, 4, 4]
+    assert all(s.attempts == 1 and not s.absent for s in result.history)
+
+
 def test_the_next_fits_begin_before_the_driver_has_chosen_among_the_evaluations(
     job, tmp_path, monkeypatch
 ):

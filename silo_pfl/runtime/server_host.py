@@ -3,6 +3,7 @@ server's worker process starts in a fraction of a silo worker's time (a test che
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Sequence
 from typing import Any
@@ -63,6 +64,30 @@ class ServerHost:
         now are, aggregated or not."""
         return self._reported(self.server.aggregate(*(lists[a][i] for a, i in picks)))
 
+    def aggregate_when_in(
+        self,
+        round_: int,
+        timeout: float,
+        picks: Sequence[tuple[str, int, int]],
+        lists: Sequence[Any],
+    ) -> tuple[RoundReport, Any, Any]:
+        """`round_`'s aggregation, sent before its fits end: wait up to `timeout` s for the
+        workers' lists of updates (`lists`: refs, which this call waits on itself, and `picks`:
+        silo name, list, item), then aggregate what a silo sent of those that came; those that
+        did not are named `late`. A worker that died, or a silo that sent nothing (its fit
+        failed, or it withheld its update), is absent. Returns like `aggregate`."""
+        if round_ != self.server.round + 1:
+            raise RuntimeError(
+                f"server: round {round_}'s aggregation, but round {self.server.round + 1} is next"
+            )
+        ready, _ = ray.wait(list(lists), num_returns=len(lists), timeout=timeout)
+        came = set(ready)
+        got = {a: _value(ref) for a, ref in enumerate(lists) if ref in came}
+        updates = [got[a][i] for _, a, i in picks if a in got and got[a] is not None]
+        report = self.server.aggregate(*(u for u in updates if isinstance(u, SiloUpdate)))
+        late = tuple(name for name, a, _ in picks if lists[a] not in came)
+        return self._reported(dataclasses.replace(report, late=late))
+
     def unmask(self, *reveals: Reveal) -> tuple[RoundReport, Any, Any]:
         """Secure aggregation's last step; returns like `aggregate`."""
         return self._reported(self.server.unmask(*reveals))
@@ -95,3 +120,11 @@ class ServerHost:
 
     def state_bytes(self) -> bytes:
         return self.server.state_bytes()
+
+
+def _value(ref: Any) -> Any:
+    """A worker's list of answers, or None if its worker died (or the call raised)."""
+    try:
+        return ray.get(ref)
+    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+        return None
