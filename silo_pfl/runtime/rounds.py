@@ -46,6 +46,7 @@ from silo_pfl.results import RoundSummary
 from silo_pfl.runtime.actors import Shared, call_many, get, task_error_cause
 from silo_pfl.runtime.aggregation_steps import Aggregated, PlainSteps, Prepared, SecureSteps
 from silo_pfl.runtime.metrics import DriverMetrics, NoMetrics
+from silo_pfl.runtime.object_values import get_each
 from silo_pfl.selection import Selector
 
 log = logging.getLogger("silo_pfl.rounds")
@@ -111,7 +112,7 @@ def gather(refs: dict[str, Any], timeout: float) -> tuple[dict[str, Any], dict[s
         return {}, {}, set()
     objects = {_object(ref): None for ref in refs.values()}  # each once, in order
     ready, _ = ray.wait(list(objects), num_returns=len(objects), timeout=timeout)
-    got = dict(zip(ready, _get_each(ready), strict=True))
+    got = dict(zip(ready, get_each(ready), strict=True))
     answers: dict[str, Any] = {}
     absent: dict[str, str] = {}
     died: set[str] = set()
@@ -137,25 +138,6 @@ def gather(refs: dict[str, Any], timeout: float) -> tuple[dict[str, Any], dict[s
 def _object(ref: Any) -> Any:
     """The object `ref` is, or is an item of (`Shared`)."""
     return ref.ref if isinstance(ref, Shared) else ref
-
-
-_FAILURES = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError)
-
-
-def _get_each(refs: list[Any]) -> list[Any]:
-    """Each ready ref's value, or the actor's death or task error it raises instead: one call
-    for them all (each call costs the driver, once per silo at every step), a call each only
-    when one of them raises."""
-    try:
-        return ray.get(refs)
-    except _FAILURES:
-        values = []
-        for ref in refs:
-            try:
-                values.append(ray.get(ref))
-            except _FAILURES as exc:
-                values.append(exc)
-        return values
 
 
 def _reasons(absent: dict[str, str]) -> str:

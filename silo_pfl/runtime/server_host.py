@@ -13,6 +13,7 @@ import ray
 from silo_pfl.messages import RoundReport, SiloUpdate
 from silo_pfl.runtime import huge_pages
 from silo_pfl.runtime.metrics import ServerMetrics
+from silo_pfl.runtime.object_values import FAILURES, get_each
 from silo_pfl.secure.aggregator import SecureRoundError
 from silo_pfl.secure.messages import Advertisement, Reveal, SealedShares
 from silo_pfl.server import Server, ServerStart
@@ -82,9 +83,10 @@ class ServerHost:
             )
         ready, _ = ray.wait(list(lists), num_returns=len(lists), timeout=timeout)
         came = set(ready)
-        got = {a: _value(ref) for a, ref in enumerate(lists) if ref in came}
-        updates = [got[a][i] for _, a, i in picks if a in got and got[a] is not None]
-        report = self.server.aggregate(*(u for u in updates if isinstance(u, SiloUpdate)))
+        arrived = [a for a, ref in enumerate(lists) if ref in came]
+        got = dict(zip(arrived, get_each([lists[a] for a in arrived]), strict=True))
+        sent = (got[a][i] for _, a, i in picks if a in got and not isinstance(got[a], FAILURES))
+        report = self.server.aggregate(*(u for u in sent if isinstance(u, SiloUpdate)))
         late = tuple(name for name, a, _ in picks if lists[a] not in came)
         return self._reported(dataclasses.replace(report, late=late))
 
@@ -120,11 +122,3 @@ class ServerHost:
 
     def state_bytes(self) -> bytes:
         return self.server.state_bytes()
-
-
-def _value(ref: Any) -> Any:
-    """A worker's list of answers, or None if its worker died (or the call raised)."""
-    try:
-        return ray.get(ref)
-    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
-        return None
