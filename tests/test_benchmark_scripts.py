@@ -31,3 +31,17 @@ def test_the_default_job_of_a_scripts_parser_is_found_from_another_directory(
     done = run_script("work_vs_limit.py", tmp_path, "--rounds", "5")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "| **federation / limit** |" in done.stdout, done.stdout
+
+
+def test_the_relay_is_measured_between_a_rounds_last_fit_and_first_evaluation(
+    tmp_path: Path,
+) -> None:
+    """relay.py's silos note their fits' ends and evaluations' starts in their own processes
+    (its plugin reaches Ray's workers), and no evaluation of a round begins before the round's
+    last fit has ended: the server's sum lies between them."""
+    done = run_script("relay.py", tmp_path, "--rounds", "6", "--repeats", "1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = re.search(r"^\| 1 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", done.stdout, re.M)
+    assert row, done.stdout
+    median, q1, q3, round_ms = map(float, row.groups())
+    assert 0 < q1 <= median <= q3 < round_ms
