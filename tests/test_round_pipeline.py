@@ -38,11 +38,12 @@ def await_fits(markers: Path, round_: int, count: int) -> list[str]:
         time.sleep(0.05)
 
 
-class AwaitNextFits(Callback):
-    """At round 1's end, waits (up to WAIT_S) for every silo's fit of round 2 to have begun."""
+class AwaitFits(Callback):
+    """At round 1's end, holds the driver until (up to WAIT_S) every silo's fit of round
+    `round_` has begun."""
 
-    def __init__(self, markers: Path) -> None:
-        self.markers = markers
+    def __init__(self, markers: Path, round_: int) -> None:
+        self.markers, self.round = markers, round_
         self.started: list[str] = []
         self.silos: list[str] = []
 
@@ -51,7 +52,7 @@ class AwaitNextFits(Callback):
 
     def on_round_end(self, summary) -> None:
         if summary.round == 1:
-            self.started = await_fits(self.markers, 2, len(self.silos))
+            self.started = await_fits(self.markers, self.round, len(self.silos))
 
 
 @pytest.mark.parametrize("secure", [False, True], ids=["in-the-clear", "secure"])
@@ -61,7 +62,7 @@ def test_the_next_rounds_fits_run_while_the_driver_ends_a_round(job, tmp_path, s
     round still aggregates all four silos, at its first attempt."""
     markers = tmp_path / "markers"
     markers.mkdir()
-    watch = AwaitNextFits(markers)
+    watch = AwaitFits(markers, 2)
     config = job(
         *SMALL,
         f"aggregation.secure={str(secure).lower()}",
@@ -75,23 +76,6 @@ def test_the_next_rounds_fits_run_while_the_driver_ends_a_round(job, tmp_path, s
     assert all(s.attempts == 1 and not s.absent for s in result.history)
 
 
-class HoldTheDriver(Callback):
-    """At round 1's end, holds the driver until (up to WAIT_S) every silo's fit of round 3 has
-    begun: for that, round 2 must have been fitted, aggregated and evaluated meanwhile."""
-
-    def __init__(self, markers: Path) -> None:
-        self.markers = markers
-        self.started: list[str] = []
-        self.silos: list[str] = []
-
-    def on_start(self, config, silos, split) -> None:
-        self.silos = sorted(info.silo for info in silos)
-
-    def on_round_end(self, summary) -> None:
-        if summary.round == 1:
-            self.started = await_fits(self.markers, 3, len(self.silos))
-
-
 def test_a_rounds_aggregation_follows_its_fits_without_the_driver(job, tmp_path):
     """Round 2's aggregation is sent while its fits run, with its evaluations and round 3's fits
     after it: the server waits for the updates itself. So round 2 goes from fit to aggregation to
@@ -99,7 +83,7 @@ def test_a_rounds_aggregation_follows_its_fits_without_the_driver(job, tmp_path)
     round still aggregates all four silos, at its first attempt."""
     markers = tmp_path / "markers"
     markers.mkdir()
-    held = HoldTheDriver(markers)
+    held = AwaitFits(markers, 3)  # round 2 fitted, aggregated and evaluated meanwhile
     marking = ("plugins=[tests.fit_markers]", "algorithm.name=mark_fits")
     config = job(*SMALL, *marking, f"algorithm.mark_fits.marker_dir={markers}")
     result = Federation(config, callbacks=[held]).run()
