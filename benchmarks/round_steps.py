@@ -92,7 +92,6 @@ rounds.gather = _timed_gather
 rounds.call_many = _timed_call_many(rounds.call_many)
 aggregation_steps.call_many = _timed_call_many(aggregation_steps.call_many)
 aggregation_steps.get = _timed_get
-rounds.get = _timed_get  # an aggregation sent ahead: the driver reads its report
 orchestrator.Orchestrator._checkpoint = _timed_checkpoint
 
 

@@ -93,7 +93,6 @@ class RoundReport:
     # Under secure: the question the survivors answer before the sum can be unmasked.
     unmask: Any = None
     secure_seconds: float = 0.0  # unmasking, summing and decoding the masked updates
-    late: tuple[str, ...] = ()  # silos whose update had not reached the server by the deadline
 
 
 @dataclass(frozen=True)

@@ -38,12 +38,11 @@ def await_fits(markers: Path, round_: int, count: int) -> list[str]:
         time.sleep(0.05)
 
 
-class AwaitFits(Callback):
-    """At round 1's end, holds the driver until (up to WAIT_S) every silo's fit of round
-    `round_` has begun."""
+class AwaitNextFits(Callback):
+    """At round 1's end, waits (up to WAIT_S) for every silo's fit of round 2 to have begun."""
 
-    def __init__(self, markers: Path, round_: int) -> None:
-        self.markers, self.round = markers, round_
+    def __init__(self, markers: Path) -> None:
+        self.markers = markers
         self.started: list[str] = []
         self.silos: list[str] = []
 
@@ -52,7 +51,7 @@ class AwaitFits(Callback):
 
     def on_round_end(self, summary) -> None:
         if summary.round == 1:
-            self.started = await_fits(self.markers, self.round, len(self.silos))
+            self.started = await_fits(self.markers, 2, len(self.silos))
 
 
 @pytest.mark.parametrize("secure", [False, True], ids=["in-the-clear", "secure"])
@@ -62,7 +61,7 @@ def test_the_next_rounds_fits_run_while_the_driver_ends_a_round(job, tmp_path, s
     round still aggregates all four silos, at its first attempt."""
     markers = tmp_path / "markers"
     markers.mkdir()
-    watch = AwaitFits(markers, 2)
+    watch = AwaitNextFits(markers)
     config = job(
         *SMALL,
         f"aggregation.secure={str(secure).lower()}",
@@ -72,22 +71,6 @@ def test_the_next_rounds_fits_run_while_the_driver_ends_a_round(job, tmp_path, s
     )
     result = Federation(config, callbacks=[watch]).run()
     assert watch.started == [f"fit-2-{silo}" for silo in watch.silos]
-    assert [len(s.participants) for s in result.history] == [4, 4, 4]
-    assert all(s.attempts == 1 and not s.absent for s in result.history)
-
-
-def test_a_rounds_aggregation_follows_its_fits_without_the_driver(job, tmp_path):
-    """Round 2's aggregation is sent while its fits run, with its evaluations and round 3's fits
-    after it: the server waits for the updates itself. So round 2 goes from fit to aggregation to
-    evaluation, and round 3's fits begin, while the driver is still at round 1's end; and every
-    round still aggregates all four silos, at its first attempt."""
-    markers = tmp_path / "markers"
-    markers.mkdir()
-    held = AwaitFits(markers, 3)  # round 2 fitted, aggregated and evaluated meanwhile
-    marking = ("plugins=[tests.fit_markers]", "algorithm.name=mark_fits")
-    config = job(*SMALL, *marking, f"algorithm.mark_fits.marker_dir={markers}")
-    result = Federation(config, callbacks=[held]).run()
-    assert held.started == [f"fit-3-{silo}" for silo in held.silos]
     assert [len(s.participants) for s in result.history] == [4, 4, 4]
     assert all(s.attempts == 1 and not s.absent for s in result.history)
 

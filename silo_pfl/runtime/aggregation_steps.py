@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from silo_pfl.messages import RoundReport
-from silo_pfl.runtime.actors import Shared, call_many, get, picked
+from silo_pfl.runtime.actors import call_many, get, picked
 
 log = logging.getLogger("silo_pfl.rounds")
 # Given the round's report (or its ref), and the refs of the new global keys and broadcast.
@@ -65,19 +65,6 @@ class PlainSteps:
             then(report_ref, (inputs[0], inputs[1]))
         report = get(report_ref, f"round {round_}: aggregation", self.timeout)
         return Aggregated(report, (inputs[0], inputs[1]))
-
-    def aggregate_when_in(
-        self, updates: dict[str, Shared], round_: int
-    ) -> tuple[Any, tuple[Any, Any]]:
-        """Send `round_`'s aggregation before its fits end: the server waits for the `updates`
-        itself, by the round's deadline (`ServerHost.aggregate_when_in`), so the sum follows the
-        last fit without a hop through the driver. The refs of its report, new global keys and
-        broadcast."""
-        picks, lists = picked(list(updates.values()))
-        named = [(name, a, i) for name, (a, i) in zip(updates, picks, strict=True)]
-        call = self.server.aggregate_when_in.options(num_returns=3)
-        report_ref, *inputs = call.remote(round_, self.timeout, named, lists)
-        return report_ref, (inputs[0], inputs[1])
 
 
 class SecureSteps(PlainSteps):

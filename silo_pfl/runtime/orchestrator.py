@@ -9,9 +9,8 @@ last commit, the callbacks' state such as the MLflow run id).
 
 from __future__ import annotations
 
-import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -132,8 +131,7 @@ class Orchestrator:
                     self._emit("on_round_start", round_)
                     summary = runner.run(round_)
                     history.append(summary)
-                    following = functools.partial(runner.aggregate_ahead, round_ + 1)
-                    self._checkpoint(server, round_, parties, selector, history, following)
+                    self._checkpoint(server, round_, parties, selector, history)
                     self._emit("on_round_end", summary)
                 runner.finish()
                 outcomes: list[SiloOutcome] = self._each(silos, names, "outcome", "silo outcome")
@@ -180,11 +178,9 @@ class Orchestrator:
         parties: dict[str, Party],
         selector: Selector,
         history: list[RoundSummary],
-        then: Callable[[], None] | None = None,
     ) -> None:
         """The server checkpoints `round_` with the driver's bookkeeping: what resume needs. The
-        history goes to the server a round at a time: this round's summary. `then` runs once
-        the checkpoint is sent, before it is awaited (the server runs its calls in order)."""
+        history goes to the server a round at a time: this round's summary."""
         bookkeeping = {
             "summary": fields_of(history[-1]) if history else None,
             "selector": {k: list(v) for k, v in selector.best.items()},
@@ -194,10 +190,7 @@ class Orchestrator:
             "callbacks": {type(c).__name__: c.state() for c in self.callbacks},
         }
         what = f"round {round_}: server checkpoint"
-        ref = server.checkpoint.remote(round_, bookkeeping)
-        if then is not None:
-            then()
-        get(ref, what, self.timeout)
+        get(server.checkpoint.remote(round_, bookkeeping), what, self.timeout)
 
     def _restore(
         self,

@@ -17,10 +17,7 @@ nothing prepared (`steps.fits_alone`: updates in the clear), the next round's fi
 the aggregation too, each queued behind its silo's evaluation on its worker, and run if the
 round was aggregated: a worker goes from its evaluations straight into its next fits, while the
 driver selects, the server checkpoints the round and the callbacks see it. So a worker has two
-calls a round. Those fits' aggregation goes ahead too, once the server has been sent the round's
-checkpoint (`aggregate_ahead`): the server waits for their updates itself, by the deadline, and
-the evaluations and the fits after them are sent with it, so a worker waits for the server's
-sum alone, not for the driver too; the driver then reads its report. Where the fit needs its steps
+calls a round, and waits for the driver only for the server's sum. Where the fit needs its steps
 prepared (secure aggregation's keys and shares), the next round's first attempt is prepared as
 soon as the round was aggregated and its evaluations are in, and its fits are sent then, before
 the driver ends the round; not when a silo has died, since it rejoins before a round is prepared
@@ -43,10 +40,9 @@ from silo_pfl.config import FederationConfig
 from silo_pfl.errors import FederationError, typed_line
 from silo_pfl.messages import CallFailed, EvalMetrics, FitMetrics, RejoinInfo, RoundReport
 from silo_pfl.results import RoundSummary
-from silo_pfl.runtime.actors import Shared, call_many, get, task_error_cause
-from silo_pfl.runtime.aggregation_steps import Aggregated, PlainSteps, Prepared, SecureSteps
+from silo_pfl.runtime.actors import Shared, call_many, task_error_cause
+from silo_pfl.runtime.aggregation_steps import PlainSteps, Prepared, SecureSteps
 from silo_pfl.runtime.metrics import DriverMetrics, NoMetrics
-from silo_pfl.runtime.object_values import get_each
 from silo_pfl.selection import Selector
 
 log = logging.getLogger("silo_pfl.rounds")
@@ -76,27 +72,14 @@ class Rejoin:
 
 
 @dataclass
-class Chained:
-    """A round's aggregation, sent while its fits ran, and what was sent after its report: each
-    aggregated silo's evaluation and commit, and the next round's fits."""
-
-    report: Any  # the ref of the server's report
-    inputs: tuple[Any, Any]  # the refs of the new global keys and broadcast
-    evals: dict[str, list[Any]]
-    next: Ahead | None
-
-
-@dataclass
 class Ahead:
     """A round's fits, sent before it began, with the previous round's aggregation (and, where
-    the fit needs its steps prepared, what its first attempt was prepared with; where it needs
-    nothing, the aggregation of these fits, once sent)."""
+    the fit needs its steps prepared, what its first attempt was prepared with)."""
 
     round: int
     refs: dict[str, list[Any]]  # each silo's refs of its fit's two answers
     began: float = 0.0  # when the previous round ended: this round's start
     prepared: Prepared | None = None  # the first attempt's, prepared during the round before
-    aggregation: Chained | None = None  # the fits' aggregation, sent while they run
 
 
 def late_reason(timeout: float) -> str:
@@ -112,7 +95,7 @@ def gather(refs: dict[str, Any], timeout: float) -> tuple[dict[str, Any], dict[s
         return {}, {}, set()
     objects = {_object(ref): None for ref in refs.values()}  # each once, in order
     ready, _ = ray.wait(list(objects), num_returns=len(objects), timeout=timeout)
-    got = dict(zip(ready, get_each(ready), strict=True))
+    got = dict(zip(ready, _get_each(ready), strict=True))
     answers: dict[str, Any] = {}
     absent: dict[str, str] = {}
     died: set[str] = set()
@@ -138,6 +121,25 @@ def gather(refs: dict[str, Any], timeout: float) -> tuple[dict[str, Any], dict[s
 def _object(ref: Any) -> Any:
     """The object `ref` is, or is an item of (`Shared`)."""
     return ref.ref if isinstance(ref, Shared) else ref
+
+
+_FAILURES = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError)
+
+
+def _get_each(refs: list[Any]) -> list[Any]:
+    """Each ready ref's value, or the actor's death or task error it raises instead: one call
+    for them all (each call costs the driver, once per silo at every step), a call each only
+    when one of them raises."""
+    try:
+        return ray.get(refs)
+    except _FAILURES:
+        values = []
+        for ref in refs:
+            try:
+                values.append(ray.get(ref))
+            except _FAILURES as exc:
+                values.append(exc)
+        return values
 
 
 def _reasons(absent: dict[str, str]) -> str:
@@ -268,23 +270,26 @@ class RoundRunner:
             else:
                 sent[name] = metrics
         eval_refs: dict[str, list[Any]] = {}
-        chained = ahead.aggregation if ahead is not None else None
-        if chained is not None:
-            report = self._chained_report(chained, round_, fit_refs, fits, sent, absent)
-            aggregated = Aggregated(report, chained.inputs)
-            eval_refs.update(chained.evals)
-            self.ahead = chained.next
-        else:
-            going_on = {n: h for n, h in live.items() if n not in died}
+        going_on = {n: h for n, h in live.items() if n not in died}
 
-            def then(report: Any, inputs: tuple[Any, Any]) -> None:  # before the report is read
-                sending = {n: live[n] for n in sent}
-                evals, self.ahead = self._after(sending, going_on, round_, inputs, report)
-                eval_refs.update(evals)
+        def then(report: Any, inputs: tuple[Any, Any]) -> None:  # before the report is read
+            selected = {n: self.parties[n].selected for n in sent}
+            eval_refs.update(
+                call_many(
+                    {n: live[n] for n in sent},
+                    "evaluate_and_commit",
+                    inputs[0],
+                    round_,
+                    per_silo=selected,
+                    after=report,
+                    accepted_only=True,
+                )
+            )
+            self._send_ahead(going_on, round_ + 1, inputs, report)
 
-            updates = [fit_refs[n][0] for n in sent]
-            aggregated = self.steps.aggregate(live, updates, round_, then if sent else None)
-            report = aggregated.report
+        updates = [fit_refs[n][0] for n in sent]
+        aggregated = self.steps.aggregate(live, updates, round_, then if sent else None)
+        report = aggregated.report
         self.inputs = aggregated.inputs
         died |= aggregated.died
         self._record_fits(fits, absent, died, report)
@@ -310,86 +315,20 @@ class RoundRunner:
             self.ahead.began = time.perf_counter()
         return summary
 
-    def _after(
-        self,
-        evaluating: dict[str, Any],
-        alive: dict[str, Any],
-        round_: int,
-        inputs: tuple[Any, Any],
-        report: Any,
-    ) -> tuple[dict[str, list[Any]], Ahead | None]:
-        """What `round_`'s aggregation is followed by, sent before its `report` (or its ref) is
-        in, to run once it is: the evaluation and commit of each silo of `evaluating` on the new
-        global keys `inputs[0]` (those whose update was aggregated), and the next round's fits
-        (`_fits_ahead`). Their refs."""
-        selected = {n: self.parties[n].selected for n in evaluating}
-        evals = call_many(
-            evaluating,
-            "evaluate_and_commit",
-            inputs[0],
-            round_,
-            per_silo=selected,
-            after=report,
-            accepted_only=True,
-        )
-        return evals, self._fits_ahead(alive, round_ + 1, inputs, report)
-
-    def _fits_ahead(
+    def _send_ahead(
         self, alive: dict[str, Any], round_: int, inputs: tuple[Any, Any], report: Any
-    ) -> Ahead | None:
-        """`round_`'s first fits, sent now on the global keys and broadcast `inputs` to the
+    ) -> None:
+        """Send `round_`'s first fits now, on the global keys and broadcast `inputs`, to the
         silos `alive`, if the fit needs nothing prepared and the run has that round. They run if
         `report` (the previous round's, or its ref) says it was aggregated."""
         if not self.steps.fits_alone or round_ > self.cfg.rounds:
-            return None
-        return Ahead(round_, self._fits(alive, round_, 1, inputs, after=report))
-
-    def aggregate_ahead(self, round_: int) -> None:
-        """Send `round_`'s aggregation while its fits, sent ahead, still run, with its
-        evaluations and the next round's fits after it (`_after`): the server waits for the
-        updates itself, so a worker goes from its last fit to its evaluations through the
-        server alone, not the driver too. Call it once the server has been sent the previous
-        round's checkpoint (the server runs its calls in order, and this one waits for the
-        fits). Only while every silo is alive: one that died rejoins first, then fits anew."""
-        ahead = self.ahead
-        if ahead is None or ahead.round != round_ or not self.steps.fits_alone:
             return
-        if any(p.died for p in self.parties.values()):
-            return
-        updates = {n: refs[0] for n, refs in ahead.refs.items()}
-        report, inputs = self.steps.aggregate_when_in(updates, round_)
-        handles = {n: self.parties[n].actor for n in ahead.refs}
-        evals, following = self._after(handles, handles, round_, inputs, report)
-        ahead.aggregation = Chained(report, inputs, evals, following)
-
-    def _chained_report(
-        self,
-        chained: Chained,
-        round_: int,
-        fit_refs: dict[str, list[Any]],
-        fits: dict[str, FitMetrics],
-        sent: dict[str, FitMetrics],
-        absent: dict[str, str],
-    ) -> RoundReport:
-        """The report of an aggregation sent ahead (`aggregate_ahead`). The server waited for
-        the updates by its own deadline, which began no later than the driver's: a silo it
-        names late is left out as late, and the fit of one it aggregated is taken here if the
-        driver had not seen it yet."""
-        report: RoundReport = get(chained.report, f"round {round_}: aggregation", self.timeout)
-        for name in report.late:
-            sent.pop(name, None)
-            absent[name] = late_reason(self.timeout)
-        unseen = {n: fit_refs[n][1] for n in report.accepted if n not in sent}
-        seen, _, _ = gather(unseen, self.timeout)
-        for name, metrics in seen.items():
-            fits[name] = sent[name] = metrics
-            absent.pop(name, None)
-        return report
+        self.ahead = Ahead(round_, self._fits(alive, round_, 1, inputs, after=report))
 
     def _prepare_ahead(self, alive: dict[str, Any], round_: int, inputs: tuple[Any, Any]) -> None:
         """Where a fit needs its steps prepared (secure aggregation's keys and shares): once the
         round before was aggregated and its evaluations are in, prepare `round_`'s first attempt
-        now and send its fits, as `_fits_ahead` does for fits that need nothing. A silo then
+        now and send its fits, as `_send_ahead` does for fits that need nothing. A silo then
         goes from its evaluation into its next round's preparation and fit, not waiting for the
         driver's end of round (selection, the server's checkpoint, the callbacks). Only when
         every silo is alive: one that died rejoins before a round is prepared for it."""

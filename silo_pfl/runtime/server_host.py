@@ -3,7 +3,6 @@ server's worker process starts in a fraction of a silo worker's time (a test che
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 from collections.abc import Sequence
 from typing import Any
@@ -13,7 +12,6 @@ import ray
 from silo_pfl.messages import RoundReport, SiloUpdate
 from silo_pfl.runtime import huge_pages
 from silo_pfl.runtime.metrics import ServerMetrics
-from silo_pfl.runtime.object_values import FAILURES, get_each
 from silo_pfl.secure.aggregator import SecureRoundError
 from silo_pfl.secure.messages import Advertisement, Reveal, SealedShares
 from silo_pfl.server import Server, ServerStart
@@ -64,31 +62,6 @@ class ServerHost:
         reads (call with num_returns=3): the global keys and the strategy's broadcast as they
         now are, aggregated or not."""
         return self._reported(self.server.aggregate(*(lists[a][i] for a, i in picks)))
-
-    def aggregate_when_in(
-        self,
-        round_: int,
-        timeout: float,
-        picks: Sequence[tuple[str, int, int]],
-        lists: Sequence[Any],
-    ) -> tuple[RoundReport, Any, Any]:
-        """`round_`'s aggregation, sent before its fits end: wait up to `timeout` s for the
-        workers' lists of updates (`lists`: refs, which this call waits on itself, and `picks`:
-        silo name, list, item), then aggregate what a silo sent of those that came; those that
-        did not are named `late`. A worker that died, or a silo that sent nothing (its fit
-        failed, or it withheld its update), is absent. Returns like `aggregate`."""
-        if round_ != self.server.round + 1:
-            raise RuntimeError(
-                f"server: round {round_}'s aggregation, but round {self.server.round + 1} is next"
-            )
-        ready, _ = ray.wait(list(lists), num_returns=len(lists), timeout=timeout)
-        came = set(ready)
-        arrived = [a for a, ref in enumerate(lists) if ref in came]
-        got = dict(zip(arrived, get_each([lists[a] for a in arrived]), strict=True))
-        sent = (got[a][i] for _, a, i in picks if a in got and not isinstance(got[a], FAILURES))
-        report = self.server.aggregate(*(u for u in sent if isinstance(u, SiloUpdate)))
-        late = tuple(name for name, a, _ in picks if lists[a] not in came)
-        return self._reported(dataclasses.replace(report, late=late))
 
     def unmask(self, *reveals: Reveal) -> tuple[RoundReport, Any, Any]:
         """Secure aggregation's last step; returns like `aggregate`."""
