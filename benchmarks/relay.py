@@ -70,6 +70,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("overrides", nargs="*", default=[])
     args = parser.parse_args()
+    if args.rounds < SKIP + 2:
+        parser.error(
+            f"--rounds: got {args.rounds}, expected at least {SKIP + 2} "
+            f"(rounds 1-{SKIP} are left out)"
+        )
     start_local_ray()
     print("| run | relay: median (ms) | 25th | 75th | round: median (ms) |\n|---|---|---|---|---|")
     for repeat in range(1, args.repeats + 1):
