@@ -79,6 +79,9 @@ class EvalConfig:
 
     # one of silo_pfl.selection.MODES, each described there
     selection: str = "best_mean_val"
+    # Evaluate the personalized models every this many rounds, and at the last; only those rounds
+    # can be selected. The rounds between are committed (for resume) without a model to select.
+    every: int = 1
 
 
 @dataclass
@@ -343,6 +346,7 @@ def check_ranges(cfg: FederationConfig) -> None:
         "one of " + ", ".join(SELECTION_MODES),
         cfg.eval.selection,
     )
+    _require(cfg.eval.every >= 1, "eval.every", "an integer >= 1", cfg.eval.every)
     _require(bool(cfg.name.strip()), "name", "a non-empty federation name", cfg.name)
     _require(
         cfg.ray.placement in ("any", "per_node"),

@@ -97,7 +97,8 @@ class ProgressPrinter(Callback):
         self.done_here += 1
         slowest = slowest_silo(summary)
         slow = f"slowest {slowest[0]} {slowest[1]:.2f}s" if slowest else "slowest -"
-        figures = f"val {summary.mean_val_accuracy:.3f}  {slow}"
+        val = f"{summary.mean_val_accuracy:.3f}" if summary.evaluated else "-"
+        figures = f"val {val}  {slow}"
         if summary.attempts > 1:
             figures += f"  (attempt {summary.attempts})"
         for silo, how in summary.restarted.items():

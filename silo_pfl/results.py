@@ -30,13 +30,17 @@ class RoundSummary:
     mean_train_loss: float
     mean_val_accuracy: float
     mean_test_accuracy: float
-    silos: dict[str, dict[str, float]] = field(default_factory=dict)  # the silos that evaluated
+    # the silos that committed the round: their training figures, and their validation and test
+    # accuracies if it was evaluated
+    silos: dict[str, dict[str, float]] = field(default_factory=dict)
     participants: list[str] = field(default_factory=list)  # silos whose updates were aggregated
     # silo -> why it was left out of the aggregate, or (if a participant) of the evaluation
     absent: dict[str, str] = field(default_factory=dict)
     attempts: int = 1  # 1, or more when a try had no quorum
     # silo -> how it rejoined after its process died: {round restored, local_digest, pid}
     restarted: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # False for a round between evaluations (eval.every): no silo has accuracies, the means are NaN
+    evaluated: bool = True
 
 
 @dataclass(frozen=True)

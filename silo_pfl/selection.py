@@ -6,6 +6,10 @@ Modes (eval.selection):
   best_val       each silo its own round: its best validation accuracy (ties: lower loss).
   last           the last round.
 A silo with no validation rows falls back to its last round.
+
+Only an evaluated round can be selected. With eval.every=k a round is evaluated when its number is
+a multiple of k, and the last round always is (`evaluated`); the rounds between are committed for
+resume, without a model to select.
 """
 
 from __future__ import annotations
@@ -17,6 +21,11 @@ import numpy as np
 from silo_pfl.messages import EvalMetrics
 
 MODES = ("best_mean_val", "best_val", "last")
+
+
+def evaluated(round_: int, rounds: int, every: int) -> bool:
+    """Whether round `round_` of a run of `rounds` is evaluated (eval.every=`every`)."""
+    return round_ % every == 0 or round_ >= rounds
 
 
 class Selector:

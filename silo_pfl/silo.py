@@ -522,6 +522,13 @@ class Silo:
         self._checkpoint(round_, self._evaluated_model(round_), own=self._evaluated is self.model)
         return metrics
 
+    def commit_unevaluated(self, round_: int, selected: int | None) -> None:
+        """End `round_` without evaluating it (eval.every): its checkpoint holds the silo's
+        state to resume from and no model, so the round cannot be selected. `selected` is as in
+        `evaluate_and_commit`."""
+        self._select(selected)
+        self._checkpoint(round_)
+
     def select(self, round_: int | None) -> None:
         """After the last round: the driver's final choice of this silo's model (None: none
         yet), published and checkpointed with the silo's last commit."""

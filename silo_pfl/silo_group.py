@@ -26,6 +26,7 @@ API = frozenset(
         "evaluate",
         "commit",
         "evaluate_and_commit",
+        "commit_unevaluated",
         "select",
         "restore",
         "rejoin",

@@ -82,6 +82,8 @@ def test_every_job_loads():
         (["data.source=mnist"], "data.source: got 'mnist'"),
         (["split.local=[head,tail]"], "split.local[1]: got 'tail'"),
         (["eval.selection=best_test"], "eval.selection"),
+        (["eval.every=0"], "eval.every: got 0, expected an integer >= 1"),
+        (["eval.every=often"], "eval.every"),
         (["data.val_fraction=1.5"], "data.val_fraction"),
         (["data.num_silos=3"], "data.num_silos: not an option of data.source=heart_disease"),
         (

@@ -40,8 +40,9 @@ needs_chromium = pytest.mark.skipif(
 
 @dataclass(frozen=True)
 class Runs:
-    """Three tracked runs in one store: fedper and fedavg of heart_disease, and a secure run of
-    another federation with the automatic report off."""
+    """Three tracked runs in one store: fedper and fedavg (evaluated in rounds 2 and 3 only,
+    eval.every=2) of heart_disease, and a secure run of another federation with the automatic
+    report off."""
 
     uri: str
     root: Path
@@ -67,7 +68,7 @@ def runs(ray_local, tmp_path_factory) -> Runs:
         uri,
         root,
         fedper=run(),
-        fedavg=run("algorithm.name=fedavg"),
+        fedavg=run("algorithm.name=fedavg", "eval.every=2"),
         secure=run("name=heart_secure", "aggregation.secure=true", "tracking.report=false"),
     )
 
@@ -112,7 +113,24 @@ def test_every_tracked_run_ends_with_its_report(runs):
 
 def test_the_report_a_run_writes_as_it_ends_equals_the_one_read_back_from_the_store(runs, tmp_path):
     """The tracker writes the report from the run itself, without reading the store back; the
-    same report, byte for byte, comes from what the store holds."""
+    same report, byte for byte, comes from what the store holds; also where rounds between
+    evaluations logged no accuracies (eval.every)."""
+    client = MlflowClient(runs.uri)
+    parent = client.get_run(Runs.run_id(runs.fedavg))
+    child = client.search_runs(
+        [parent.info.experiment_id],
+        f"tags.mlflow.parentRunId = '{parent.info.run_id}' and tags.silo = 'cleveland'",
+    )[0]
+    steps = {
+        key: sorted(m.step for m in client.get_metric_history(run_id, key))
+        for run_id, key in [
+            (child.info.run_id, "val_accuracy"),
+            (child.info.run_id, "bytes_sent"),
+            (parent.info.run_id, "mean_val_accuracy"),
+            (parent.info.run_id, "mean_train_loss"),
+        ]
+    }
+    assert list(steps.values()) == [[2, 3], [1, 2, 3], [2, 3], [1, 2, 3]]
     for result in (runs.fedper, runs.fedavg):
         out = tmp_path / Runs.run_id(result)
         assert main(report(runs, Runs.run_id(result), out, "--no-log")) == 0

@@ -166,14 +166,14 @@ def from_result(
     series = []
     for name, outcome in result.silos.items():
         figures = {s.round: s.silos[name] for s in result.history if name in s.silos}
-        rounds = tuple(figures)
+        rounds = tuple(r for r, f in figures.items() if "val_accuracy" in f)  # evaluated ones
         series.append(
             SiloSeries(
                 name=name,
                 rounds=rounds,
                 val_accuracy=tuple(float(figures[r]["val_accuracy"]) for r in rounds),
                 test_accuracy=tuple(float(figures[r]["test_accuracy"]) for r in rounds),
-                bytes_sent={r: float(figures[r]["bytes_sent"]) for r in rounds},
+                bytes_sent={r: float(f["bytes_sent"]) for r, f in figures.items()},
                 selected_round=int(outcome.selected_round),
                 selected_val_accuracy=float(outcome.val_accuracy),
                 selected_test_accuracy=float(outcome.test_accuracy),

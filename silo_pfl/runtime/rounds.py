@@ -43,7 +43,7 @@ from silo_pfl.results import RoundSummary
 from silo_pfl.runtime.actors import Shared, call_many, task_error_cause
 from silo_pfl.runtime.aggregation_steps import PlainSteps, Prepared, SecureSteps
 from silo_pfl.runtime.metrics import DriverMetrics, NoMetrics
-from silo_pfl.selection import Selector
+from silo_pfl.selection import Selector, evaluated
 
 log = logging.getLogger("silo_pfl.rounds")
 REJOIN_POLL_SECONDS = 0.5  # how often a restarting silo is asked again to rejoin
@@ -272,13 +272,15 @@ class RoundRunner:
         eval_refs: dict[str, list[Any]] = {}
         going_on = {n: h for n, h in live.items() if n not in died}
 
+        evaluating = evaluated(round_, self.cfg.rounds, self.cfg.eval.every)
+
         def then(report: Any, inputs: tuple[Any, Any]) -> None:  # before the report is read
             selected = {n: self.parties[n].selected for n in sent}
+            commit = ("evaluate_and_commit", inputs[0]) if evaluating else ("commit_unevaluated",)
             eval_refs.update(
                 call_many(
                     {n: live[n] for n in sent},
-                    "evaluate_and_commit",
-                    inputs[0],
+                    *commit,
                     round_,
                     per_silo=selected,
                     after=report,
@@ -306,11 +308,14 @@ class RoundRunner:
             self._prepare_ahead(live, round_ + 1, aggregated.inputs)
         for name in evals:
             self.parties[name].committed = round_
-        for name in self.selector.choose([evals[n] for n in sorted(evals)]):
-            self.parties[name].selected = round_
+        if evaluating:
+            for name in self.selector.choose([evals[n] for n in sorted(evals)]):
+                self.parties[name].selected = round_
         for name, reason in sorted(absent.items()):
             log.warning("round %d: silo %s left out: %s", round_, name, reason)
-        summary = self._summary(round_, began, attempt, report, sent, evals, absent, rejoined)
+        summary = self._summary(
+            round_, began, attempt, report, sent, evals, absent, rejoined, evaluating
+        )
         if self.ahead is not None:
             self.ahead.began = time.perf_counter()
         return summary
@@ -420,29 +425,31 @@ class RoundRunner:
         attempt: int,
         report: RoundReport,
         fits: dict[str, FitMetrics],
-        evals: dict[str, EvalMetrics],
+        evals: dict[str, EvalMetrics | None],
         absent: dict[str, str],
         rejoined: dict[str, RejoinInfo],
+        evaluating: bool,
     ) -> RoundSummary:
-        per_silo = {
-            name: {
-                "train_loss": fits[name].train_loss,
-                "train_seconds": fits[name].train_seconds,
-                "bytes_sent": float(fits[name].bytes_sent),
-                "val_accuracy": e.val_accuracy,
-                "test_accuracy": e.test_accuracy,
-            }
-            for name, e in sorted(evals.items())
-        }
+        """The round as the driver saw it; where it was not `evaluating` (eval.every), `evals`
+        holds None for each silo that committed it."""
+        per_silo: dict[str, dict[str, float]] = {}
+        for name, e in sorted(evals.items()):
+            fit = fits[name]
+            figures = {"train_loss": fit.train_loss, "train_seconds": fit.train_seconds}
+            per_silo[name] = {**figures, "bytes_sent": float(fit.bytes_sent)}
+            if e is not None:
+                per_silo[name].update(val_accuracy=e.val_accuracy, test_accuracy=e.test_accuracy)
+        scored = [e for e in evals.values() if e is not None]
         return RoundSummary(
             round=round_,
             seconds=time.perf_counter() - began,
             mean_train_loss=_mean([fits[n].train_loss for n in evals]),
-            mean_val_accuracy=_mean([e.val_accuracy for e in evals.values()]),
-            mean_test_accuracy=_mean([e.test_accuracy for e in evals.values()]),
+            mean_val_accuracy=_mean([e.val_accuracy for e in scored]),
+            mean_test_accuracy=_mean([e.test_accuracy for e in scored]),
             silos=per_silo,
             participants=list(report.accepted),
             absent=dict(sorted(absent.items())),
             attempts=attempt,
             restarted={n: dataclasses.asdict(i) for n, i in rejoined.items()},
+            evaluated=evaluating,
         )
