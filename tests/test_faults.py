@@ -244,8 +244,12 @@ def _sigkilled_then_resumed(tmp_path: Path, overrides: list[str], kill_after: in
 
 @pytest.mark.parametrize(
     "variant",
-    [["algorithm.name=fedper"], ["algorithm.name=ditto"], ["aggregation.secure=true"]],
-    ids=["fedper", "ditto", "fedper-secure"],
+    [
+        ["algorithm.name=fedper"],
+        ["algorithm.name=ditto", "eval.every=2"],  # killed after round 3, which is not evaluated
+        ["aggregation.secure=true"],
+    ],
+    ids=["fedper", "ditto-eval-every-2", "fedper-secure"],
 )
 def test_the_driver_killed_at_a_random_round_then_resumed_is_bit_exact(
     tmp_path, variant, undisturbed, mlflow_store
@@ -267,6 +271,7 @@ def test_the_driver_killed_at_a_random_round_then_resumed_is_bit_exact(
     )
     resumed = json.loads(path.read_text())
     assert [h["round"] for h in resumed["history"]] == list(range(1, ROUNDS + 1))
+    assert [h["evaluated"] for h in resumed["history"]] == [s.evaluated for s in straight.history]
     assert resumed["mean_test_accuracy"] == straight.mean_test_accuracy
     _assert_bit_equal(_final_states(resumed), _final_states(straight))
     if fedper:
