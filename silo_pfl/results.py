@@ -39,7 +39,7 @@ class RoundSummary:
     attempts: int = 1  # 1, or more when a try had no quorum
     # silo -> how it rejoined after its process died: {round restored, local_digest, pid}
     restarted: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # False for a round between evaluations (eval.every): no silo has accuracies, the means are NaN
+    # False for a round between evaluations (eval.every): no silo has accuracies; their means NaN
     evaluated: bool = True
 
 

@@ -7,9 +7,10 @@ commit); every silo fits on the global state; the fits that arrive by the deadli
 and commit (checkpoint) the round in the same call, by the deadline. That call is sent with the
 aggregation, to every silo that sent an update, and runs only for those the server's report
 names as aggregated. Selection runs on their evaluations; its choice reaches each silo with its
-next such call, or with `select` after the last round (`finish`). Without a quorum nothing is
-committed and the round is tried again, up to round.retries times; every silo then starts again
-from its last commit.
+next such call, or with `select` after the last round (`finish`). A round that is not evaluated
+(`selection.evaluated`, eval.every) sends `commit_unevaluated` instead: the silos commit without
+evaluating, and no selection runs. Without a quorum nothing is committed and the round is tried
+again, up to round.retries times; every silo then starts again from its last commit.
 
 Each step is one call per worker for all its silos (`call_many`), whose answers come back per
 silo: a round costs the driver a few calls however many silos there are. Where the fit needs
@@ -435,8 +436,11 @@ class RoundRunner:
         per_silo: dict[str, dict[str, float]] = {}
         for name, e in sorted(evals.items()):
             fit = fits[name]
-            figures = {"train_loss": fit.train_loss, "train_seconds": fit.train_seconds}
-            per_silo[name] = {**figures, "bytes_sent": float(fit.bytes_sent)}
+            per_silo[name] = {
+                "train_loss": fit.train_loss,
+                "train_seconds": fit.train_seconds,
+                "bytes_sent": float(fit.bytes_sent),
+            }
             if e is not None:
                 per_silo[name].update(val_accuracy=e.val_accuracy, test_accuracy=e.test_accuracy)
         scored = [e for e in evals.values() if e is not None]

@@ -259,7 +259,7 @@ class MlflowTracker(Callback):
                 self.client.set_tag(child, "restarts", str(self.restarts[silo]))
                 digest = summary.restarted[silo]["local_digest"]
                 self.client.set_tag(child, f"round_{step}_restored", digest)
-        logged = ROUND_MEANS if summary.evaluated else ROUND_MEANS[:1]  # no accuracies: no means
+        logged = ROUND_MEANS if summary.evaluated else ("mean_train_loss",)  # no accuracies
         means = [Metric(k, float(getattr(summary, k)), stamp, step) for k in logged]
         self._log(self.run_id, [*means, Metric("round_seconds", summary.seconds, stamp, step)])
 
