@@ -120,8 +120,14 @@ def _read(path: Path) -> dict[str, Any]:
 
 
 def check_resumable(saved: dict[str, Any], cfg: FederationConfig, path: Path) -> None:
-    """Only `rounds` may change on resume, and only upwards; any other change names its key."""
-    before_all, after_all = _flat(saved), _flat(json.loads(json.dumps(to_dict(cfg))))
+    """Only `rounds` may change on resume, and only upwards; any other change names its key.
+    A key that the version which started the run did not have yet (it is not in the saved
+    config) may stand at its default, which does what that version did (eval.every=1)."""
+    before_all, after_all = _flat(saved), _json_flat(cfg)
+    defaults = _json_flat(FederationConfig())
+    for key in after_all.keys() - before_all.keys():
+        if key in defaults and after_all[key] == defaults[key]:
+            before_all[key] = defaults[key]
     both = before_all.keys() & after_all.keys()
     # A key set in both is named before one only in either (an algorithm's added options).
     for key in sorted(before_all.keys() | after_all.keys(), key=lambda k: (k not in both, k)):
@@ -138,6 +144,11 @@ def check_resumable(saved: dict[str, Any], cfg: FederationConfig, path: Path) ->
             f"rounds: got {cfg.rounds}, but run {path.name} was started with {saved['rounds']}; "
             "on --resume rounds may only be raised"
         )
+
+
+def _json_flat(cfg: FederationConfig) -> dict[str, Any]:
+    """The config's keys and values as its saved JSON has them, flattened."""
+    return _flat(json.loads(json.dumps(to_dict(cfg))))
 
 
 def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:

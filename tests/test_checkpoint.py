@@ -25,6 +25,7 @@ from plain_federation import federation, play_round
 
 from silo_pfl import checkpoint, checkpoint_format, durable
 from silo_pfl.cli import main
+from silo_pfl.config import FederationConfig
 from silo_pfl.errors import ConfigError
 from silo_pfl.run_dir import RunDir, check_resumable
 from silo_pfl.settings import load_config
@@ -583,6 +584,28 @@ def test_resume_allows_only_more_rounds(tmp_path):
         ConfigError, match=r"^rounds: got 1, but run .* on --resume rounds may only be raised$"
     ):
         check_resumable(saved, fewer, run.path)
+
+
+def test_a_run_started_before_a_key_existed_resumes_with_that_key_at_its_default(tmp_path):
+    """A run's saved config lacks the keys added to the package since it started: they may
+    stand at their defaults (which do what the run did), and any other value is refused."""
+    cfg = load_config("jobs/heart_disease.yaml", [f"output_dir={tmp_path}"])
+    run = RunDir.create(cfg)
+    saved = run.saved_config()
+    del saved["eval"]["every"]
+    check_resumable(saved, cfg, run.path)
+    every = load_config("jobs/heart_disease.yaml", [f"output_dir={tmp_path}", "eval.every=3"])
+    with pytest.raises(ConfigError) as info:
+        check_resumable(saved, every, run.path)
+    assert str(info.value) == (
+        f"eval.every: got 3, but run {run.run_id} was started with None; on --resume only "
+        "rounds may change"
+    )
+    del saved["train"]["lr"]  # not added since: the job set it, and the run did not have it
+    lr = load_config("jobs/heart_disease.yaml", [f"output_dir={tmp_path}"]).train.lr
+    assert lr != FederationConfig().train.lr
+    with pytest.raises(ConfigError, match=r"^train.lr: got .*, but run .* started with None"):
+        check_resumable(saved, cfg, run.path)
 
 
 @pytest.mark.parametrize(
