@@ -601,9 +601,8 @@ def test_a_run_started_before_a_key_existed_resumes_with_that_key_at_its_default
         f"eval.every: got 3, but run {run.run_id} was started with None; on --resume only "
         "rounds may change"
     )
-    del saved["train"]["lr"]  # not added since: the job set it, and the run did not have it
-    lr = load_config("jobs/heart_disease.yaml", [f"output_dir={tmp_path}"]).train.lr
-    assert lr != FederationConfig().train.lr
+    del saved["train"]["lr"]  # as if the run had no train.lr: the job sets it off its default
+    assert cfg.train.lr != FederationConfig().train.lr
     with pytest.raises(ConfigError, match=r"^train.lr: got .*, but run .* started with None"):
         check_resumable(saved, cfg, run.path)
 
