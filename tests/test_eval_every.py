@@ -79,3 +79,18 @@ def test_a_run_evaluated_every_third_round_trains_as_one_evaluated_every_round(j
 
     a, b = np.load(every.global_state_path), np.load(third.global_state_path)
     assert a.files == b.files and all(np.array_equal(a[k], b[k]) for k in a.files)
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_run_resumed_with_more_rounds_evaluates_its_old_last_round_and_the_new_ones(job):
+    """The old last round was evaluated as the last; the rounds after it follow the rule with
+    the new last round, and selection chooses among all the evaluated ones."""
+    overrides = (*HEART, "eval.every=3", "eval.selection=best_val")
+    first = Federation(job(*overrides, "rounds=4")).run()
+    assert [s.evaluated for s in first.history] == [False, False, True, True]
+    longer = Federation(job(*overrides, "rounds=7")).run(resume=True)
+    assert [s.round for s in longer.history] == list(range(1, 8))
+    assert [s.evaluated for s in longer.history] == [r in (3, 4, 6, 7) for r in range(1, 8)]
+    for silo, outcome in longer.silos.items():
+        val = {s.round: s.silos[silo]["val_accuracy"] for s in longer.history if s.evaluated}
+        assert outcome.selected_round in val and outcome.val_accuracy == max(val.values())
