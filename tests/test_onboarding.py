@@ -76,6 +76,22 @@ def test_a_silo_the_federation_never_saw_joins_registers_and_serves(tmp_path, ml
         predictions = predict(url, data.raw_columns, data.x_test_raw.tolist())
     assert float(np.mean(predictions == data.y_test)) == pytest.approx(silo["test_accuracy"])
 
+    # eval.every=4: the same local training, evaluated in rounds 4, 8 and 10 only, each scoring
+    # exactly as above; the joining silo and its baseline select among those rounds.
+    sparse = tmp_path / "sparse.json"
+    assert main([*args, "eval.every=4", "--quiet", "--results", str(sparse)]) == 0
+    every = json.loads(sparse.read_text())
+    scored = {h["round"]: h for h in result["history"]}
+    assert [h["round"] for h in every["history"] if h["evaluated"]] == [4, 8, 10]
+    for h in every["history"]:
+        assert h["silos"][NEW]["train_loss"] == scored[h["round"]]["silos"][NEW]["train_loss"]
+        if h["evaluated"]:
+            assert h["mean_test_accuracy"] == scored[h["round"]]["mean_test_accuracy"]
+        else:
+            assert "val_accuracy" not in h["silos"][NEW] and np.isnan(h["mean_val_accuracy"])
+    assert every["silos"][NEW]["selected_round"] in (4, 8, 10)
+    assert every["onboard"]["alone_selected_round"] in (4, 8, 10)
+
     capsys.readouterr()
     _one_line_error(
         main(["onboard", SKEW, "--silo", "silo_0", runs, *DATA]),

@@ -2,8 +2,9 @@
 
 The silo's actor loads its own data there and builds the federation's model and split. Each
 round it runs its algorithm's local procedure with the global keys frozen at the trained
-federation's (`Silo.adapt`), then evaluates and commits, exactly as a founding silo does; its
-model is selected on its validation rows. Beside it, unless told otherwise, a second actor on the
+federation's (`Silo.adapt`), then, in the rounds eval.every evaluates, evaluates and commits,
+and in the rounds between commits without evaluating, exactly as a founding silo does; its model
+is selected on its validation rows. Beside it, unless told otherwise, a second actor on the
 same node trains the same silo alone (algorithm `local`) for the same rounds: the baseline a silo
 decides to join on. At the end the joining silo runs its exporters (its model is registered like
 a founder's, tagged joined=onboard); the baseline's model is only reported.
@@ -29,7 +30,7 @@ from silo_pfl.runtime.actors import get, start_silo, stop
 from silo_pfl.runtime.exporting import attach_exporters, export
 from silo_pfl.runtime.placement import LABEL_WAIT_SECONDS, check_labels, silo_selector
 from silo_pfl.runtime.session import ray_session
-from silo_pfl.selection import Selector
+from silo_pfl.selection import Selector, evaluated
 from silo_pfl.tracking.registry import ONBOARD
 from silo_pfl.tracking.trained_run import TrainedRun
 
@@ -103,8 +104,8 @@ class Onboarding:
                     self._emit("on_round_start", round_)
                     began = time.perf_counter()
                     evals = self._round(actors, states, selectors, round_)
-                    fit, evaluated = evals[name]
-                    history.append(_summary(round_, began, fit, evaluated))
+                    fit, evaluation = evals[name]
+                    history.append(_summary(round_, began, fit, evaluation))
                     self._emit("on_round_end", history[-1])
                 outcomes: list[SiloOutcome] = get(
                     [actors[r].outcome.remote() for r in roles], "silo outcome", timeout
@@ -137,29 +138,35 @@ class Onboarding:
         states: dict[str, Any],
         selectors: dict[str, Selector],
         round_: int,
-    ) -> dict[str, tuple[FitMetrics, EvalMetrics]]:
-        """One round for the joining silo and its baseline side by side: adapt, evaluate,
-        select on validation, commit."""
+    ) -> dict[str, tuple[FitMetrics, EvalMetrics | None]]:
+        """One round for the joining silo and its baseline side by side: adapt, then, in a
+        round eval.every evaluates, evaluate, select on validation and commit; in a round
+        between evaluations, commit without evaluating (the choice so far stands)."""
         timeout = self.cfg.round.timeout_s
         roles = list(actors)
+        names = [f"silo {r}" for r in roles]
         state = [states[self.silo if r == self.silo else ALONE] for r in roles]
         fits = get(
             [actors[r].adapt.remote(s, round_) for r, s in zip(roles, state, strict=True)],
             f"round {round_}: silo training",
             timeout,
-            [f"silo {r}" for r in roles],
+            names,
         )
+        if not evaluated(round_, self.cfg.rounds, self.cfg.eval.every):
+            commits = [actors[r].commit_unevaluated.remote(round_, None) for r in roles]
+            get(commits, f"round {round_}: silo commit", timeout, names)
+            return {r: (f, None) for r, f in zip(roles, fits, strict=True)}
         evals = get(
             [actors[r].evaluate.remote(s, round_) for r, s in zip(roles, state, strict=True)],
             f"round {round_}: silo evaluation",
             timeout,
-            [f"silo {r}" for r in roles],
+            names,
         )
         commits = [
             actors[r].commit.remote(round_, bool(selectors[r].choose([e])))
             for r, e in zip(roles, evals, strict=True)
         ]
-        get(commits, f"round {round_}: silo commit", timeout, [f"silo {r}" for r in roles])
+        get(commits, f"round {round_}: silo commit", timeout, names)
         return {r: (f, e) for r, f, e in zip(roles, fits, evals, strict=True)}
 
     def _report(self, joined: SiloOutcome, alone: SiloOutcome | None) -> dict[str, Any]:
@@ -186,21 +193,22 @@ class Onboarding:
         return report
 
 
-def _summary(round_: int, began: float, fit: FitMetrics, evaluated: EvalMetrics) -> RoundSummary:
-    """The joining silo's round, in the shape of a federation round (it aggregates nothing)."""
+def _summary(
+    round_: int, began: float, fit: FitMetrics, evaluation: EvalMetrics | None
+) -> RoundSummary:
+    """The joining silo's round, in the shape of a federation round (it aggregates nothing);
+    a round between evaluations (eval.every) has no accuracies."""
+    figures = {"train_loss": fit.train_loss, "train_seconds": fit.train_seconds, "bytes_sent": 0.0}
+    val = test = float("nan")
+    if evaluation is not None:
+        val, test = evaluation.val_accuracy, evaluation.test_accuracy
+        figures.update(val_accuracy=val, test_accuracy=test)
     return RoundSummary(
         round=round_,
         seconds=time.perf_counter() - began,
         mean_train_loss=fit.train_loss,
-        mean_val_accuracy=evaluated.val_accuracy,
-        mean_test_accuracy=evaluated.test_accuracy,
-        silos={
-            fit.silo: {
-                "train_loss": fit.train_loss,
-                "train_seconds": fit.train_seconds,
-                "bytes_sent": 0.0,
-                "val_accuracy": evaluated.val_accuracy,
-                "test_accuracy": evaluated.test_accuracy,
-            }
-        },
+        mean_val_accuracy=val,
+        mean_test_accuracy=test,
+        silos={fit.silo: figures},
+        evaluated=evaluation is not None,
     )
