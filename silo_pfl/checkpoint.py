@@ -243,11 +243,14 @@ def load_shared(directory: Path, round_: int, digest: str) -> Any:
     return load(directory, round_, digest)
 
 
-def load_latest(directory: Path) -> tuple[int, Any] | None:
-    """The newest good checkpoint; a newer partial or corrupted one is logged and skipped."""
+def load_latest(directory: Path, skipped: list[str] | None = None) -> tuple[int, Any] | None:
+    """The newest good checkpoint; a newer partial or corrupted one is logged, its line added
+    to `skipped` if given, and skipped."""
     for round_ in reversed(rounds(directory)):
         try:
             return round_, load(directory, round_)
         except CheckpointError as exc:
             log.warning("%s; using the previous round's", exc)
+            if skipped is not None:
+                skipped.append(str(exc))
     return None

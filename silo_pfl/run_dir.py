@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,14 +87,19 @@ class RunDir:
         latest = max(runs, key=lambda p: (_read(p / RUN_FILE).get("started_ns", 0), p.name))
         return cls(latest.name, latest)
 
-    def started_again(self, cfg: FederationConfig) -> RunDir:
-        """Record the config this run resumes with (it may have raised `rounds`)."""
+    def started_again(self, cfg: FederationConfig) -> None:
+        """Record the config this run resumes with (it may have raised `rounds`), once it has
+        been restored: a resume that fails before leaves the run as it was, result included."""
         record = _read(self.path / RUN_FILE)
         record["config"] = to_dict(cfg)
         record["resumed_ns"] = [*record.get("resumed_ns", []), time.time_ns()]
         write_json_atomic(self.path / RUN_FILE, record)
         (self.path / RESULT_FILE).unlink(missing_ok=True)
-        return self
+
+    def discard(self) -> None:
+        """Remove a fresh run's directory (on this node) after it failed with nothing to
+        resume from."""
+        shutil.rmtree(self.path, ignore_errors=True)
 
     def saved_config(self) -> dict[str, Any]:
         """The resolved config the run started with."""
@@ -113,10 +119,14 @@ def _where(cfg: FederationConfig, parent: Path) -> str:
 
 
 def _read(path: Path) -> dict[str, Any]:
+    """A run's run.json: an object with the run's config."""
     try:
-        return json.loads(path.read_text())
+        record = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"--resume: {path} cannot be read ({exc})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
+        raise ConfigError(f"--resume: {path} is not a run's record (a JSON object with its config)")
+    return record
 
 
 def check_resumable(saved: dict[str, Any], cfg: FederationConfig, path: Path) -> None:

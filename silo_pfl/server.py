@@ -297,8 +297,10 @@ class Server:
 
     def resume(self) -> dict[str, Any]:
         """Load the newest good checkpoint; return the driver's part of it, with the history of
-        the rounds it covers."""
-        found = checkpoint.load_latest(self.dir)
+        the rounds it covers and a line for each newer checkpoint skipped as partial or
+        corrupted ("skipped")."""
+        skipped: list[str] = []
+        found = checkpoint.load_latest(self.dir, skipped)
         if found is None:
             raise checkpoint.CheckpointError(f"server: no good checkpoint in {self.dir}")
         round_, saved = found
@@ -313,7 +315,7 @@ class Server:
         self.state, self.round = loaded, round_
         self.strategy.load_state_dict({k: _arrays(v) for k, v in saved["strategy"].items()})
         self.optimizer.load_state_dict({k: _arrays(v) for k, v in saved["optimizer"].items()})
-        driver = saved["driver"]
+        driver = {**saved["driver"], "skipped": skipped}
         if "history" in driver:  # a checkpoint from before the round log held the history
             self.history.rewrite(driver["history"])
             return driver

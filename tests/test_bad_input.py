@@ -72,6 +72,11 @@ def run(capsys, tmp_path: Path, config: str | Path, *overrides: str, tracked: bo
     return code, captured.out, captured.err
 
 
+def no_run_left(tmp_path: Path) -> bool:
+    """A run that failed before its first checkpoint left no directory for --resume to find."""
+    return [p for p in (tmp_path / "runs").glob("*/*")] == []
+
+
 def assert_one_line(code: int, err: str, expected_code: int, *parts: str) -> str:
     """Exit code, and stderr exactly one line `error: ...` holding every part; the message."""
     assert code == expected_code, err
@@ -327,6 +332,7 @@ def test_bad_silo_file_is_one_line_naming_silo_and_file(
     message = assert_one_line(code, err, 1)
     assert message == f"silo hungarian, file {tmp_path}/{expected}"
     assert "round 1" not in out
+    assert no_run_left(tmp_path)
 
 
 @pytest.mark.slow
@@ -380,6 +386,7 @@ def test_split_without_the_keys_the_algorithm_needs(
     code, out, err = run(capsys, tmp_path, csv_job(tmp_path, None), *overrides)
     assert assert_one_line(code, err, 2).startswith(expected)
     assert "round 1" not in out
+    assert no_run_left(tmp_path)
 
 
 # 5. A silo left with no rows to train on. `holdout` always leaves a row behind, so no fractions

@@ -9,6 +9,7 @@ last commit, the callbacks' state such as the MLflow run id).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -54,9 +55,11 @@ class Orchestrator:
         self.callbacks = list(callbacks)
         self.resume = resume  # True: the latest run of this federation; a str: that run id
         self.run_dir = self._run_dir()
+        self.resumable = bool(resume)  # whether the run's directory has a round to resume from
 
     def _run_dir(self) -> RunDir:
-        """A fresh run's directory, or the run to resume after checking its config."""
+        """A fresh run's directory, or the run to resume after checking its config (the run
+        records that it resumed once it has been restored)."""
         if not self.resume:
             return RunDir.create(self.cfg)
         run = RunDir.find(self.cfg, self.resume if isinstance(self.resume, str) else None)
@@ -67,7 +70,7 @@ class Orchestrator:
                 f"--resume: run {run.run_id} already finished its {saved['rounds']} rounds; "
                 "raise rounds= to train longer"
             )
-        return run.started_again(self.cfg)
+        return run
 
     @property
     def timeout(self) -> float:
@@ -87,7 +90,16 @@ class Orchestrator:
 
     def run(self) -> FederationResult:
         """Set up every silo and the server (or restore them), run the rounds, collect each
-        silo's outcome."""
+        silo's outcome. A fresh run that fails before its first checkpoint leaves no directory
+        (on this node) for --resume to find."""
+        try:
+            return self._run()
+        except BaseException:
+            if not self.resumable:
+                self.run_dir.discard()
+            raise
+
+    def _run(self) -> FederationResult:
         run_id = self.run_dir.run_id
         metrics, tags = driver_metrics(self.cfg, run_id)
         keep = ray.is_initialized()  # Ray outlives the run: its workers may serve the next one
@@ -119,11 +131,13 @@ class Orchestrator:
                 history: list[RoundSummary] = []
                 if resuming:
                     self._restore(server, parties, selector, history)
+                    self.run_dir.started_again(self.cfg)
                 self._emit("on_start", self.cfg, infos, split)
                 if resuming:
                     self._emit("on_resumed", list(history))
                 else:
                     self._checkpoint(server, 0, parties, selector, history)
+                    self.resumable = True
                 exporting = attach_exporters(self.callbacks, infos, actors, self.timeout)
                 rejoin = Rejoin(input_shape, num_classes, identity_keys, exporting)
                 runner = RoundRunner(self.cfg, server, parties, rejoin, selector, metrics)
@@ -202,6 +216,9 @@ class Orchestrator:
         """Resume from the server's newest good checkpoint: every silo restores its own commit
         of that round from its own directory, the driver its bookkeeping."""
         saved = get(server.resume.remote(), "resume: the server's checkpoint", self.timeout)
+        for line in saved["skipped"]:
+            round_ = len(saved["history"])
+            print(f"warning: {line}; resuming from round {round_}", file=sys.stderr, flush=True)
         history.extend(RoundSummary(**s) for s in saved["history"])
         selector.best = {k: (float(v[0]), float(v[1])) for k, v in saved["selector"].items()}
         for name, party in parties.items():

@@ -152,14 +152,17 @@ def _local_path(location: str) -> Path | None:
 
 
 def _writable_dir(path: Path, key: str) -> None:
-    """Create the artifact directory on demand and prove a file can be written there."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
+    """Prove the artifact directory can be written in, or, while it does not exist, made (in
+    its nearest existing parent) without making it: MLflow makes it when it first writes."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
         raise ConfigError(
-            f"{key}: artifact location {path} cannot be created ({exc.strerror or one_line(exc)})"
-        ) from None
-    _probe(path, f"{key}: artifact location {path} is not writable")
+            f"{key}: artifact location {path} cannot be created ({existing} is not a directory)"
+        )
+    where = "is not writable" if existing == path else f"cannot be created in {existing}"
+    _probe(existing, f"{key}: artifact location {path} {where}")
 
 
 def _probe(directory: Path, message: str) -> None:

@@ -1,0 +1,87 @@
+"""A `--resume` that fails leaves the run as it was (its record, its result, its MLflow runs); a
+partial newest checkpoint is named on stderr and the round before it resumed; a run.json that is
+not a run's record is named in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from mlflow import MlflowClient
+
+from silo_pfl.cli import main
+from silo_pfl.run_dir import RESULT_FILE, RUN_FILE
+
+JOB = "jobs/heart_disease.yaml"
+FEDERATION = "heart_disease"
+
+
+def test_a_run_json_that_is_not_a_record_is_named(tmp_path, capsys):
+    run = tmp_path / FEDERATION / "20261206-000000-bad003"
+    run.mkdir(parents=True)
+    (run / RUN_FILE).write_text("[1, 2]")
+    code = main(["run", JOB, f"output_dir={tmp_path}", "--resume", run.name])
+    assert code == 2
+    assert capsys.readouterr().err == (
+        f"error: --resume: {run / RUN_FILE} is not a run's record (a JSON object with its config)\n"
+    )
+
+
+@pytest.mark.slow
+def test_a_failed_resume_changes_nothing_and_a_partial_checkpoint_is_named(
+    ray_local, tmp_path, capsys, mlflow_store
+):
+    out = f"output_dir={tmp_path}"
+    assert main(["run", JOB, "rounds=2", out, "--quiet"]) == 0
+    capsys.readouterr()
+    (finished,) = (tmp_path / FEDERATION).iterdir()
+    client = MlflowClient(mlflow_store)
+    parent = json.loads((finished / RESULT_FILE).read_text())["mlflow"]["run_id"]
+    assert client.get_run(parent).info.status == "FINISHED"
+
+    # The server restores round 2, the driver its MLflow runs; silo va cannot restore.
+    damaged = finished / "silos" / "va" / "checkpoints" / "round-000002.ckpt"
+    damaged.write_bytes(b"garbage")
+    record = (finished / RUN_FILE).read_bytes()
+    code = main(["run", JOB, "rounds=3", out, "--quiet", "--resume", finished.name])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith(f"error: checkpoint {damaged}: ") and err.count("\n") == 1
+    assert (finished / RESULT_FILE).is_file() and (finished / RUN_FILE).read_bytes() == record
+    assert client.get_run(parent).info.status == "FINISHED"
+
+    # A run whose newest server checkpoint is cut short resumes from the round before it.
+    out = f"output_dir={tmp_path / 'cut'}"
+    assert main(["run", JOB, "rounds=2", out, "--quiet", "tracking.enabled=false"]) == 0
+    (run,) = (tmp_path / "cut" / FEDERATION).iterdir()
+    newest = run / "server" / "round-000002.ckpt"
+    newest.write_bytes(newest.read_bytes()[:50])
+    capsys.readouterr()
+    argv = ["run", JOB, "rounds=3", out, "--quiet", "tracking.enabled=false", "--resume", run.name]
+    assert main(argv) == 0
+    lines = capsys.readouterr().err.splitlines()
+    warned = [line for line in lines if str(newest) in line]
+    assert len(warned) == 1 and warned[0].startswith("warning: checkpoint "), lines
+    assert warned[0].endswith("; resuming from round 1"), warned
+    result = json.loads((run / RESULT_FILE).read_text())
+    assert [h["round"] for h in result["history"]] == [1, 2, 3]
+
+
+def test_a_run_refused_at_load_makes_no_artifact_directory(tmp_path, capsys, mlflow_store):
+    code = main(["run", JOB, f"output_dir={tmp_path / 'runs'}", "--resume"])
+    assert code == 2 and capsys.readouterr().err.startswith("error: --resume: no run of ")
+    assert not (tmp_path / "mlartifacts").exists() and not (tmp_path / "runs").exists()
+
+
+def test_an_artifact_location_under_a_file_is_refused_naming_it(tmp_path):
+    from silo_pfl.errors import ConfigError
+    from silo_pfl.tracking.store import check_artifact_dir
+
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError) as info:
+        check_artifact_dir(str(tmp_path / "a_file" / "artifacts"), "tracking.uri")
+    assert str(info.value) == (
+        f"tracking.uri: artifact location {tmp_path}/a_file/artifacts cannot be created "
+        f"({tmp_path}/a_file is not a directory)"
+    )
+    check_artifact_dir(str(tmp_path / "new" / "artifacts"), "tracking.uri")
+    assert not (tmp_path / "new").exists()
