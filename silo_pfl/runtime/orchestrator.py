@@ -25,11 +25,12 @@ from silo_pfl.results import FederationResult, RoundSummary, SiloResult
 from silo_pfl.run_dir import RESULT_FILE, RunDir, check_resumable
 from silo_pfl.runtime.actors import get, start_server, start_silos, stop
 from silo_pfl.runtime.exporting import attach_exporters, export
-from silo_pfl.runtime.metrics import driver_metrics, export_interval
+from silo_pfl.runtime.metrics import driver_metrics, export_interval, ray_address
 from silo_pfl.runtime.packing import pack
 from silo_pfl.runtime.placement import (
     LABEL_WAIT_SECONDS,
     check_labels,
+    check_local_cpus,
     server_selector,
     silo_selector,
 )
@@ -114,7 +115,10 @@ class Orchestrator:
             check_labels({**selectors, "the server": server_selector(self.cfg)}, LABEL_WAIT_SECONDS)
             try:
                 actors["__server__"] = server = start_server(self.cfg, config, run_id, tags, keep)
-                groups = pack(self.cfg, names, ray.cluster_resources().get("CPU", 1))
+                cpus = ray.cluster_resources().get("CPU", 1)
+                if ray_address(self.cfg.ray.address) is None:
+                    check_local_cpus(self.cfg, len(names), cpus)
+                groups = pack(self.cfg, names, cpus)
                 actors.update(start_silos(self.cfg, config, groups, run_id, tags, keep))
                 resuming = bool(self.resume)
                 infos = self._each(actors, names, "setup", "silo set-up", resuming)

@@ -74,3 +74,16 @@ def check_labels(selectors: Mapping[str, Mapping[str, str] | None], wait: float)
             f"{wait:.0f} s); start its node with `ray start --labels={_describe(selector)}` "
             "or change the label"
         )
+
+
+def check_local_cpus(cfg: FederationConfig, workers: int, cpus: float) -> None:
+    """On a local Ray (`ray.address` unset; nothing joins it), the CPUs the silos' workers
+    reserve (ray.silo_cpus per silo, `workers` silos or baselines) fit in its `cpus`: one that
+    does not would wait for them until its call timed out."""
+    need = cfg.ray.silo_cpus * workers
+    if need > cpus:
+        raise FederationError(
+            f"ray.silo_cpus: got {cfg.ray.silo_cpus:g}, which reserves {need:g} CPUs for "
+            f"{workers} silos, but the local Ray has {cpus:g}; expected at most "
+            f"{cpus / workers:g}, or 0 to let silos share cores"
+        )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +36,8 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
         yield
         return
     address = ray_address(cfg.address)
+    if address is not None:
+        check_reachable(address)
     try:
         if address is None:
             ensure_local_token()
@@ -63,6 +66,26 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
             shutdown_local()
         else:
             ray.shutdown()
+
+
+REACH_SECONDS = 10.0  # how long a cluster's address may take to accept a connection
+
+
+def check_reachable(address: str, timeout: float = REACH_SECONDS) -> None:
+    """A cluster's `host:port` (or `ray://host:port`) accepts a TCP connection within `timeout`:
+    Ray itself retries an address nothing listens on for minutes. A one-line FederationError
+    otherwise; any other form of address ("auto") is left to Ray."""
+    host, sep, port = address.split("://", 1)[-1].rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise FederationError(
+            f"ray.address: nothing accepts a connection at {address} "
+            f"({exc.strerror or type(exc).__name__}); expected a running cluster's head, "
+            "host:port (e.g. 10.0.0.1:6379)"
+        ) from None
 
 
 def shutdown_local() -> None:
