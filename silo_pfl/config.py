@@ -9,6 +9,7 @@ Every error is a ConfigError whose one-line message names the key and says what 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -297,7 +298,10 @@ def read_yaml(path: Path) -> DictConfig:
 
     try:
         text = path.read_text(encoding="utf-8")
-        loaded = OmegaConf.load(path)
+        # OmegaConf reads a scalar on top as a key (or fails naming its type): refused below.
+        # Composed by the parser OmegaConf's loader is built on, so syntax errors read the same.
+        top = yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        loaded = OmegaConf.load(path) if top is None or isinstance(top, yaml.MappingNode) else None
     except UnicodeDecodeError:
         raise ConfigError(f"config file {path}: is not a UTF-8 text file") from None
     except OSError as exc:
@@ -324,6 +328,22 @@ def _require(condition: bool, key: str, allowed: str, value: Any) -> None:
         raise ConfigError(f"{key}: got {value!r}, expected {allowed}")
 
 
+# What a name that becomes a path component, an MLflow name and a Ray label value may be.
+NAME_RULE = (
+    "1 to 63 letters, digits, '_', '-' or '.', starting and ending with a letter or digit, "
+    "without '..', e.g. heart_disease"
+)
+
+
+def check_name(value: object, key: str, what: str = "") -> None:
+    """A federation's or a silo's name: a directory (<output_dir>/<name>, silos/<silo>), part of
+    MLflow names (`<federation>-<silo>`) and a Ray label value (silo=<silo>); `what` describes
+    the value in the error, e.g. "silo name "."""
+    text = str(value)
+    if not _LABEL_NAME.fullmatch(text) or ".." in text:
+        raise ConfigError(f"{key}: got {what}{text!r}, expected {NAME_RULE}")
+
+
 def check_ranges(cfg: FederationConfig) -> None:
     models = builtin_names.MODELS
     _require(cfg.model.name in models, "model.name", "one of " + ", ".join(models), cfg.model.name)
@@ -335,9 +355,9 @@ def check_ranges(cfg: FederationConfig) -> None:
     _require(cfg.rounds >= 1, "rounds", "an integer >= 1", cfg.rounds)
     _require(t.local_epochs >= 0, "train.local_epochs", "an integer >= 0", t.local_epochs)
     _require(t.batch_size >= 1, "train.batch_size", "an integer >= 1", t.batch_size)
-    _require(t.lr > 0, "train.lr", "a number > 0", t.lr)
-    _require(t.momentum >= 0, "train.momentum", "a number >= 0", t.momentum)
-    _require(t.weight_decay >= 0, "train.weight_decay", "a number >= 0", t.weight_decay)
+    _require(0 < t.lr < math.inf, "train.lr", "a number > 0", t.lr)
+    _require(0 <= t.momentum < 1, "train.momentum", "0 <= value < 1", t.momentum)
+    _require(0 <= t.weight_decay < math.inf, "train.weight_decay", "a number >= 0", t.weight_decay)
     _require(t.optimizer in ("sgd", "adam"), "train.optimizer", "one of sgd, adam", t.optimizer)
     _require(t.torch_threads >= 1, "train.torch_threads", "an integer >= 1", t.torch_threads)
     _require(
@@ -347,7 +367,7 @@ def check_ranges(cfg: FederationConfig) -> None:
         cfg.eval.selection,
     )
     _require(cfg.eval.every >= 1, "eval.every", "an integer >= 1", cfg.eval.every)
-    _require(bool(cfg.name.strip()), "name", "a non-empty federation name", cfg.name)
+    check_name(cfg.name, "name")
     _require(
         cfg.ray.placement in ("any", "per_node"),
         "ray.placement",
@@ -391,10 +411,10 @@ def check_ranges(cfg: FederationConfig) -> None:
         )
     server = cfg.server
     if server.lr is not None:
-        _require(server.lr > 0, "server.lr", "a number > 0, or null", server.lr)
+        _require(0 < server.lr < math.inf, "server.lr", "a number > 0, or null", server.lr)
     _require(0 <= server.beta1 < 1, "server.beta1", "0 <= value < 1", server.beta1)
     _require(0 <= server.beta2 < 1, "server.beta2", "0 <= value < 1", server.beta2)
-    _require(server.tau > 0, "server.tau", "a number > 0", server.tau)
+    _require(0 < server.tau < math.inf, "server.tau", "a number > 0", server.tau)
     _require(cfg.ray.silo_cpus >= 0, "ray.silo_cpus", "a number >= 0", cfg.ray.silo_cpus)
     per_worker = cfg.ray.silos_per_worker
     _require(

@@ -10,13 +10,16 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
 from silo_pfl.algorithms import Algorithm, algorithm_config, build_algorithm
 from silo_pfl.config import (
     FederationConfig,
+    ModelConfig,
     SiloConfig,
+    check_name,
     check_node_label,
     merge_config,
     read_yaml,
@@ -49,6 +52,7 @@ def build_config(
     _import_plugins(cfg.plugins)
     cfg.data = data_config(cfg.data)
     cfg.algorithm = algorithm_config(cfg.algorithm)
+    _check_finite(cfg.algorithm)
     _check_model(cfg)
     if cfg.split.local is not None:
         parse_rules(cfg.split.local)
@@ -90,9 +94,34 @@ def resolved_config(cfg: FederationConfig) -> dict[str, Any]:
 
 
 def _check_split(cfg: FederationConfig, algorithm: Algorithm) -> None:
-    """The split rules against the model's keys, and the algorithm's needs of the split."""
+    """The split rules against the model's keys, and the algorithm's needs of the split; one that
+    fails only because model.hidden=[] left the model its head alone names model.hidden."""
+    try:
+        _probe_split(cfg, algorithm, cfg.model.hidden)
+    except ConfigError as exc:
+        default = ModelConfig().hidden
+        if cfg.model.hidden or not _split_holds(cfg, algorithm, default):
+            raise
+        reason = str(exc).split("; ")[0].removeprefix("split.local: ")
+        raise ConfigError(
+            f"model.hidden: got [], so model {cfg.model.name} has no hidden layer, only its head, "
+            f"and {reason}; give it a hidden layer, e.g. model.hidden={default}"
+        ) from None
+
+
+def _split_holds(cfg: FederationConfig, algorithm: Algorithm, hidden: list[int]) -> bool:
+    """Whether the split checks pass on the model built with `hidden`."""
+    try:
+        _probe_split(cfg, algorithm, hidden)
+    except ConfigError:
+        return False
+    return True
+
+
+def _probe_split(cfg: FederationConfig, algorithm: Algorithm, hidden: list[int]) -> None:
+    """The split rules and the algorithm's needs checked on the model built with `hidden`."""
     shape = _PROBE_SHAPES.get(cfg.model.name, (1,))
-    model = build_model(cfg.model.name, shape, 2, cfg.model.hidden, cfg.model.adapter_dim)
+    model = build_model(cfg.model.name, shape, 2, hidden, cfg.model.adapter_dim)
     try:
         split = compute_split(algorithm.prepare_model(model), split_rules(cfg))
     except ConfigError as exc:
@@ -116,6 +145,19 @@ def _import_plugins(modules: list[str]) -> None:
                 f"plugins[{index}]: cannot import {module!r} ({typed_line(exc)}); expected an "
                 "importable module name, e.g. my_team.algorithms"
             ) from None
+
+
+def _check_finite(sections: dict[str, Any]) -> None:
+    """Every number in an algorithm's options is finite (their own checks are bounds only)."""
+    for name, params in sections.items():
+        if not dataclasses.is_dataclass(params):
+            continue
+        for option in dataclasses.fields(params):
+            value = getattr(params, option.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(
+                    f"algorithm.{name}.{option.name}: got {value}, expected a finite number"
+                )
 
 
 def _check_model(cfg: FederationConfig) -> None:
@@ -184,10 +226,14 @@ def _warn_secure_only(cfg: FederationConfig) -> None:
 
 
 def _check_silos(cfg: FederationConfig) -> None:
-    """silos.<name> must name a silo of this federation; store URIs must be usable; secure
-    aggregation's settings must fit its silos."""
+    """Every silo's name must be fit for paths (config.check_name); silos.<name> must name a silo
+    of this federation; store URIs must be usable; secure aggregation's settings must fit its
+    silos."""
     from silo_pfl.tracking.uri import check_uri, resolve_uri
 
+    given = getattr(cfg.data, "paths", None) or {}
+    for silo in all_silo_names(cfg.data):
+        check_name(silo, "data.paths" if silo in given else "data.source", "silo name ")
     names = silo_names(cfg.data)
     quorum = cfg.round.min_silos
     if quorum is not None and not 1 <= quorum <= len(names):

@@ -2,7 +2,9 @@
 
 The default store is embedded: `sqlite:///mlflow.db` in the working directory (or
 $MLFLOW_TRACKING_URI when set). A SQLite store keeps its artifacts beside the database, in
-`<db dir>/mlartifacts/<experiment>`, created on demand, so nothing has to be started.
+`<db dir>/mlartifacts/<experiment>`, created on demand, so nothing has to be started. MLflow's
+file store (`file:` URIs, and plain paths, which MLflow reads as one) is in maintenance mode and
+refuses to open, so neither is taken.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ DEFAULT_URI = "sqlite:///mlflow.db"
 ENV_URI = "MLFLOW_TRACKING_URI"
 ARTIFACTS_DIR = "mlartifacts"
 SQLITE_PREFIX = "sqlite:///"
-SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "file", "databricks")
+SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")
 EXAMPLES = "e.g. sqlite:///mlflow.db or http://host:5000"
+FILE_STORE = "; MLflow's file store is retired, a local store is sqlite:///PATH"
 
 
 def check_uri(uri: str, key: str) -> str:
@@ -27,9 +30,10 @@ def check_uri(uri: str, key: str) -> str:
     uri = str(uri).strip()
     scheme = urlsplit(uri).scheme.split("+")[0]
     if scheme not in SCHEMES:
+        retired = FILE_STORE if scheme in ("", "file") else ""
         raise ConfigError(
             f"{key}: got {uri!r}, expected an MLflow store URI with a scheme among "
-            f"{', '.join(SCHEMES)} ({EXAMPLES})"
+            f"{', '.join(SCHEMES)} ({EXAMPLES}){retired}"
         )
     if scheme == "sqlite" and sqlite_target(uri) in ("", ":memory:"):
         raise ConfigError(f"{key}: got {uri!r}, expected sqlite:///PATH to a database file")
@@ -54,7 +58,9 @@ def resolve_uri(uri: str | None, key: str) -> str:
     A relative SQLite path is made absolute against the driver's working directory, so that every
     process of the run (silo actors too) opens the same database.
     """
-    chosen = check_uri(uri or os.environ.get(ENV_URI) or DEFAULT_URI, key)
+    if not uri and os.environ.get(ENV_URI):
+        uri, key = os.environ[ENV_URI], f"{key} (from ${ENV_URI})"
+    chosen = check_uri(uri or DEFAULT_URI, key)
     path = sqlite_path(chosen)
     if path is not None and not path.is_absolute():
         query = chosen[len(SQLITE_PREFIX) + len(sqlite_target(chosen)) :]

@@ -1,0 +1,173 @@
+"""Inputs a user audit found unchecked: each is now one line at load naming the key and what is
+allowed, in process and without Ray."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from silo_pfl.cli import main
+from silo_pfl.config import check_name
+from silo_pfl.errors import ConfigError
+from silo_pfl.settings import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = str(ROOT / "jobs" / "heart_disease.yaml")  # mlp, fedper
+QUIET = ["tracking.enabled=false"]
+
+
+def refused(*overrides: str, job: str | Path = JOB) -> str:
+    """The one-line ConfigError that loading `job` with `overrides` raises."""
+    with pytest.raises(ConfigError) as info:
+        load_config(job, [*QUIET, *overrides])
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def cli_error(capsys, tmp_path: Path, job: str | Path, *overrides: str) -> str:
+    """`silo-pfl run` refusing the job: exit 2, one line on stderr, no run directory."""
+    runs = tmp_path / "runs"
+    code = main(["run", str(job), "rounds=2", *QUIET, f"output_dir={runs}", *overrides])
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    assert captured.out == "" and not runs.exists()
+    return lines[0].removeprefix("error: ")
+
+
+# 1. The federation's and the silos' names become directories and MLflow names.
+
+
+@pytest.mark.parametrize(
+    "name", ["../../escape", "a/b", "a\\b", "..", ".hidden", "a..b", "x:y", "a b", "-x", "x" * 64]
+)
+def test_a_name_that_is_no_plain_path_component_is_refused(name):
+    message = refused(f"name='{name}'")
+    assert message.startswith(f"name: got {name!r}, expected 1 to 63 letters, digits")
+
+
+def test_an_escaping_name_is_refused_before_anything_is_written(tmp_path, capsys):
+    message = cli_error(capsys, tmp_path, JOB, "name=../../escape")
+    assert message.startswith("name: got '../../escape', expected ")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["heart_disease", "a", "Fed-1.v2", "x" * 63])
+def test_plain_names_pass(name):
+    assert load_config(JOB, [*QUIET, f"name={name}"]).name == name
+    check_name(name, "name")
+
+
+def test_check_name_names_the_key_and_what_the_value_is():
+    with pytest.raises(ConfigError, match=r"^silos: got silo name 'a/b', expected 1 to 63"):
+        check_name("a/b", "silos", "silo name ")
+
+
+def test_a_csv_silo_name_that_is_no_plain_path_component_is_refused(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "name: csv_names\nrounds: 1\nmodel: {name: mlp}\nalgorithm: {name: fedavg}\n"
+        "data:\n  source: csv\n  num_classes: 2\n  paths:\n"
+        f"    good: {tmp_path / 'a.csv'}\n    ../evil: {tmp_path / 'b.csv'}\n"
+    )
+    assert refused(job=job).startswith("data.paths: got silo name '../evil', expected 1 to 63")
+
+
+# 2. MLflow's file store no longer opens: a file: URI is refused at load.
+
+
+def test_a_file_store_uri_is_refused_at_load_listing_the_schemes_that_work():
+    message = refused("tracking.uri=file:///tmp/x/fstore")
+    assert message.startswith("tracking.uri: got 'file:///tmp/x/fstore', expected an MLflow")
+    assert "sqlite, postgresql" in message and "file," not in message
+    assert "sqlite:///PATH" in message
+
+
+def test_a_file_store_in_the_environment_is_named_as_such(monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "file:///tmp/x/fstore")
+    message = refused()
+    assert message.startswith("tracking.uri (from $MLFLOW_TRACKING_URI): got 'file:///tmp/x/")
+
+
+# 3. Numbers out of the range where training makes sense.
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("train.momentum=5", "train.momentum: got 5.0, expected 0 <= value < 1"),
+        ("train.momentum=1", "train.momentum: got 1.0, expected 0 <= value < 1"),
+        ("train.lr=inf", "train.lr: got inf, expected a number > 0"),
+        ("train.weight_decay=inf", "train.weight_decay: got inf, expected a number >= 0"),
+        ("server.lr=inf", "server.lr: got inf, expected a number > 0, or null"),
+        ("server.tau=inf", "server.tau: got inf, expected a number > 0"),
+        ("algorithm.fedprox.mu=nan", "algorithm.fedprox.mu: got nan, expected a finite number"),
+        ("algorithm.ditto.lam=inf", "algorithm.ditto.lam: got inf, expected a finite number"),
+    ],
+)
+def test_numbers_out_of_range_are_refused(override, expected):
+    assert refused(override) == expected
+
+
+def test_momentum_is_refused_in_the_cli_before_ray(tmp_path, capsys):
+    message = cli_error(capsys, tmp_path, JOB, "train.momentum=5")
+    assert message == "train.momentum: got 5.0, expected 0 <= value < 1"
+
+
+@pytest.mark.parametrize("momentum", ["0", "0.9", "0.99"])
+def test_usual_momentum_passes(momentum):
+    assert load_config(JOB, [*QUIET, f"train.momentum={momentum}"]).train.momentum < 1
+
+
+# 4. An empty model.hidden: mlp is then its head alone (a linear model, fine for fedavg).
+
+
+def test_an_empty_hidden_list_is_blamed_where_it_leaves_the_split_nothing():
+    message = refused("model.hidden=[]")
+    assert message.startswith(
+        "model.hidden: got [], so model mlp has no hidden layer, only its head, and "
+        "split.local=[head] leaves no global keys"
+    )
+    assert "model.hidden=[32]" in message
+
+
+def test_an_empty_hidden_list_is_a_linear_model_for_fedavg():
+    cfg = load_config(JOB, [*QUIET, "model.hidden=[]", "algorithm.name=fedavg"])
+    assert list(cfg.model.hidden) == []
+
+
+def test_a_split_that_fails_with_hidden_layers_too_still_names_split_local():
+    message = refused("model.hidden=[]", "algorithm.name=fedavg", "split.local=[all]")
+    assert message.startswith("split.local: split.local=[all] leaves no global keys")
+
+
+@pytest.mark.parametrize(
+    ("hidden", "expected"),
+    [
+        ("[0]", "model.hidden: got [0], expected widths >= 1"),
+        ("[16,-2]", "model.hidden: got [16, -2], expected widths >= 1"),
+        ("[1.5]", "model.hidden[0]: got '1.5', expected a value of type integer"),
+    ],
+)
+def test_hidden_widths_are_positive_integers(hidden, expected):
+    assert refused(f"model.hidden={hidden}") == expected
+
+
+# 5. A config file whose top level is a scalar.
+
+
+@pytest.mark.parametrize("text", ["just a string\n", "42\n", "true\n", "3.5\n", "~\n"])
+def test_a_scalar_config_file_is_named(tmp_path, capsys, text):
+    path = tmp_path / "scalar.yaml"
+    path.write_text(text)
+    expected = f"config file {path}: expected a mapping of keys at the top level"
+    assert refused(job=path) == expected
+    assert cli_error(capsys, tmp_path, path) == expected
+
+
+def test_an_empty_config_file_still_reads_as_no_keys(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing yet\n")
+    assert refused(job=path) == "name: required value is missing"
