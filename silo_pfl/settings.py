@@ -51,6 +51,7 @@ def build_config(
     cfg = merge_config(base, overrides)
     _import_plugins(cfg.plugins)
     cfg.data = data_config(cfg.data)
+    _check_selection_rows(cfg)
     cfg.algorithm = algorithm_config(cfg.algorithm)
     _check_finite(cfg.algorithm)
     _check_model(cfg)
@@ -145,6 +146,17 @@ def _import_plugins(modules: list[str]) -> None:
                 f"plugins[{index}]: cannot import {module!r} ({typed_line(exc)}); expected an "
                 "importable module name, e.g. my_team.algorithms"
             ) from None
+
+
+def _check_selection_rows(cfg: FederationConfig) -> None:
+    """A selection on validation accuracy needs validation rows: data.val_fraction=0 leaves none,
+    and every round's would be NaN."""
+    if cfg.eval.selection != "last" and getattr(cfg.data, "val_fraction", None) == 0:
+        raise ConfigError(
+            f"eval.selection: got {cfg.eval.selection!r}, which selects on validation rows, but "
+            "data.val_fraction=0 leaves none; set data.val_fraction > 0 (e.g. 0.2) or "
+            "eval.selection=last"
+        )
 
 
 def _check_finite(sections: dict[str, Any]) -> None:

@@ -171,3 +171,15 @@ def test_an_empty_config_file_still_reads_as_no_keys(tmp_path):
     path = tmp_path / "empty.yaml"
     path.write_text("# nothing yet\n")
     assert refused(job=path) == "name: required value is missing"
+
+
+@pytest.mark.parametrize("selection", ["best_mean_val", "best_val"])
+def test_a_selection_on_validation_rows_needs_some(selection):
+    with pytest.raises(ConfigError) as info:
+        load_config(JOB, ["data.val_fraction=0", f"eval.selection={selection}"])
+    assert str(info.value) == (
+        f"eval.selection: got {selection!r}, which selects on validation rows, but "
+        "data.val_fraction=0 leaves none; set data.val_fraction > 0 (e.g. 0.2) or "
+        "eval.selection=last"
+    )
+    assert load_config(JOB, ["data.val_fraction=0", "eval.selection=last"]).eval.every == 1
