@@ -11,7 +11,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from silo_pfl.compare import add_arguments as compare_arguments
 from silo_pfl.errors import ConfigError, SiloPflError
@@ -22,6 +22,19 @@ if TYPE_CHECKING:
 
 EXIT_USER_ERROR = 2
 EXIT_FAILURE = 1
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (`_usage_error`); --help is unchanged."""
+
+    def error(self, message: str) -> NoReturn:
+        _usage_error(self.prog, message)
+
+
+def _usage_error(prog: str, message: str) -> NoReturn:
+    """`error: PROG: MESSAGE (see PROG --help)` on stderr, then exit 2."""
+    print(f"error: {prog}: {message} (see {prog} --help)", file=sys.stderr)
+    raise SystemExit(EXIT_USER_ERROR)
 
 
 def _debug(parser: argparse.ArgumentParser) -> None:
@@ -45,14 +58,16 @@ def _cluster_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="silo-pfl", description=__doc__)
+    parser = _Parser(prog="silo-pfl", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run a federation from a job YAML")
     submit = commands.add_parser("submit", help="submit a federation to a cluster as a Ray Job")
     for command in (run, submit):
         command.add_argument("config", help="job YAML, e.g. jobs/heart_disease.yaml")
-        command.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rounds=5")
+        command.add_argument(
+            "overrides", nargs="*", default=[], help="key=value overrides, e.g. rounds=5"
+        )
         command.add_argument("--results", help="write a JSON summary of the run to this path")
         command.add_argument("--quiet", action="store_true", help="print only the final table")
     run.add_argument(
@@ -72,7 +87,9 @@ def _parser() -> argparse.ArgumentParser:
         "onboard", help="a new silo joins a trained federation (cold start)"
     )
     onboard.add_argument("config", help="job YAML giving the new silo's data, e.g. jobs/x.yaml")
-    onboard.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rounds=10")
+    onboard.add_argument(
+        "overrides", nargs="*", default=[], help="key=value overrides, e.g. rounds=10"
+    )
     onboard.add_argument("--silo", required=True, help="the joining silo, e.g. silo_9")
     onboard.add_argument(
         "--from",
@@ -90,7 +107,9 @@ def _parser() -> argparse.ArgumentParser:
         "config", help="print a job's fully resolved config, every default included (YAML)"
     )
     config.add_argument("config", help="job YAML, e.g. jobs/heart_disease.yaml")
-    config.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rounds=5")
+    config.add_argument(
+        "overrides", nargs="*", default=[], help="key=value overrides, e.g. rounds=5"
+    )
     _debug(config)
     jobs = commands.add_parser("jobs", help="list the cluster's recent jobs")
     jobs.add_argument("--limit", type=int, default=20, help="how many, newest first")
@@ -155,7 +174,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args, extra = parser.parse_known_args(argv)
     late = [item for item in extra if "=" in item and not item.startswith("-")]
     if extra != late or (late and args.command not in ("run", "submit", "onboard", "config")):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        _usage_error(f"{parser.prog} {args.command}", f"unrecognized arguments: {' '.join(extra)}")
     if isinstance(getattr(args, "resume", None), str) and "=" in args.resume:
         late, args.resume = [args.resume, *late], True  # `--resume rounds=9`: an override
     if late:
@@ -164,8 +183,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def _check_results_path(path: str | None) -> None:
+    """--results must name a file that can be written, before anything runs."""
     if path is None:
         return
+    if not path.strip():
+        raise ConfigError(f"--results: got {path!r}, expected a file path")
+    if Path(path).is_dir():
+        raise ConfigError(f"--results {path}: is a directory, expected a file path")
     parent = Path(path).resolve().parent
     if not parent.is_dir():
         raise ConfigError(f"--results {path}: directory {parent} does not exist")
@@ -297,6 +321,8 @@ def _config(args: argparse.Namespace) -> int:
 def _jobs(args: argparse.Namespace) -> int:
     from silo_pfl.runtime.jobs import JobsClient, jobs_table
 
+    if args.limit < 1:
+        raise ConfigError(f"--limit: got {args.limit}, expected an integer >= 1")
     print(jobs_table(JobsClient(args.address, args.token_file).list(args.limit)))
     return 0
 
@@ -335,8 +361,12 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _keys(args: argparse.Namespace) -> int:
+    from silo_pfl.config import check_name
+    from silo_pfl.paths import check_dir_path
     from silo_pfl.secure import identity
 
+    check_name(args.federation, "--federation")
+    check_name(args.silo, "--silo")
     directory = (
         Path(args.key_dir).expanduser()
         if args.key_dir
@@ -344,6 +374,7 @@ def _keys(args: argparse.Namespace) -> int:
     )
     options = ["--federation", args.federation, "--silo", args.silo]
     where = shlex.join(options + (["--key-dir", args.key_dir] if args.key_dir else []))
+    check_dir_path(directory, f"--key-dir {args.key_dir}" if args.key_dir else str(directory))
     if args.action == "init":
         key = identity.create(directory, f"silo-pfl keys show {where}")
         print(f"created {directory / identity.PRIVATE_FILE}; its public key, for the config:")
@@ -370,7 +401,10 @@ COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
-    args = _parse(argv)
+    try:
+        args = _parse(argv)
+    except SystemExit as exc:  # --help (0), or a usage error already said in one line (2)
+        return exc.code if isinstance(exc.code, int) else EXIT_USER_ERROR
     try:
         return COMMANDS[args.command](args)
     except SiloPflError as exc:

@@ -17,6 +17,7 @@ from typing import Any
 
 from silo_pfl.compare_spec import JobSpec, RowSpec
 from silo_pfl.errors import ConfigError, typed_line
+from silo_pfl.paths import check_dir_path
 
 CACHE_VERSION = 1
 # Config keys that cannot change a run's results: where it writes, MLflow, which Ray, where
@@ -136,7 +137,9 @@ class Cache:
     """Each run's results JSON as `<root>/<key>.json`, with the config it hashed."""
 
     def __init__(self, root: str | Path) -> None:
+        """A cache at `root`, which (or else its nearest existing parent) must be a directory."""
         self.root = Path(root)
+        check_dir_path(self.root, f"--cache {root}")
 
     def path(self, key: str) -> Path:
         return self.root / f"{key}.json"

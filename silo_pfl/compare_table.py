@@ -321,9 +321,13 @@ def _duration(seconds: float) -> str:
 
 # -------------------------------------------------------------------------------------- writing
 def check_outputs(out: str, json_path: str) -> None:
-    """Fail before anything runs if either output cannot be written, or `out` has broken
-    markers."""
+    """Fail before anything runs if either output is not a file path that can be written, or
+    `out` has broken markers."""
     for option, path in (("--out", out), ("--json", json_path)):
+        if not path.strip():
+            raise ConfigError(f"{option}: got {path!r}, expected a file path")
+        if Path(path).is_dir():
+            raise ConfigError(f"{option} {path}: is a directory, expected a file path")
         parent = Path(path).resolve().parent
         if not parent.is_dir():
             raise ConfigError(f"{option} {path}: directory {parent} does not exist")

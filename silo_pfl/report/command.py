@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from silo_pfl.errors import ConfigError
@@ -16,14 +17,29 @@ def report(
     run_id: str, against: str | None, out: str | None, uri: str | None, log: bool = True
 ) -> Path:
     """Build the report of `run_id` into `out` and (with `log`) onto the run's artifacts;
-    returns the path of report.html."""
+    returns the path of report.html. If the build fails (a bad run id among them), the
+    directories this call created are removed again; one that existed before is kept."""
     client, uri = open_existing(uri, "--tracking-uri")
     directory = Path(out) if out else DEFAULT_OUT / run_id
+    created = _outermost_missing(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"--out {directory}: cannot create it: {exc.strerror}") from None
-    page = build(client, run_id, directory, against, redact(uri))
+    try:
+        page = build(client, run_id, directory, against, redact(uri))
+    except BaseException:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
     if log:
         publish(client, run_id, directory)
     return page
+
+
+def _outermost_missing(directory: Path) -> Path | None:
+    """The outermost of `directory` and its parents that does not exist yet (what mkdir with
+    parents would create), or None if `directory` exists."""
+    target = directory.resolve()
+    missing = [p for p in (target, *target.parents) if not p.exists()]
+    return missing[-1] if missing else None

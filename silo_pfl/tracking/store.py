@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
 from silo_pfl.errors import ConfigError, FederationError, one_line
+from silo_pfl.paths import nearest_existing
 from silo_pfl.tracking.uri import artifact_dir, redact, resolve_uri, sqlite_path
 
 if TYPE_CHECKING:
@@ -154,9 +155,7 @@ def _local_path(location: str) -> Path | None:
 def _writable_dir(path: Path, key: str) -> None:
     """Prove the artifact directory can be written in, or, while it does not exist, made (in
     its nearest existing parent) without making it: MLflow makes it when it first writes."""
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = nearest_existing(path)
     if not existing.is_dir():
         raise ConfigError(
             f"{key}: artifact location {path} cannot be created ({existing} is not a directory)"

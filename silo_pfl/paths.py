@@ -1,0 +1,21 @@
+"""Directory paths a user gives: checked before anything is written under them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from silo_pfl.errors import ConfigError
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path`, or the nearest of its parents that exists (what a mkdir with parents starts in)."""
+    return next(p for p in (path, *path.parents) if p.exists())
+
+
+def check_dir_path(path: Path, shown: str) -> None:
+    """A directory, existing or to be made: a one-line ConfigError naming `shown` if it, or the
+    parent it would be made in, is a file."""
+    existing = nearest_existing(path)
+    if not existing.is_dir():
+        what = "" if existing == path else f"{existing} "
+        raise ConfigError(f"{shown}: {what}is a file, expected a directory")

@@ -1,0 +1,252 @@
+"""Bad command-line input (paths, names, numbers, usage) is one line on stderr naming the option,
+exit 2, checked before anything runs, and leaves nothing behind. No test here starts Ray: each
+guards the step that would (the run, the comparison's pool, the Jobs client)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from silo_pfl.cli import _parse, main
+from silo_pfl.config import NAME_RULE
+
+ROOT = Path(__file__).resolve().parents[1]
+HEART = str(ROOT / "jobs" / "heart_disease.yaml")
+
+
+def cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """`silo-pfl ARGV` in this process: its exit code, stdout and stderr."""
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line(code: int, err: str, expected: str) -> None:
+    """Exit 2 and stderr exactly the line `expected`, without a traceback."""
+    assert code == 2, err
+    assert err == expected + "\n", err
+
+
+def refuse(*_: object, **__: object) -> None:
+    """Stands in for whatever a command must not reach with bad input."""
+    raise AssertionError("the command went past its input checks")
+
+
+@pytest.fixture
+def no_run(monkeypatch):
+    """A run, an onboarding or a submission that got past its checks fails the test at once."""
+    from silo_pfl.federation import Federation
+    from silo_pfl.runtime import jobs, session
+
+    monkeypatch.setattr(session, "ray_session_while", refuse)
+    monkeypatch.setattr(Federation, "onboard", refuse)
+    monkeypatch.setattr(jobs, "JobsClient", refuse)
+
+
+def results_command(command: str, tmp_path: Path, results: str) -> list[str]:
+    """`COMMAND heart_disease.yaml ... --results RESULTS` (run, onboard or submit)."""
+    where = [f"output_dir={tmp_path / 'runs'}", "tracking.enabled=false"]
+    silo = ["--silo", "cleveland"] if command == "onboard" else []
+    return [command, HEART, "rounds=2", *where, *silo, "--quiet", "--results", results]
+
+
+@pytest.mark.usefixtures("no_run")
+@pytest.mark.parametrize("command", ["run", "onboard", "submit"])
+def test_results_that_is_a_directory_is_refused_before_anything_runs(command, tmp_path, capsys):
+    resdir = tmp_path / "resdir"
+    resdir.mkdir()
+    code, _, err = cli(capsys, *results_command(command, tmp_path, str(resdir)))
+    assert_one_line(code, err, f"error: --results {resdir}: is a directory, expected a file path")
+    assert list(resdir.iterdir()) == [] and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.usefixtures("no_run")
+@pytest.mark.parametrize("command", ["run", "onboard", "submit"])
+def test_an_empty_results_path_is_refused(command, tmp_path, capsys):
+    code, _, err = cli(capsys, *results_command(command, tmp_path, ""))
+    assert_one_line(code, err, "error: --results: got '', expected a file path")
+
+
+@pytest.mark.parametrize("action", ["init", "show"])
+def test_a_key_dir_that_is_a_file_is_refused(action, tmp_path, capsys):
+    file = tmp_path / "f"
+    file.write_text("not a directory")
+    where = ["--federation", "fed", "--silo", "va"]
+    code, _, err = cli(capsys, "keys", action, *where, "--key-dir", str(file))
+    assert_one_line(code, err, f"error: --key-dir {file}: is a file, expected a directory")
+    code, _, err = cli(capsys, "keys", action, *where, "--key-dir", str(file / "va"))
+    assert_one_line(
+        code, err, f"error: --key-dir {file / 'va'}: {file} is a file, expected a directory"
+    )
+    assert file.read_text() == "not a directory"
+
+
+@pytest.mark.parametrize(
+    ("federation", "silo", "key", "bad"),
+    [
+        ("", "", "--federation", ""),
+        ("fed", "", "--silo", ""),
+        ("../../../esc", "s", "--federation", "../../../esc"),
+        ("fed", "..", "--silo", ".."),
+        ("a/b", "s", "--federation", "a/b"),
+        ("fed", "a\\b", "--silo", "a\\b"),
+        ("fed", "a..b", "--silo", "a..b"),
+    ],
+)
+def test_keys_refuse_names_that_are_not_one_directory(
+    federation, silo, key, bad, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for action in ("init", "show"):
+        code, out, err = cli(capsys, "keys", action, "--federation", federation, "--silo", silo)
+        assert_one_line(code, err, f"error: {key}: got {bad!r}, expected {NAME_RULE}")
+        assert out == ""
+    assert list(tmp_path.iterdir()) == []  # ~ untouched, nothing written outside it either
+
+
+def test_keys_accept_the_names_jobs_use(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    code, out, _ = cli(capsys, "keys", "init", "--federation", "heart_disease", "--silo", "va")
+    assert code == 0 and out.splitlines()[1].startswith("silos.va.identity_key=")
+    assert (tmp_path / ".silo_pfl" / "keys" / "heart_disease" / "va" / "identity.key").is_file()
+
+
+@pytest.fixture
+def tracked_run(mlflow_store, tmp_path, monkeypatch) -> str:
+    """A store holding one federation's parent run with a silo's child run (no rounds); the
+    working directory is tmp_path."""
+    from mlflow import MlflowClient
+
+    from silo_pfl.tracking import registry
+    from silo_pfl.tracking.tracker import PARENT_RUN_TAG
+
+    monkeypatch.chdir(tmp_path)
+    client = MlflowClient(mlflow_store)
+    experiment = client.create_experiment("fed", (tmp_path / "artifacts").as_uri())
+    parent = client.create_run(experiment, tags={registry.FEDERATION: "fed"}).info.run_id
+    client.create_run(experiment, tags={PARENT_RUN_TAG: parent, registry.SILO: "va"})
+    return parent
+
+
+@pytest.mark.parametrize("bad", ["run", "against"])
+def test_a_report_on_bad_runs_leaves_no_directory(bad, tracked_run, tmp_path, capsys):
+    unknown = "0123456789abcdef"
+    run_id, against = (unknown, tracked_run) if bad == "run" else (tracked_run, unknown)
+    key = "RUN_ID" if bad == "run" else "--against"
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    for out in (["--out", "reports/r01"], [], ["--out", str(kept)]):
+        code, _, err = cli(capsys, "report", run_id, "--against", against, "--no-log", *out)
+        assert code == 2 and err.startswith(f"error: {key} {unknown}: no such run"), err
+        assert err.count("\n") == 1, err
+        assert not (tmp_path / "reports").exists()
+    assert list(kept.iterdir()) == []
+
+
+@pytest.fixture
+def spec(tmp_path, monkeypatch) -> Path:
+    """A two-algorithm spec on heart disease; a comparison that would start its pool fails."""
+    import silo_pfl.compare
+
+    monkeypatch.setattr(silo_pfl.compare.cf, "ProcessPoolExecutor", refuse)
+    path = tmp_path / "spec.yaml"
+    path.write_text(
+        f"baseline: local\njobs:\n  heart:\n    config: {HEART}\n    seeds: [0]\n"
+        "    overrides: [rounds=2]\nalgorithms:\n  local: {}\n  fedavg: {}\n"
+    )
+    return path
+
+
+def test_compare_outputs_that_are_directories_are_refused_before_anything_runs(
+    spec, tmp_path, capsys
+):
+    outdir = tmp_path / "outdir"
+    outdir.mkdir()
+    files = ["--cache", str(tmp_path / "cache"), "--workers", "1"]
+    for option, other in (("--out", "--json"), ("--json", "--out")):
+        paths = [option, str(outdir), other, str(tmp_path / "o")]
+        code, _, err = cli(capsys, "compare", str(spec), *files, *paths)
+        assert_one_line(
+            code, err, f"error: {option} {outdir}: is a directory, expected a file path"
+        )
+        code, _, err = cli(capsys, "compare", str(spec), *files, *paths[2:], option, "")
+        assert_one_line(code, err, f"error: {option}: got '', expected a file path")
+    assert list(outdir.iterdir()) == [] and not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
+def test_a_compare_cache_that_is_a_file_is_refused_before_anything_runs(
+    dry_run, spec, tmp_path, capsys
+):
+    file = tmp_path / "f"
+    file.write_text("not a directory")
+    outputs = ["--out", str(tmp_path / "o.md"), "--json", str(tmp_path / "o.json"), *dry_run]
+    code, _, err = cli(capsys, "compare", str(spec), "--cache", str(file), *outputs)
+    assert_one_line(code, err, f"error: --cache {file}: is a file, expected a directory")
+    code, _, err = cli(capsys, "compare", str(spec), "--cache", str(file / "c"), *outputs)
+    assert_one_line(
+        code, err, f"error: --cache {file / 'c'}: {file} is a file, expected a directory"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f", "spec.yaml"]
+
+
+@pytest.mark.parametrize("limit", ["-5", "0"])
+def test_jobs_limit_below_one_is_refused_before_any_cluster_is_contacted(
+    limit, capsys, monkeypatch
+):
+    from silo_pfl.runtime import jobs
+
+    monkeypatch.setattr(jobs, "JobsClient", refuse)
+    code, out, err = cli(capsys, "jobs", "--limit", limit, "--address", "http://127.0.0.1:9")
+    assert_one_line(code, err, f"error: --limit: got {limit}, expected an integer >= 1")
+    assert out == ""
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([], "silo-pfl: the following arguments are required: command (see silo-pfl --help)"),
+        (
+            ["run"],
+            "silo-pfl run: the following arguments are required: config (see silo-pfl run --help)",
+        ),
+        (
+            ["run", "x.yaml", "--bogus"],
+            "silo-pfl run: unrecognized arguments: --bogus (see silo-pfl run --help)",
+        ),
+        (
+            ["jobs", "--limit", "abc"],
+            "silo-pfl jobs: argument --limit: invalid int value: 'abc' (see silo-pfl jobs --help)",
+        ),
+        (
+            ["jobs", "rounds=2"],
+            "silo-pfl jobs: unrecognized arguments: rounds=2 (see silo-pfl jobs --help)",
+        ),
+        (
+            ["onboard", HEART],
+            "silo-pfl onboard: the following arguments are required: --silo "
+            "(see silo-pfl onboard --help)",
+        ),
+    ],
+)
+def test_usage_errors_are_one_line_and_help_is_whole(argv, expected, capsys):
+    code, out, err = cli(capsys, *argv)
+    assert_one_line(code, err, f"error: {expected}")
+    assert out == ""
+    code, out, err = cli(capsys, *argv[:1], "--help")
+    assert code == 0 and err == "" and "--debug" in out
+    assert out.startswith(f"usage: silo-pfl {' '.join(argv[:1])}".rstrip())
+
+
+def test_run_help_prints_the_whole_usage(capsys):
+    code, out, _ = cli(capsys, "run", "--help")
+    assert code == 0 and out.startswith("usage: silo-pfl run [-h] [--results RESULTS]")
+    assert all(word in out for word in ("config", "overrides", "--quiet", "--resume", "--debug"))
+
+
+def test_overrides_stay_optional_and_may_follow_the_options():
+    assert _parse(["run", HEART]).overrides == []
+    args = _parse(["run", HEART, "--quiet", "rounds=2", "--results", "r.json", "seed=1"])
+    assert args.overrides == ["rounds=2", "seed=1"] and args.results == "r.json"
+    assert _parse(["config", HEART]).overrides == []
