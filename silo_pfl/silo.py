@@ -51,6 +51,7 @@ from silo_pfl.messages import (
     fields_of,
 )
 from silo_pfl.models import BodyHeadModel, build_model
+from silo_pfl.paths import check_dir_path
 from silo_pfl.run_dir import silo_dir
 from silo_pfl.secure import identity
 from silo_pfl.secure.client import SecureClient
@@ -161,7 +162,11 @@ class Silo:
         if not resume:
             self.store.start_fresh()
         if self.cfg.aggregation.secure:
-            self._identity = identity.load_or_create(identity.key_dir(self.cfg, self.name))
+            keys = identity.key_dir(self.cfg, self.name)
+            check_dir_path(
+                keys, f"silo {self.name}: key directory {keys} (silos.{self.name}.key_dir)"
+            )
+            self._identity = identity.load_or_create(keys)
             self._trusted = identity.configured_keys(self.cfg, silo_names(self.cfg.data))
             identity.check_own(self.name, identity.public_bytes(self._identity), self._trusted)
         return SiloInfo(

@@ -401,6 +401,18 @@ def test_configured_identities_are_checked_by_each_silo_and_the_server(job, tmp_
             job, "fedavg", "aggregation.secure=true", f"aggregation.identity_keys={keys_file}",
             *wrong, silos=HOSPITALS,
         )  # fmt: skip
+    # A key directory that is a file is named, with its key, before any key is read or made.
+    (tmp_path / "a_file").write_text("")
+    blocked = [*options[:3], f"silos.va.key_dir={tmp_path / 'a_file'}"]
+    with pytest.raises(SiloPflError) as info:
+        federation(
+            job, "fedavg", "aggregation.secure=true", f"aggregation.identity_keys={keys_file}",
+            *blocked, silos=HOSPITALS,
+        )  # fmt: skip
+    assert str(info.value) == (
+        f"silo va: key directory {tmp_path / 'a_file'} (silos.va.key_dir): is a file, expected a "
+        "directory"
+    )
 
 
 def test_keys_init_makes_a_key_once_and_show_prints_it(tmp_path, capsys):
