@@ -126,11 +126,13 @@ def test_the_report_a_run_writes_as_it_ends_equals_the_one_read_back_from_the_st
         for run_id, key in [
             (child.info.run_id, "val_accuracy"),
             (child.info.run_id, "bytes_sent"),
-            (parent.info.run_id, "mean_val_accuracy"),
-            (parent.info.run_id, "mean_train_loss"),
+            (parent.info.run_id, "round_mean_val_accuracy"),
+            (parent.info.run_id, "round_mean_train_loss"),
+            (parent.info.run_id, "round_mean_test_accuracy"),
+            (parent.info.run_id, "mean_test_accuracy"),  # the final figure: one value
         ]
     }
-    assert list(steps.values()) == [[2, 3], [1, 2, 3], [2, 3], [1, 2, 3]]
+    assert list(steps.values()) == [[2, 3], [1, 2, 3], [2, 3], [1, 2, 3], [2, 3], [3]]
     for result in (runs.fedper, runs.fedavg):
         out = tmp_path / Runs.run_id(result)
         assert main(report(runs, Runs.run_id(result), out, "--no-log")) == 0

@@ -47,6 +47,9 @@ MAX_METRICS_PER_BATCH = 1000
 FLUSH_SECONDS = 2.0
 MAX_PARAM_LENGTH = 6000
 ROUND_MEANS = ("mean_train_loss", "mean_val_accuracy", "mean_test_accuracy")
+# A round's means go to the parent run as round_<name>: `mean_test_accuracy` there is the run's
+# final figure (the selected models'), one value, not a last point on the rounds' curve.
+ROUND_PREFIX = "round_"
 PARTITION_FILE = "partition.json"
 FINAL_METRICS = ("mean_test_accuracy", "worst_test_accuracy", "std_test_accuracy", "wall_seconds")
 
@@ -260,7 +263,7 @@ class MlflowTracker(Callback):
                 digest = summary.restarted[silo]["local_digest"]
                 self.client.set_tag(child, f"round_{step}_restored", digest)
         logged = ROUND_MEANS if summary.evaluated else ("mean_train_loss",)  # no accuracies
-        means = [Metric(k, float(getattr(summary, k)), stamp, step) for k in logged]
+        means = [Metric(ROUND_PREFIX + k, float(getattr(summary, k)), stamp, step) for k in logged]
         self._log(self.run_id, [*means, Metric("round_seconds", summary.seconds, stamp, step)])
 
     def on_resumed(self, history: Sequence[RoundSummary]) -> None:
