@@ -472,16 +472,22 @@ class Silo:
         """Cold start: one round of the algorithm's local procedure for a silo joining a
         trained federation. The global keys stay frozen at the federation's `global_state`;
         the local keys, and the algorithm's personal state (a personal model, alpha, a gate),
-        train on this silo's rows. Nothing is sent, and the server broadcasts nothing to it."""
+        train on this silo's rows. Nothing is sent, and the server broadcasts nothing to it. Its
+        loss is the mean of its phases' and its personal training's, those it trained."""
         start = time.perf_counter()
         reference = self._begin(global_state)
         self._global_frozen = True
         try:
             metrics = self._run_phases(reference, round_)
-            self.algorithm.after_fit(self, reference, round_)
+            personal = self.algorithm.after_fit(self, reference, round_)
         finally:
             self._global_frozen = False
-        return dataclasses.replace(metrics, train_seconds=time.perf_counter() - start)
+        losses = [x for x in (metrics.train_loss, personal) if x is not None and np.isfinite(x)]
+        return dataclasses.replace(
+            metrics,
+            train_loss=float(np.mean(losses)) if losses else float("nan"),
+            train_seconds=time.perf_counter() - start,
+        )
 
     def evaluate(self, global_state: dict[str, np.ndarray], round_: int) -> EvalMetrics:
         """Evaluate this round's personalized model: by default the new global keys with this

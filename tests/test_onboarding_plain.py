@@ -86,4 +86,5 @@ def test_adapt_keeps_the_global_keys_frozen_and_trains_the_rest(job, algorithm):
     assert np.isfinite(evaluated.val_accuracy)
     if silo.split.local_keys or silo.algorithm.local_state():
         assert changed, "adapt trained nothing of the silo's own"
+        assert np.isfinite(metrics.train_loss), "what adapt trained has a loss"
     assert metrics.bytes_sent == 0

@@ -137,22 +137,24 @@ class APFL(Algorithm):
         fixed = self.params.fixed_alpha()
         return self.params.alpha_init if fixed is None else fixed
 
-    def after_fit(self, silo: SiloTrainer, reference: dict[str, torch.Tensor], round_: int) -> None:
+    def after_fit(
+        self, silo: SiloTrainer, reference: dict[str, torch.Tensor], round_: int
+    ) -> float:
         if self.personal is None:  # starts as the first global model
             self.personal = copy.deepcopy(silo.model)
             self.personal.load_state_dict(reference, strict=False)
         phase = Phase("all", self.params.personal_epochs)
         if self.params.alpha == "grid":
-            silo.train(self.personal, phase, round_, None, purpose="apfl")
-            return
+            return silo.train(self.personal, phase, round_, None, purpose="apfl")
         frozen = {k: reference.get(k, p).detach() for k, p in silo.model.named_parameters()}
         mixture = Mixture(self.personal, frozen, self.alpha, self.params.alpha == "learned")
         self._learning = mixture
         try:
-            silo.train(mixture, phase, round_, None, purpose="apfl")
+            loss = silo.train(mixture, phase, round_, None, purpose="apfl")
         finally:
             self._learning = None
         self.alpha = float(mixture.alpha.detach())
+        return loss
 
     def optimizer(self, params: list[nn.Parameter], phase: Phase, purpose: str) -> Optimizer:
         alpha = self._learning.alpha if self._learning is not None else None

@@ -164,8 +164,12 @@ class Algorithm:
         """A term added to every batch's loss; `reference` is the round's incoming global state."""
         return None
 
-    def after_fit(self, silo: SiloTrainer, reference: dict[str, torch.Tensor], round_: int) -> None:
-        """Personal work once the round's update is made (Ditto trains its personal model)."""
+    def after_fit(
+        self, silo: SiloTrainer, reference: dict[str, torch.Tensor], round_: int
+    ) -> float | None:
+        """Personal work once the round's update is made (Ditto trains its personal model);
+        the mean loss of what it trained, if it trained anything."""
+        return None
 
     def personalized_model(self, silo: SiloTrainer, round_: int) -> nn.Module:
         """The model this silo is judged, selected and served by, made after aggregation."""

@@ -43,12 +43,14 @@ class Ditto(Algorithm):
         super().__init__(params, train)
         self.personal: nn.Module | None = None
 
-    def after_fit(self, silo: SiloTrainer, reference: dict[str, torch.Tensor], round_: int) -> None:
+    def after_fit(
+        self, silo: SiloTrainer, reference: dict[str, torch.Tensor], round_: int
+    ) -> float:
         if self.personal is None:  # starts as the first global model
             self.personal = copy.deepcopy(silo.model)
             self.personal.load_state_dict(reference, strict=False)
         lam = self.params.lam
-        silo.train(
+        return silo.train(
             self.personal,
             Phase("all", self.params.personal_epochs),
             round_,
