@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +11,8 @@ import torch
 from silo_pfl.algorithms import ALGORITHMS
 from silo_pfl.config import to_dict
 from silo_pfl.errors import ConfigError
-from silo_pfl.onboarding import alone_config, joining_config
+from silo_pfl.messages import SiloOutcome
+from silo_pfl.onboarding import alone_config, joining_config, onboard_report
 from silo_pfl.server_start import new_server
 from silo_pfl.silo import Silo
 from silo_pfl.tracking.trained_run import TrainedRun
@@ -88,3 +91,17 @@ def test_adapt_keeps_the_global_keys_frozen_and_trains_the_rest(job, algorithm):
         assert changed, "adapt trained nothing of the silo's own"
         assert np.isfinite(metrics.train_loss), "what adapt trained has a loss"
     assert metrics.bytes_sent == 0
+
+
+def test_the_onboarding_report_compares_with_the_founders_and_the_baseline(job):
+    trained = _trained(job)  # founders: cleveland 0.8, hungarian 0.7
+    joined = SiloOutcome("va", 3, 0.9, 0.6, 0.55)
+    alone = SiloOutcome("va", 2, 0.8, 0.5, 0.5)
+    report = onboard_report("va", trained, joined, alone)
+    assert report["founders_mean_test_accuracy"] == pytest.approx(0.75)
+    assert report["founders_worst_test_accuracy"] == 0.7
+    assert report["share_of_founders_mean"] == pytest.approx(0.6 / 0.75)
+    assert report["gain_over_alone"] == pytest.approx(0.1) and report["alone_selected_round"] == 2
+    failed = {"silos": {"cleveland": {"test_accuracy": 0.0}, "hungarian": {"test_accuracy": 0.0}}}
+    zero = dataclasses.replace(trained, result=failed)  # founders that all scored 0
+    assert np.isnan(onboard_report("va", zero, joined, None)["share_of_founders_mean"])

@@ -17,13 +17,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import ray
 
 from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig, to_dict
 from silo_pfl.errors import FederationError
 from silo_pfl.messages import EvalMetrics, FitMetrics, SiloInfo, SiloOutcome, SplitInfo
+from silo_pfl.onboarding import onboard_report
 from silo_pfl.results import FederationResult, RoundSummary, SiloResult
 from silo_pfl.run_dir import RESULT_FILE, RunDir
 from silo_pfl.runtime.actors import get, start_silo, stop
@@ -132,7 +132,9 @@ class Onboarding:
                 silos={name: SiloResult.of(info, outcome, bytes_sent_per_round=0, joined=ONBOARD)},
                 history=history,
                 extras={
-                    "onboard": self._report(outcome, outcomes[1] if len(outcomes) > 1 else None),
+                    "onboard": onboard_report(
+                        self.silo, self.trained, outcome, outcomes[1] if len(outcomes) > 1 else None
+                    ),
                     **{k: v for callback in self.callbacks for k, v in callback.extras().items()},
                 },
             )
@@ -177,29 +179,6 @@ class Onboarding:
         ]
         get(commits, f"round {round_}: silo commit", timeout, names)
         return {r: (f, e) for r, f, e in zip(roles, fits, evals, strict=True)}
-
-    def _report(self, joined: SiloOutcome, alone: SiloOutcome | None) -> dict[str, Any]:
-        """The joining silo against the founders and against training alone."""
-        founders = self.trained.result.get("silos", {})
-        accuracies = [float(s["test_accuracy"]) for s in founders.values()]
-        founders_mean = float(np.mean(accuracies)) if accuracies else float("nan")
-        report: dict[str, Any] = {
-            "silo": self.silo,
-            "trained_run_id": self.trained.run_id,
-            "founders": list(founders),
-            "founders_mean_test_accuracy": founders_mean,
-            "founders_worst_test_accuracy": min(accuracies) if accuracies else float("nan"),
-            "test_accuracy": joined.test_accuracy,
-            "share_of_founders_mean": joined.test_accuracy / founders_mean,
-        }
-        if alone is not None:
-            report.update(
-                alone_test_accuracy=alone.test_accuracy,
-                alone_val_accuracy=alone.val_accuracy,
-                alone_selected_round=alone.selected_round,
-                gain_over_alone=joined.test_accuracy - alone.test_accuracy,
-            )
-        return report
 
 
 def _summary(
