@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 from silo_pfl.errors import ConfigError
+from silo_pfl.paths import outermost_missing
 from silo_pfl.report import build, publish
 from silo_pfl.tracking.store import open_existing
 from silo_pfl.tracking.uri import redact
@@ -21,7 +22,7 @@ def report(
     directories this call created are removed again; one that existed before is kept."""
     client, uri = open_existing(uri, "--tracking-uri")
     directory = Path(out) if out else DEFAULT_OUT / run_id
-    created = _outermost_missing(directory)
+    created = outermost_missing(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -35,11 +36,3 @@ def report(
     if log:
         publish(client, run_id, directory)
     return page
-
-
-def _outermost_missing(directory: Path) -> Path | None:
-    """The outermost of `directory` and its parents that does not exist yet (what mkdir with
-    parents would create), or None if `directory` exists."""
-    target = directory.resolve()
-    missing = [p for p in (target, *target.parents) if not p.exists()]
-    return missing[-1] if missing else None

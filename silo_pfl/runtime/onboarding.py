@@ -28,7 +28,6 @@ from silo_pfl.results import FederationResult, RoundSummary, SiloResult
 from silo_pfl.run_dir import RESULT_FILE, RunDir
 from silo_pfl.runtime.actors import get, start_silo, stop
 from silo_pfl.runtime.exporting import attach_exporters, export
-from silo_pfl.runtime.metrics import ray_address
 from silo_pfl.runtime.placement import (
     LABEL_WAIT_SECONDS,
     check_labels,
@@ -85,9 +84,8 @@ class Onboarding:
         with ray_session(self.cfg.ray):
             start = time.perf_counter()
             check_labels({f"silo {name}": silo_selector(self.cfg, name)}, LABEL_WAIT_SECONDS)
-            if ray_address(self.cfg.ray.address) is None:
-                workers = 1 + (self.alone is not None)
-                check_local_cpus(self.cfg, workers, ray.cluster_resources().get("CPU", 1))
+            workers = 1 + (self.alone is not None)
+            check_local_cpus(self.cfg, workers, ray.cluster_resources().get("CPU", 1))
             actors = {name: start_silo(self.cfg, to_dict(self.cfg), name, run_id, keep=keep)}
             if self.alone is not None:
                 alone_id = f"{run_id}-{ALONE}"

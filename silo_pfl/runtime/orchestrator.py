@@ -25,7 +25,7 @@ from silo_pfl.results import FederationResult, RoundSummary, SiloResult
 from silo_pfl.run_dir import RESULT_FILE, RunDir, check_resumable
 from silo_pfl.runtime.actors import get, start_server, start_silos, stop
 from silo_pfl.runtime.exporting import attach_exporters, export
-from silo_pfl.runtime.metrics import driver_metrics, export_interval, ray_address
+from silo_pfl.runtime.metrics import driver_metrics, export_interval
 from silo_pfl.runtime.packing import pack
 from silo_pfl.runtime.placement import (
     LABEL_WAIT_SECONDS,
@@ -116,8 +116,7 @@ class Orchestrator:
             try:
                 actors["__server__"] = server = start_server(self.cfg, config, run_id, tags, keep)
                 cpus = ray.cluster_resources().get("CPU", 1)
-                if ray_address(self.cfg.ray.address) is None:
-                    check_local_cpus(self.cfg, len(names), cpus)
+                check_local_cpus(self.cfg, len(names), cpus)
                 groups = pack(self.cfg, names, cpus)
                 actors.update(start_silos(self.cfg, config, groups, run_id, tags, keep))
                 resuming = bool(self.resume)

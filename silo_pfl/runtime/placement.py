@@ -15,6 +15,7 @@ import ray
 
 from silo_pfl.config import FederationConfig
 from silo_pfl.errors import FederationError
+from silo_pfl.runtime.metrics import ray_address
 
 SILO_LABEL = "silo"  # per_node: silo X runs on the node labelled silo=X
 HEAD_RESOURCE = "node:__internal_head__"  # offered by the head node only
@@ -77,11 +78,12 @@ def check_labels(selectors: Mapping[str, Mapping[str, str] | None], wait: float)
 
 
 def check_local_cpus(cfg: FederationConfig, workers: int, cpus: float) -> None:
-    """On a local Ray (`ray.address` unset; nothing joins it), the CPUs the silos' workers
-    reserve (ray.silo_cpus per silo, `workers` silos or baselines) fit in its `cpus`: one that
-    does not would wait for them until its call timed out."""
+    """On a local Ray (`ray.address` and RAY_ADDRESS unset; nothing joins it), the CPUs the
+    silos' workers reserve (ray.silo_cpus per silo, `workers` silos or baselines) fit in its
+    `cpus`: one that does not would wait for them until its call timed out. A cluster may grow,
+    so nothing is checked there."""
     need = cfg.ray.silo_cpus * workers
-    if need > cpus:
+    if ray_address(cfg.ray.address) is None and need > cpus:
         raise FederationError(
             f"ray.silo_cpus: got {cfg.ray.silo_cpus:g}, which reserves {need:g} CPUs for "
             f"{workers} silos, but the local Ray has {cpus:g}; expected at most "
