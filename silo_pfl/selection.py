@@ -3,6 +3,8 @@
 Modes (eval.selection):
   best_mean_val  one round for the whole federation: the best mean validation accuracy over silos
                  (ties: lower mean validation loss). For FedAvg this keeps one global model.
+                 A round is compared with the models selected now, on the silos it evaluated:
+                 a round that left a weak silo out does not win by its absence.
   best_val       each silo its own round: its best validation accuracy (ties: lower loss).
   last           the last round.
 A silo with no validation rows falls back to its last round.
@@ -21,6 +23,7 @@ import numpy as np
 from silo_pfl.messages import EvalMetrics
 
 MODES = ("best_mean_val", "best_val", "last")
+LEGACY_KEY = "*"  # best_mean_val's one entry in checkpoints before per-silo scores
 
 
 def evaluated(round_: int, rounds: int, every: int) -> bool:
@@ -52,10 +55,26 @@ class Selector:
             return [e.silo for e in evals]
         if self.mode == "best_val":
             return [e.silo for e in evals if self._improves(e.silo, e.val_accuracy, e.val_loss)]
-        accuracies = [e.val_accuracy for e in evals if np.isfinite(e.val_accuracy)]
-        if not accuracies:
-            return [e.silo for e in evals]
-        losses = [e.val_loss for e in evals if np.isfinite(e.val_loss)]
-        if self._improves("*", float(np.mean(accuracies)), float(np.mean(losses))):
-            return [e.silo for e in evals]
-        return []
+        return [e.silo for e in evals] if self._round_improves(evals) else []
+
+    def _round_improves(self, evals: Sequence[EvalMetrics]) -> bool:
+        """best_mean_val: whether this round's mean beats the mean of the models selected now,
+        over the silos with validation rows that both cover. `best` holds each silo's score of
+        its selected model (a silo left out of a round keeps its earlier one)."""
+        scored = {
+            e.silo: (e.val_accuracy, -e.val_loss) for e in evals if np.isfinite(e.val_accuracy)
+        }
+        legacy = self.best.get(LEGACY_KEY)  # a checkpoint of an earlier version: a mean only
+        common = list(scored) if legacy else [s for s in scored if s in self.best]
+        if common:
+            selected = legacy or _mean([self.best[s] for s in common])
+            if not _mean([scored[s] for s in common]) > selected:
+                return False
+        self.best.pop(LEGACY_KEY, None)
+        self.best.update(scored)
+        return True
+
+
+def _mean(scores: list[tuple[float, float]]) -> tuple[float, float]:
+    """The mean accuracy and the mean negated loss of (accuracy, -loss) pairs."""
+    return float(np.mean([a for a, _ in scores])), float(np.mean([n for _, n in scores]))

@@ -9,7 +9,7 @@ import pytest
 
 from silo_pfl.errors import ConfigError
 from silo_pfl.messages import EvalMetrics
-from silo_pfl.selection import MODES, Selector
+from silo_pfl.selection import LEGACY_KEY, MODES, Selector
 from silo_pfl.settings import load_config
 
 JOB = "jobs/heart_disease.yaml"
@@ -138,6 +138,40 @@ def test_best_val_a_silo_left_out_of_a_round_keeps_its_earlier_choice():
         [ev("a", 3, 0.5, 0.5, 0.9), ev("b", 3, 0.5, 0.5, 0.9)],
     ]
     assert kept_rounds("best_val", rounds) == {"a": 1, "b": 2}
+
+
+def test_best_mean_val_a_round_that_left_a_weak_silo_out_does_not_win_by_its_absence():
+    rounds = [
+        [ev("a", 1, 0.9, 0.5, 0.5), ev("b", 1, 0.9, 0.5, 0.5), ev("weak", 1, 0.3, 0.5, 0.5)],
+        # Without "weak" the mean is 0.85, above round 1's 0.7; on a and b it is worse.
+        [ev("a", 2, 0.85, 0.5, 0.9), ev("b", 2, 0.85, 0.5, 0.9)],
+    ]
+    assert kept_rounds("best_mean_val", rounds) == {"a": 1, "b": 1, "weak": 1}
+
+
+def test_best_mean_val_compares_a_round_with_the_models_selected_now_on_its_silos():
+    rounds = [
+        [ev("a", 1, 0.9, 0.5, 0.5), ev("b", 1, 0.9, 0.5, 0.5), ev("weak", 1, 0.3, 0.5, 0.5)],
+        [ev("a", 2, 0.95, 0.5, 0.5), ev("b", 2, 0.95, 0.5, 0.5)],  # better on a and b: kept
+        # Mean 0.787 against the selected models' 0.733 (a and b of round 2, weak of round 1);
+        # a comparison with round 2's mean over a and b alone (0.95) would refuse it.
+        [ev("a", 3, 0.93, 0.5, 0.5), ev("b", 3, 0.93, 0.5, 0.5), ev("weak", 3, 0.5, 0.5, 0.5)],
+    ]
+    selector = Selector("best_mean_val")
+    assert [selector.choose(evals) for evals in rounds] == [
+        ["a", "b", "weak"],
+        ["a", "b"],
+        ["a", "b", "weak"],
+    ]
+
+
+def test_best_mean_val_resumes_from_an_earlier_checkpoints_single_mean():
+    """Checkpoints before per-silo scores hold the best round's mean under one key."""
+    selector = Selector("best_mean_val")
+    selector.best = {LEGACY_KEY: (0.7, -0.5)}
+    assert selector.choose([ev("a", 5, 0.6, 0.5, 0.5), ev("b", 5, 0.7, 0.5, 0.5)]) == []
+    assert selector.choose([ev("a", 6, 0.8, 0.5, 0.5), ev("b", 6, 0.7, 0.5, 0.5)]) == ["a", "b"]
+    assert selector.best == {"a": (0.8, -0.5), "b": (0.7, -0.5)}
 
 
 def test_an_unknown_mode_is_refused():
