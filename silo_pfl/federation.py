@@ -11,7 +11,7 @@ from silo_pfl.config import FederationConfig
 from silo_pfl.errors import ConfigError
 from silo_pfl.results import FederationResult
 from silo_pfl.runtime.orchestrator import Orchestrator
-from silo_pfl.settings import build_config, load_config
+from silo_pfl.settings import load_config, user_config
 
 
 class Federation:
@@ -24,11 +24,11 @@ class Federation:
         callbacks: Sequence[Callback] = (),
     ) -> None:
         if isinstance(config, FederationConfig):
-            self.config = build_config(config, list(overrides)) if overrides else config
+            self.config = user_config(config, list(overrides)) if overrides else config
         elif isinstance(config, (str, Path)):
             self.config = load_config(config, list(overrides))
         else:
-            self.config = build_config(config, list(overrides))
+            self.config = user_config(config, list(overrides))
         self.callbacks = list(callbacks)
 
     def run(self, resume: bool | str = False) -> FederationResult:

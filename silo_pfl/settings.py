@@ -24,12 +24,14 @@ from silo_pfl.config import (
     merge_config,
     read_yaml,
     to_dict,
+    written_keys,
 )
 from silo_pfl.data import all_silo_names, data_config, silo_names
 from silo_pfl.errors import ConfigError, typed_line
 from silo_pfl.models import build_model, check_adapters, check_hidden
 from silo_pfl.server_optimizers import resolve_server_optimizer
 from silo_pfl.split import compute_split, parse_rules
+from silo_pfl.unused_settings import unused
 
 log = logging.getLogger("silo_pfl.settings")
 
@@ -68,7 +70,18 @@ def build_config(
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> FederationConfig:
     """Load a job YAML, apply `key=value` overrides, and validate everything before any work."""
-    return build_config(read_yaml(Path(path)), overrides)
+    return user_config(read_yaml(Path(path)), overrides)
+
+
+def user_config(base: Any, overrides: list[str] | None = None) -> FederationConfig:
+    """build_config on a user's own job (a mapping, or a loaded config that overrides change),
+    which also warns of each setting it gives that its other settings make do nothing
+    (silo_pfl.unused_settings; of a loaded config, only the overrides are the user's)."""
+    cfg = build_config(to_dict(base) if isinstance(base, FederationConfig) else base, overrides)
+    written, overridden = written_keys(base, overrides), written_keys(None, overrides)
+    for line in unused(cfg, split_rules(cfg), written, overridden):
+        log.warning("%s", line)
+    return cfg
 
 
 def from_dict(data: dict[str, Any]) -> FederationConfig:
@@ -216,27 +229,6 @@ def _check_secure(cfg: FederationConfig, names: list[str]) -> None:
     configured_keys(cfg, names)
 
 
-def _warn_secure_only(cfg: FederationConfig) -> None:
-    """Settings that only secure aggregation reads, set while it is off: said once, since the
-    updates then reach the server in the clear (and aggregation.clip clips nothing)."""
-    agg = cfg.aggregation
-    settings = {
-        "aggregation.secure_threshold": agg.secure_threshold,
-        "aggregation.secure_graph.neighbors": agg.secure_graph.neighbors,
-        "aggregation.identity_keys": agg.identity_keys,
-        "aggregation.clip": agg.clip,
-        **{f"silos.{name}.identity_key": s.identity_key for name, s in sorted(cfg.silos.items())},
-    }
-    unused = [key for key, value in settings.items() if value is not None]
-    if unused:
-        log.warning(
-            "aggregation.secure is false, so %s %s no effect: the updates reach the server in "
-            "the clear; set aggregation.secure=true to mask them",
-            ", ".join(unused),
-            "has" if len(unused) == 1 else "have",
-        )
-
-
 def _check_silos(cfg: FederationConfig) -> None:
     """Every silo's name must be fit for paths (config.check_name); silos.<name> must name a silo
     of this federation; store URIs must be usable; secure aggregation's settings must fit its
@@ -255,8 +247,6 @@ def _check_silos(cfg: FederationConfig) -> None:
         )
     if cfg.aggregation.secure:
         _check_secure(cfg, names)
-    else:
-        _warn_secure_only(cfg)
     every = all_silo_names(cfg.data)
     for silo, settings in cfg.silos.items():
         if silo not in every:

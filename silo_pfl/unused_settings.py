@@ -1,0 +1,124 @@
+"""Settings a job gives that its other settings make do nothing: a warning each, never an error.
+
+Only keys the user wrote (the job's mapping and its overrides) are named, and only with a value
+(not null): a resolved config, such as an actor's copy or onboarding's, carries every key, and
+server.optimizer there is the algorithm's default, not a choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterator
+from fnmatch import fnmatchcase
+from typing import Any
+
+from silo_pfl.config import FederationConfig
+
+# What a rule finds: its condition, the patterns of the keys it makes do nothing, and why ("{it}"
+# stands for the keys found: it or them).
+Finding = tuple[str, tuple[str, ...], str]
+SERVER_STEP = ("server.optimizer", "server.lr", "server.beta1", "server.beta2", "server.tau")
+
+
+def _rules(cfg: FederationConfig, local_rules: list[str]) -> Iterator[Finding]:
+    """Every rule that applies to `cfg`, in the order their keys are named."""
+    if not cfg.aggregation.secure:
+        yield (
+            "aggregation.secure is false",
+            (
+                "aggregation.secure_threshold",
+                "aggregation.secure_graph.neighbors",
+                "aggregation.identity_keys",
+                "aggregation.clip",
+                "silos.*.identity_key",
+            ),
+            "the updates reach the server in the clear; set aggregation.secure=true to mask them",
+        )
+    if "all" in local_rules:
+        yield (
+            f"split.local={local_rules} keeps every key on its silo (algorithm "
+            f"{cfg.algorithm['name']})",
+            (*SERVER_STEP, "aggregation.max_update_norm"),
+            "there is nothing to aggregate",
+        )
+    if cfg.server.optimizer in ("sgd", "adagrad"):
+        only = ("server.beta1", "server.beta2", "server.tau")
+        if cfg.server.optimizer == "adagrad":
+            only, readers = ("server.beta2",), "adam and yogi"
+        else:
+            readers = "adam, yogi and adagrad"
+        yield f"server.optimizer is {cfg.server.optimizer}", only, f"only {readers} read {{it}}"
+    if cfg.train.optimizer != "sgd":
+        yield (
+            f"train.optimizer is {cfg.train.optimizer}",
+            ("train.momentum",),
+            "only sgd reads {it}",
+        )
+    if cfg.model.name not in ("mlp", "transformer"):
+        yield (
+            f"model.name is {cfg.model.name}",
+            ("model.hidden",),
+            "only mlp and transformer read {it}",
+        )
+    if cfg.ray.address is not None:
+        yield (
+            f"ray.address is {cfg.ray.address}",
+            ("ray.num_cpus", "metrics.export_interval_s", "metrics.linger_s"),
+            "only a local Ray reads {it}; a cluster keeps the CPUs and export interval its nodes "
+            "were started with",
+        )
+    if cfg.metrics.enabled is False:
+        yield (
+            "metrics.enabled is false",
+            ("metrics.export_interval_s", "metrics.linger_s"),
+            "no live metrics are exported",
+        )
+    if not cfg.tracking.enabled:
+        yield (
+            "tracking.enabled is false",
+            ("tracking.uri", "tracking.report", "privacy.central_models", "silos.*.tracking_uri"),
+            "nothing is recorded in MLflow",
+        )
+
+
+def _other_algorithms(cfg: FederationConfig) -> Finding:
+    """Another algorithm's options section."""
+    name = cfg.algorithm["name"]
+    others = sorted(set(cfg.algorithm) - {"name", name})
+    patterns = tuple(f"algorithm.{other}.*" for other in others)
+    return f"algorithm.name is {name}", patterns, f"only algorithm.{name}.* is read"
+
+
+def unused(
+    cfg: FederationConfig,
+    local_rules: list[str],
+    written: Collection[str],
+    overridden: Collection[str],
+) -> list[str]:
+    """One line per condition naming the keys in `written` that it makes do nothing, each key
+    once. Another algorithm's options are named only from `overridden` (the overrides' keys): a
+    job's own sections may serve a switch of algorithm.name."""
+    findings = [(rule, written) for rule in _rules(cfg, local_rules)]
+    findings.append((_other_algorithms(cfg), overridden))
+    named: set[str] = set()
+    lines = []
+    for (condition, patterns, why), keys in findings:
+        hits = [
+            key
+            for pattern in patterns
+            for key in sorted(keys)
+            if fnmatchcase(key, pattern) and key not in named and _value(cfg, key) is not None
+        ]
+        if hits:
+            named.update(hits)
+            verb, it = ("has", "it") if len(hits) == 1 else ("have", "them")
+            why = why.replace("{it}", it)
+            lines.append(f"{condition}, so {', '.join(hits)} {verb} no effect: {why}")
+    return lines
+
+
+def _value(cfg: FederationConfig, key: str) -> Any:
+    """The value at a dotted key of the loaded config (None where there is none)."""
+    value: Any = cfg
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else getattr(value, part, None)
+    return value

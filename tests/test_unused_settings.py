@@ -1,0 +1,123 @@
+"""Settings a job gives that its other settings make do nothing (silo_pfl.unused_settings): one
+warning line each, only for keys the user wrote, never for a resolved config's copy."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from silo_pfl import Federation
+from silo_pfl.algorithms import ALGORITHMS
+from silo_pfl.config import read_yaml, to_dict
+from silo_pfl.settings import from_dict, load_config
+
+JOB = "jobs/heart_disease.yaml"  # mlp, sgd with momentum, FedPer, MLflow on, no secure aggregation
+REPO = Path(__file__).resolve().parents[1]
+
+
+def warnings_of(caplog, load) -> list[str]:
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="silo_pfl.settings"):
+        load()
+    return [r.getMessage() for r in caplog.records if r.name == "silo_pfl.settings"]
+
+
+CASES = [
+    (
+        ["algorithm.name=local", "server.optimizer=adam", "server.lr=0.1"],
+        "split.local=['all'] keeps every key on its silo (algorithm local), so server.optimizer, "
+        "server.lr have no effect: there is nothing to aggregate",
+    ),
+    (
+        ["server.beta1=0.5", "server.tau=0.01"],
+        "server.optimizer is sgd, so server.beta1, server.tau have no effect: only adam, yogi and "
+        "adagrad read them",
+    ),
+    (
+        ["server.optimizer=adagrad", "server.beta2=0.9"],
+        "server.optimizer is adagrad, so server.beta2 has no effect: only adam and yogi read it",
+    ),
+    (
+        ["train.optimizer=adam"],  # the job's own train.momentum: 0.9
+        "train.optimizer is adam, so train.momentum has no effect: only sgd reads it",
+    ),
+    (
+        ["model.name=cnn_small", "model.hidden=[64]", "data.source=digits"],
+        "model.name is cnn_small, so model.hidden has no effect: only mlp and transformer read it",
+    ),
+    (
+        ["ray.address=127.0.0.1:6999", "ray.num_cpus=2", "metrics.linger_s=1"],
+        "ray.address is 127.0.0.1:6999, so ray.num_cpus, metrics.linger_s have no effect: only a "
+        "local Ray reads them; a cluster keeps the CPUs and export interval its nodes were started "
+        "with",
+    ),
+    (
+        ["metrics.enabled=false", "metrics.export_interval_s=2"],
+        "metrics.enabled is false, so metrics.export_interval_s has no effect: no live metrics are "
+        "exported",
+    ),
+    (
+        ["tracking.enabled=false", "tracking.uri=sqlite:///elsewhere.db", "tracking.report=false"],
+        "tracking.enabled is false, so tracking.uri, tracking.report have no effect: nothing is "
+        "recorded in MLflow",
+    ),
+    (
+        ["algorithm.name=fedavg", "algorithm.fedprox.mu=0.1"],
+        "algorithm.name is fedavg, so algorithm.fedprox.mu has no effect: only algorithm.fedavg.* "
+        "is read",
+    ),
+]
+
+
+@pytest.mark.parametrize(("overrides", "line"), CASES, ids=[c[0][-1] for c in CASES])
+def test_a_setting_that_does_nothing_is_named_in_one_line(caplog, overrides, line):
+    assert warnings_of(caplog, lambda: load_config(JOB, overrides)) == [line]
+
+
+@pytest.mark.parametrize(("overrides", "line"), CASES, ids=[c[0][-1] for c in CASES])
+def test_a_resolved_copy_of_the_config_warns_of_nothing(caplog, overrides, line):
+    """Actors and onboarding rebuild the config from `to_dict`, where every key is present."""
+    cfg = load_config(JOB, overrides)
+    assert warnings_of(caplog, lambda: from_dict(to_dict(cfg))) == []
+
+
+@pytest.mark.parametrize("job", sorted(str(p.relative_to(REPO)) for p in REPO.glob("jobs/*.yaml")))
+def test_the_shipped_jobs_warn_of_nothing(caplog, job):
+    assert warnings_of(caplog, lambda: load_config(job)) == []
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_switching_algorithm_keeps_the_jobs_own_sections_quiet(caplog, name):
+    """digits_label_skew.yaml has an algorithm.fedper section; algorithm.name=<other> on it is how
+    jobs are compared, not a mistake."""
+    job, overrides = "jobs/digits_label_skew.yaml", ["model.name=cnn_small_bn"]
+    load = lambda: load_config(job, [*overrides, f"algorithm.name={name}"])  # noqa: E731
+    assert warnings_of(caplog, load) == []
+
+
+def test_a_setting_given_null_is_not_named(caplog):
+    assert warnings_of(caplog, lambda: load_config(JOB, ["aggregation.clip=null"])) == []
+
+
+def test_the_python_api_warns_for_a_mapping_and_for_overrides(caplog):
+    base = dict(read_yaml(Path(JOB)))
+    line = "train.optimizer is adam, so train.momentum has no effect: only sgd reads it"
+    assert warnings_of(caplog, lambda: Federation(base, ["train.optimizer=adam"])) == [line]
+    cfg = load_config(JOB)
+    assert warnings_of(caplog, lambda: Federation(cfg, ["server.beta1=0.5"])) == [
+        "server.optimizer is sgd, so server.beta1 has no effect: only adam, yogi and adagrad "
+        "read it"
+    ]
+
+
+def test_the_cli_prints_the_line_on_stderr_and_goes_on():
+    command = [sys.executable, "-m", "silo_pfl", "config", JOB, "train.optimizer=adam"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == (
+        "train.optimizer is adam, so train.momentum has no effect: only sgd reads it"
+    )
+    assert "optimizer: adam" in done.stdout
