@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 EXIT_USER_ERROR = 2
 EXIT_FAILURE = 1
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a process the signal ended exits with
 
 
 class _Parser(argparse.ArgumentParser):
@@ -399,6 +400,21 @@ COMMANDS = {
 }
 
 
+def _stdout_gone() -> int:
+    """stdout's reader has gone (`silo-pfl models | head -1`): end quietly, as SIGPIPE would.
+
+    stdout is pointed at os.devnull, so that the interpreter's flush at exit does not fail again
+    on what is still buffered; returns EXIT_BROKEN_PIPE.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is no file (replaced in-process): nothing to flush
+        pass
+    return EXIT_BROKEN_PIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     try:
@@ -407,6 +423,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_USER_ERROR
     try:
         return COMMANDS[args.command](args)
+    except BrokenPipeError:
+        return _stdout_gone()
     except SiloPflError as exc:
         if args.debug:
             traceback.print_exc()
@@ -431,6 +449,10 @@ def console() -> None:
     exit do not walk it: with torch, Ray and MLflow loaded that saves about a second per command
     (docs/BENCHMARKS.md). Finalizers and atexit handlers run as usual."""
     code = main()
+    try:  # what is still buffered, now rather than in the interpreter's flush at exit
+        sys.stdout.flush()
+    except BrokenPipeError:
+        code = _stdout_gone()
     gc.freeze()
     sys.exit(code)
 

@@ -4,6 +4,9 @@ guards the step that would (the run, the comparison's pool, the Jobs client)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,7 @@ from silo_pfl.config import NAME_RULE
 
 ROOT = Path(__file__).resolve().parents[1]
 HEART = str(ROOT / "jobs" / "heart_disease.yaml")
+SILO_PFL = Path(sys.executable).with_name("silo-pfl")
 
 
 def cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -250,3 +254,30 @@ def test_overrides_stay_optional_and_may_follow_the_options():
     args = _parse(["run", HEART, "--quiet", "rounds=2", "--results", "r.json", "seed=1"])
     assert args.overrides == ["rounds=2", "seed=1"] and args.results == "r.json"
     assert _parse(["config", HEART]).overrides == []
+
+
+@pytest.mark.parametrize("buffered", [False, True], ids=["unbuffered", "buffered"])
+def test_a_reader_that_has_gone_ends_the_command_quietly(buffered):
+    """`silo-pfl config JOB | head -1`: once head has its line and exits, the CLI's next write
+    finds the pipe closed. The read end is closed here before the CLI writes, which makes that
+    race certain. Unbuffered (PYTHONUNBUFFERED), `print` fails inside the command; buffered, the
+    interpreter's flush at exit does. Either way: no error, no traceback, exit 141 (SIGPIPE's)."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [str(SILO_PFL), "config", HEART],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            timeout=300,
+        )
+    finally:
+        os.close(write)
+    assert "error" not in done.stderr.lower() and "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 141, done.stderr

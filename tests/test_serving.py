@@ -4,41 +4,16 @@ silo's)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
-from serving import predict, served
+from serving import predict, registered_silo, served
 
-from silo_pfl.config import to_dict
-from silo_pfl.server_start import new_server
-from silo_pfl.settings import load_config
-from silo_pfl.silo import Silo, init_model
-from silo_pfl.tracking.exporter import MlflowExporter
-
-
-def _registered_silo(
-    tmp_path: Path, store: str, silo: str, job: str = "jobs/heart_disease.yaml", *overrides: str
-) -> Silo:
-    """Train one silo for two rounds with the plain classes and register its model."""
-    cfg = load_config(job, [f"output_dir={tmp_path / 'runs'}", "round.min_silos=1", *overrides])
-    node = Silo(to_dict(cfg), silo)
-    info = node.setup()
-    node.build(info.input_shape, info.num_classes)
-    server = new_server(to_dict(cfg), info.input_shape, info.num_classes)
-    node.attach({"mlflow": MlflowExporter(store, "tracking.uri", cfg.name, "-")})
-    for round_ in (1, 2):
-        update, _ = node.fit(server.global_state(), round_)
-        assert server.aggregate(update).aggregated
-        node.evaluate(server.global_state(), round_)
-        node.commit(round_, keep=True)
-    node.export()
-    return node
+from silo_pfl.silo import init_model
 
 
 def test_mlflow_models_serve_answers_raw_rows_with_the_reported_accuracy(tmp_path, mlflow_store):
-    silo = _registered_silo(tmp_path, mlflow_store, "hungarian")
+    silo = registered_silo(tmp_path, mlflow_store, "hungarian")
     # As a client writes them: integers where the raw values are whole (age 63, not 63.0).
     rows = [[int(v) if v.is_integer() else v for v in row] for row in silo.data.x_test_raw]
     model = "models:/heart_disease-hungarian@champion"
@@ -55,7 +30,7 @@ def test_a_digits_silos_served_model_predicts_as_its_selected_model_on_raw_pixel
     """FedBN on feature-shifted digits: the served CNN keeps the silo's own BatchNorm statistics
     and answers on the silo's own (shifted) images, pixel_0..pixel_63, as the model it selected
     does on its test inputs."""
-    silo = _registered_silo(
+    silo = registered_silo(
         tmp_path, mlflow_store, "silo_3", "jobs/digits_feature_shift.yaml", "data.num_silos=4"
     )
     assert silo.data.raw_columns == tuple(f"pixel_{i}" for i in range(64))

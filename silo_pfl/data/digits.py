@@ -143,13 +143,20 @@ def pixel_columns(width: int) -> tuple[str, ...]:
 
 def encode_raw(rows: np.ndarray) -> np.ndarray:
     """Map raw rows (n, C*S*S) of pixel_0.. in [0, 1] to images (n, C, S, S): (n, 64) to
-    (n, 1, 8, 8), (n, 3072) to (n, 3, 32, 32)."""
+    (n, 1, 8, 8), (n, 3072) to (n, 3, 32, 32). A pixel outside [0, 1] is a DataError."""
     rows = np.asarray(rows, dtype=np.float32)
     shape = image_shape_of(rows.shape[1]) if rows.ndim == 2 else None
     if shape is None:
         raise DataError(
             f"digits raw rows: got shape {rows.shape}, expected (n, C*S*S) with columns "
             "pixel_0.. in [0, 1], C 1 or 3 and S a multiple of 8 (64 for the 8x8 digits)"
+        )
+    outside = ~((rows >= 0.0) & (rows <= 1.0))  # NaN is outside too
+    if outside.any():
+        row, column = (int(i[0]) for i in np.nonzero(outside))
+        raise DataError(
+            f"digits raw rows: column pixel_{column} has {rows[row, column]:g} (row {row}), "
+            "expected a pixel value in [0, 1] (the digits' 0..16 divided by 16)"
         )
     return rows.reshape(-1, *shape)
 

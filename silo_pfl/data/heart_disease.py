@@ -115,9 +115,10 @@ def encode_raw(rows: np.ndarray) -> np.ndarray:
         codes = rows[:, RAW_COLUMNS.index(name)]
         unknown = ~np.isin(codes, levels)
         if unknown.any():
+            row = int(np.argmax(unknown))
             raise DataError(
-                f"heart_disease raw rows: column {name} has {codes[unknown][0]:g}, expected one "
-                f"of {', '.join(map(str, levels))}"
+                f"heart_disease raw rows: column {name} has {codes[row]:g} (row {row}), expected "
+                f"one of {', '.join(map(str, levels))}"
             )
         dummies.append(codes[:, None] == np.asarray(levels[1:], dtype=np.float64)[None, :])
     return np.hstack(dummies).astype(np.float64)
