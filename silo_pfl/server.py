@@ -207,7 +207,7 @@ class Server:
         if len(accepted) < self.quorum:
             why = "aggregation.secure_threshold" if self.protocol else "round.min_silos"
             reason = (
-                f"{len(accepted)} of {self.quorum} updates needed ({why}); none from "
+                f"{len(accepted)} updates, {self.quorum} needed ({why}); none from "
                 f"{', '.join(missing)}"
             )
             return RoundReport(round_, names, rejected, False, reason)

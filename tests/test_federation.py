@@ -202,7 +202,7 @@ def test_diverged_training_is_one_clear_error_naming_the_silo(tmp_path, capsys):
     assert code != 0
     assert err.count("\n") == 0 and "Traceback" not in err
     assert err.startswith("error: round 1: no quorum after 3 attempts (round.retries=2)")
-    assert "updates needed (round.min_silos); none from " in err
+    assert " needed (round.min_silos); none from " in err
     assert ", va: training diverged (body." in err, "silos with one reason are named together"
     assert "lower train.lr" in err
 

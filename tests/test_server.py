@@ -106,7 +106,7 @@ def test_without_a_quorum_nothing_changes_and_the_missing_silos_are_named(job):
     report = server.aggregate(hungarian, va)
     assert not report.aggregated and server.round == 0
     assert (
-        report.reason == "2 of 3 updates needed (round.min_silos); none from cleveland, switzerland"
+        report.reason == "2 updates, 3 needed (round.min_silos); none from cleveland, switzerland"
     )
     assert all(np.array_equal(before[k], v) for k, v in server.global_state().items())
 

@@ -77,6 +77,20 @@ def check_labels(selectors: Mapping[str, Mapping[str, str] | None], wait: float)
         )
 
 
+def homeless(selectors: Mapping[str, Mapping[str, str] | None]) -> dict[str, str]:
+    """The roles whose selector no live node carries now, each with why: a silo whose labelled
+    node died cannot be restarted by Ray until such a node joins."""
+    pending = {role: sel for role, sel in selectors.items() if sel}
+    if not pending:
+        return {}
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    return {
+        role: f"no live Ray node carries its label {_describe(sel)}"
+        for role, sel in pending.items()
+        if not any(_carries(n, sel) for n in nodes)
+    }
+
+
 def check_local_cpus(cfg: FederationConfig, workers: int, cpus: float) -> None:
     """On a local Ray (`ray.address` and RAY_ADDRESS unset; nothing joins it), the CPUs the
     silos' workers reserve (ray.silo_cpus per silo, `workers` silos or baselines) fit in its

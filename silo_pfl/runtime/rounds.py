@@ -44,6 +44,7 @@ from silo_pfl.results import RoundSummary
 from silo_pfl.runtime.actors import Shared, call_many, task_error_cause
 from silo_pfl.runtime.aggregation_steps import PlainSteps, Prepared, SecureSteps
 from silo_pfl.runtime.metrics import DriverMetrics, NoMetrics
+from silo_pfl.runtime.placement import homeless, silo_selector
 from silo_pfl.selection import Selector, evaluated
 
 log = logging.getLogger("silo_pfl.rounds")
@@ -88,10 +89,12 @@ def late_reason(timeout: float) -> str:
     return f"no answer within round.timeout_s={timeout:g} s"
 
 
-def gather(refs: dict[str, Any], timeout: float) -> tuple[dict[str, Any], dict[str, str], set[str]]:
+def gather(
+    refs: dict[str, Any], timeout: float, late: str | None = None
+) -> tuple[dict[str, Any], dict[str, str], set[str]]:
     """Wait for every ref (or `Shared` item of a worker's answers) until `timeout` s from now.
-    Returns the answers, a reason for each silo that failed or was late, and the silos whose
-    process died."""
+    Returns the answers, a reason for each silo that failed or was late (`late`, else
+    round.timeout_s's), and the silos whose process died."""
     if not refs:
         return {}, {}, set()
     objects = {_object(ref): None for ref in refs.values()}  # each once, in order
@@ -102,7 +105,7 @@ def gather(refs: dict[str, Any], timeout: float) -> tuple[dict[str, Any], dict[s
     died: set[str] = set()
     for name, ref in refs.items():
         if _object(ref) not in got:
-            absent[name] = late_reason(timeout)
+            absent[name] = late or late_reason(timeout)
             continue
         answer = got[_object(ref)]
         if isinstance(answer, ray.exceptions.RayActorError):
@@ -179,6 +182,7 @@ class RoundRunner:
         steps = SecureSteps if cfg.aggregation.secure else PlainSteps
         self.steps = steps(server, gather, self.timeout)
         self.ahead: Ahead | None = None  # the next round's fits, if already sent
+        self.down: dict[str, str] = {}  # dead silos that cannot rejoin now, and why
 
     def run(self, round_: int) -> RoundSummary:
         """Run `round_` until an attempt has a quorum; fail, naming who was missing, if none."""
@@ -201,12 +205,23 @@ class RoundRunner:
 
     def rejoin_the_dead(self, round_: int) -> dict[str, RejoinInfo]:
         """Each silo whose process died is restarted by Ray, then restores its last commit.
-        Until Ray has it running again a call fails at once, so this asks again, bounded."""
+        Until Ray has it running again a call fails at once, so this asks again, bounded by
+        round.call_timeout_s; a silo pinned to labels no live node carries is not waited for
+        (`down` says why it stays out)."""
         args = self.rejoin_args
-        deadline = time.monotonic() + self.cfg.round.call_timeout_s
+        limit = self.cfg.round.call_timeout_s
+        deadline = time.monotonic() + limit
         waiting = [n for n, p in self.parties.items() if p.died]
         rejoined: dict[str, RejoinInfo] = {}
+        self.down = {}
         while waiting and time.monotonic() < deadline:
+            gone = homeless({n: silo_selector(self.cfg, n) for n in waiting})
+            for name, reason in sorted(gone.items()):
+                log.warning("round %d: silo %s cannot rejoin: %s", round_, name, reason)
+            self.down.update(gone)
+            waiting = [n for n in waiting if n not in gone]
+            if not waiting:
+                break
             refs = {
                 n: self.parties[n].actor.rejoin.remote(
                     args.input_shape,
@@ -217,7 +232,8 @@ class RoundRunner:
                 )
                 for n in waiting
             }
-            infos, absent, restarting = gather(refs, max(0.0, deadline - time.monotonic()))
+            late = f"no answer within round.call_timeout_s={limit:g} s"
+            infos, absent, restarting = gather(refs, max(0.0, deadline - time.monotonic()), late)
             for name, info in infos.items():
                 party = self.parties[name]
                 party.died, party.restarts = False, party.restarts + 1
@@ -263,7 +279,8 @@ class RoundRunner:
             fit_refs.update(self._fits(rest, round_, attempt, self.inputs, prepared.inbox))
         fits, absent, died = gather({n: m for n, (_, m) in fit_refs.items()}, self.timeout)
         absent.update(prepared.absent)
-        absent.update({n: "not running (restart pending)" for n in self.parties if n not in live})
+        pending = "not running (restart pending)"
+        absent.update({n: self.down.get(n, pending) for n in self.parties if n not in live})
         sent: dict[str, FitMetrics] = {}
         for name, metrics in fits.items():
             if metrics.withheld:
@@ -377,6 +394,11 @@ class RoundRunner:
         """After the last round: rejoin the silos that died, and give every silo the model
         selection chose for it, which it had not been told of (the last round's choice)."""
         self.rejoin_the_dead(self.cfg.rounds)
+        if self.down:
+            raise FederationError(
+                f"the final selection failed{_reasons(self.down)}; once such a node is back, "
+                "resume the run (--resume)"
+            )
         chosen = {n: p.selected for n, p in self.parties.items()}
         refs = call_many({n: p.actor for n, p in self.parties.items()}, "select", per_silo=chosen)
         timeout = self.cfg.round.call_timeout_s
