@@ -130,7 +130,8 @@ def _read(path: Path) -> dict[str, Any]:
 
 
 def check_resumable(saved: dict[str, Any], cfg: FederationConfig, path: Path) -> None:
-    """Only `rounds` may change on resume, and only upwards; any other change names its key.
+    """Only `rounds` may change on resume, and only upwards; any other change names its key
+    (tracking.* may change where MLflow is off, before and now).
     A key that the version which started the run did not have yet (it is not in the saved
     config) may stand at its default, which does what that version did (eval.every=1)."""
     before_all, after_all = _flat(saved), _json_flat(cfg)
@@ -139,9 +140,13 @@ def check_resumable(saved: dict[str, Any], cfg: FederationConfig, path: Path) ->
         if key in defaults and after_all[key] == defaults[key]:
             before_all[key] = defaults[key]
     both = before_all.keys() & after_all.keys()
+    free = {"rounds"}
+    if before_all.get("tracking.enabled") is False and not cfg.tracking.enabled:
+        # Without MLflow, its store (resolved against the working directory) plays no part.
+        free |= {k for k in before_all.keys() | after_all.keys() if k.startswith("tracking.")}
     # A key set in both is named before one only in either (an algorithm's added options).
     for key in sorted(before_all.keys() | after_all.keys(), key=lambda k: (k not in both, k)):
-        if key == "rounds":
+        if key in free:
             continue
         before, after = before_all.get(key), after_all.get(key)
         if before != after:

@@ -586,6 +586,22 @@ def test_resume_allows_only_more_rounds(tmp_path):
         check_resumable(saved, fewer, run.path)
 
 
+def test_without_mlflow_a_resume_from_another_directory_may_resolve_another_store(tmp_path):
+    """tracking.uri defaults to mlflow.db in the working directory; a run without MLflow (a Ray
+    Job's working directory is new each time) resumes whatever it resolves to."""
+    off = [f"output_dir={tmp_path}", "tracking.enabled=false"]
+    run = RunDir.create(load_config("jobs/heart_disease.yaml", off))
+    saved = run.saved_config()
+    elsewhere = [*off, f"tracking.uri=sqlite:///{tmp_path}/elsewhere/mlflow.db"]
+    check_resumable(saved, load_config("jobs/heart_disease.yaml", elsewhere), run.path)
+    turned_on = load_config("jobs/heart_disease.yaml", [*elsewhere, "tracking.enabled=true"])
+    with pytest.raises(ConfigError, match=r"^tracking\.enabled: got True, but run "):
+        check_resumable(saved, turned_on, run.path)
+    saved["tracking"]["enabled"] = True
+    with pytest.raises(ConfigError, match=r"^tracking\.uri: got 'sqlite:///.*elsewhere"):
+        check_resumable(saved, turned_on, run.path)
+
+
 def test_a_run_started_before_a_key_existed_resumes_with_that_key_at_its_default(tmp_path):
     """A run's saved config lacks the keys added to the package since it started: they may
     stand at their defaults (which do what the run did), and any other value is refused."""
