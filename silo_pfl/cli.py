@@ -71,15 +71,15 @@ def _parser() -> argparse.ArgumentParser:
         )
         command.add_argument("--results", help="write a JSON summary of the run to this path")
         command.add_argument("--quiet", action="store_true", help="print only the final table")
-    run.add_argument(
-        "--resume",
-        nargs="?",
-        const=True,
-        default=False,
-        metavar="RUN_ID",
-        help="continue the latest run of this federation (or RUN_ID) from its last checkpoint; "
-        "only rounds= may change",
-    )
+        command.add_argument(
+            "--resume",
+            nargs="?",
+            const=True,
+            default=False,
+            metavar="RUN_ID",
+            help="continue the latest run of this federation (or RUN_ID) from its last "
+            "checkpoint; only rounds= may change",
+        )
     run.add_argument("--results-in-log", action="store_true", help=argparse.SUPPRESS)
     _debug(run)
     submit.add_argument("--no-wait", action="store_true", help="print the job id and return")
@@ -280,17 +280,20 @@ def _onboard(args: argparse.Namespace) -> int:
 
 def _submit(args: argparse.Namespace) -> int:
     from silo_pfl.results import write_json_atomic
-    from silo_pfl.runtime.jobs import JobsClient, check_tracking_store
+    from silo_pfl.runtime.jobs import JobsClient, check_tracking_store, output_dir_note
     from silo_pfl.settings import load_config
 
     config = load_config(args.config, args.overrides)
     check_tracking_store(Path(args.config), args.overrides, config.tracking.enabled)
+    note = output_dir_note(config.output_dir, args.resume)
     _check_results_path(args.results)
     if args.results and args.no_wait:
         raise ConfigError("--results: needs the job's end; drop --no-wait")
     client = JobsClient(args.address, args.token_file)
-    job_id = client.submit(Path(args.config), args.overrides, config.name, args.quiet)
+    job_id = client.submit(Path(args.config), args.overrides, config.name, args.quiet, args.resume)
     print(f"submitted job {job_id} to {client.address}", flush=True)
+    if note:
+        print(f"warning: {note}", file=sys.stderr, flush=True)
     if args.no_wait:
         return 0
     try:

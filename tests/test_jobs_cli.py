@@ -70,6 +70,11 @@ def test_the_token_comes_from_the_variable_then_a_file(monkeypatch, tmp_path):
             (JOB, "tracking.enabled=false", "--no-wait", "--results", "r.json", "--address", "x:1"),
             "error: --results: needs",
         ),
+        (
+            (JOB, "tracking.enabled=false", "--resume", "--address", "http://127.0.0.1:9"),
+            "error: output_dir: got 'runs', which lies in the job's temporary working directory "
+            "on each node, so no later job finds a run there to resume; give an absolute path",
+        ),
     ],
 )
 def test_a_bad_submission_exits_2_in_one_line_before_anything_is_sent(args, expected):
@@ -101,3 +106,7 @@ def test_overrides_may_follow_the_options():
     assert args.overrides == ["rounds=2"] and args.quiet and args.results == "r.json"
     with pytest.raises(SystemExit):
         _parse(["jobs", "rounds=2"])
+    args = _parse(["submit", JOB, "--resume", "rounds=9", "--address", "http://h:8265"])
+    assert args.resume is True and args.overrides == ["rounds=9"]
+    args = _parse(["submit", JOB, "--resume", "20261130-052301-3fa9c2", "--address", "a:1"])
+    assert args.resume == "20261130-052301-3fa9c2"

@@ -110,6 +110,30 @@ def test_silo_pfl_submit_places_each_silo_on_its_node_and_registers_its_model(cl
     assert accuracy == pytest.approx(summary["silos"]["cleveland"]["test_accuracy"], abs=0.005)
 
 
+def test_a_submitted_run_is_resumed_by_a_later_submission(cluster, tmp_path):
+    """`silo-pfl submit --resume`: a later job continues the run from its last round, in the
+    directory an absolute output_dir gives it on every node; a relative one is warned of."""
+    address = ["--address", cluster.info["dashboard"]]
+    common = ["name=jobs_resume", "tracking.enabled=false", "--quiet", *address]
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    runs = f"output_dir={tmp_path / 'runs'}"
+    done = _cli(cluster.env, "submit", JOB, "rounds=2", runs, *common, "--results", str(first))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "output_dir" not in done.stderr
+    again = ["--resume", "rounds=3", runs, "--results", str(second)]
+    done = _cli(cluster.env, "submit", JOB, *again, *common)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    a, b = json.loads(first.read_text()), json.loads(second.read_text())
+    assert b["run_id"] == a["run_id"] and b["rounds"] == 3
+    assert [h["round"] for h in b["history"]] == [1, 2, 3]
+    assert b["history"][:2] == a["history"]
+    relative = _cli(cluster.env, "submit", JOB, "rounds=1", *common)
+    assert relative.returncode == 0, relative.stderr[-3000:]
+    assert "warning: output_dir: got 'runs', which lies in the job's temporary working" in (
+        relative.stderr
+    )
+
+
 def test_plain_ray_job_submit_with_the_server_on_a_worker_node(cluster, tmp_path):
     """`ray job submit --working-dir .`, as the README shows; the server pinned to a worker."""
     uri = cluster.info["tracking_uri"]

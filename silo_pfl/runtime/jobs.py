@@ -84,6 +84,22 @@ def check_tracking_store(config: Path, overrides: Sequence[str], tracking_enable
         )
 
 
+def output_dir_note(output_dir: str, resume: bool | str) -> str | None:
+    """A submitted run's directory must outlive its job for a later job to resume it; a relative
+    output_dir lies in the job's temporary working directory on each node. Refused for a
+    resume (there is nothing to find); for a fresh run, what to print as a warning."""
+    if Path(output_dir).expanduser().is_absolute():
+        return None
+    where = (
+        f"output_dir: got {output_dir!r}, which lies in the job's temporary working directory "
+        "on each node"
+    )
+    advice = "give an absolute path that every node can write, e.g. output_dir=/var/tmp/silo_pfl"
+    if resume:
+        raise ConfigError(f"{where}, so no later job finds a run there to resume; {advice}")
+    return f"{where}: a later job cannot resume this run; to resume, {advice}"
+
+
 @dataclass(frozen=True)
 class JobRow:
     """One line of `silo-pfl jobs`."""
@@ -149,13 +165,20 @@ class JobsClient:
             raise FederationError(f"--address {self.address}: {one_line(exc)}") from None
 
     def submit(
-        self, config: Path, overrides: Sequence[str], federation: str, quiet: bool = False
+        self,
+        config: Path,
+        overrides: Sequence[str],
+        federation: str,
+        quiet: bool = False,
+        resume: bool | str = False,
     ) -> str:
-        """Submit `python -m silo_pfl run` on the config; return the job's submission id."""
+        """Submit `python -m silo_pfl run` on the config (with `--resume [RUN_ID]` if `resume`);
+        return the job's submission id."""
         import silo_pfl
 
         command = ["python", "-m", "silo_pfl", "run", JOB_FILE, *overrides, "--results-in-log"]
         command += ["--quiet"] if quiet else []
+        command += ["--resume"] if resume is True else ["--resume", resume] if resume else []
         job_id = f"silo-pfl-{federation}-{secrets.token_hex(4)}"
         with tempfile.TemporaryDirectory(prefix="silo-pfl-job-") as staging:
             shutil.copyfile(config, Path(staging) / JOB_FILE)
