@@ -17,6 +17,7 @@ from typing import Any
 
 from silo_pfl.config import FederationConfig, to_dict
 from silo_pfl.errors import ConfigError
+from silo_pfl.paths import outermost_missing
 from silo_pfl.results import write_json_atomic
 
 RUN_FILE = "run.json"
@@ -54,12 +55,14 @@ class RunDir:
 
     run_id: str
     path: Path
+    made: Path | None = None  # the outermost directory `create` made (output_dir, if new)
 
     @classmethod
     def create(cls, cfg: FederationConfig) -> RunDir:
         """A new run: its directory, with run.json."""
         run_id = new_run_id()
         path = run_path(cfg, run_id)
+        made = outermost_missing(path)
         try:
             path.mkdir(parents=True)
         except OSError as exc:
@@ -69,7 +72,7 @@ class RunDir:
             ) from None
         record = {"run_id": run_id, "started_ns": time.time_ns(), "config": to_dict(cfg)}
         write_json_atomic(path / RUN_FILE, record)
-        return cls(run_id, path)
+        return cls(run_id, path, made)
 
     @classmethod
     def find(cls, cfg: FederationConfig, run_id: str | None) -> RunDir:
@@ -98,8 +101,18 @@ class RunDir:
 
     def discard(self) -> None:
         """Remove a fresh run's directory (on this node) after it failed with nothing to
-        resume from."""
+        resume from, and the parents `create` made that are left empty (another run may have
+        begun in them meanwhile)."""
         shutil.rmtree(self.path, ignore_errors=True)
+        if self.made is None:
+            return
+        parent = self.path.resolve().parent
+        while parent.is_relative_to(self.made):
+            try:
+                parent.rmdir()
+            except OSError:
+                return
+            parent = parent.parent
 
     def saved_config(self) -> dict[str, Any]:
         """The resolved config the run started with."""

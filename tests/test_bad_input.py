@@ -73,8 +73,9 @@ def run(capsys, tmp_path: Path, config: str | Path, *overrides: str, tracked: bo
 
 
 def no_run_left(tmp_path: Path) -> bool:
-    """A run that failed before its first checkpoint left no directory for --resume to find."""
-    return [p for p in (tmp_path / "runs").glob("*/*")] == []
+    """A run that failed before its first checkpoint left no directory for --resume to find,
+    nor the output_dir (tmp_path/runs) and federation directory it made for it."""
+    return not (tmp_path / "runs").exists()
 
 
 def assert_one_line(code: int, err: str, expected_code: int, *parts: str) -> str:
