@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import mlflow
 import numpy as np
@@ -165,3 +166,24 @@ def test_store_errors_found_after_start_up_are_one_line_before_round_one(
     assert err.count("\n") == 0 and "Traceback" not in err
     assert expected in err
     assert "round 1" not in captured.out
+
+
+def test_a_resume_with_more_rounds_is_what_the_report_reads_back(tmp_path, mlflow_store, job):
+    """`--resume rounds=2` of a 1-round run: the parent run's `rounds` tag says 2 (its param,
+    which MLflow never changes, still says 1), so `silo-pfl report` rebuilds the page the run
+    wrote as it ended, byte for byte; a run from before the tag reads the param."""
+    from silo_pfl.report.data import read_run
+
+    first = Federation(job("jobs/heart_disease.yaml", "rounds=1")).run()
+    resumed = Federation(job("jobs/heart_disease.yaml", "rounds=2")).run(resume=True)
+    run_id = resumed.extras["mlflow"]["run_id"]
+    assert run_id == first.extras["mlflow"]["run_id"] and len(resumed.history) == 2
+    out = tmp_path / "read_back"
+    assert main(["report", run_id, "--out", str(out), "--no-log"]) == 0
+    written = Path(resumed.run_dir) / "report" / "report.html"
+    assert (out / "report.html").read_bytes() == written.read_bytes()
+    client = MlflowClient(mlflow_store)
+    assert client.get_run(run_id).data.params["rounds"] == "1"
+    assert read_run(client, run_id).rounds == 2
+    client.delete_tag(run_id, "rounds")  # as a run logged before the tag
+    assert read_run(client, run_id).rounds == 1

@@ -14,6 +14,7 @@ from mlflow import MlflowClient
 
 from silo_pfl.cli import main
 from silo_pfl.config import to_dict
+from silo_pfl.errors import ConfigError
 from silo_pfl.server_start import new_server
 from silo_pfl.settings import load_config
 from silo_pfl.silo import Silo
@@ -129,3 +130,62 @@ def test_champion_moves_only_when_a_version_beats_it(tmp_path):
         champions.append(str(client.get_model_version_by_alias("fed-silo", CHAMPION).version))
     assert champions == ["1", "1", "1", "4"]
     assert str(client.get_model_version_by_alias("fed-silo", LATEST).version) == "4"
+
+
+def _other_sqlite(path) -> bytes:
+    """A SQLite file of something else than MLflow (one table of patients); its bytes."""
+    import sqlite3
+
+    with sqlite3.connect(path) as db:
+        db.execute("create table patients(id int)")
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("content", ["other", "empty"])
+@pytest.mark.parametrize("command", ["models", "report"])
+def test_reading_a_sqlite_file_that_is_no_mlflow_store_leaves_it_untouched(
+    tmp_path, capsys, command, content
+):
+    path = tmp_path / "other.db"
+    if content == "other":
+        before = _other_sqlite(path)
+    else:
+        path.touch()
+        before = b""
+    uri = f"sqlite:///{path}"
+    args = ["models"] if command == "models" else ["report", "0" * 32, "--out", str(tmp_path / "r")]
+    code = main([*args, "--tracking-uri", uri])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.count("\n") == 0 and "Traceback" not in err
+    assert f"{path} is not an MLflow store" in err and "--tracking-uri" in err, err
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.db"]
+
+
+def test_models_lists_every_page_of_registered_models(tmp_path, monkeypatch, capsys):
+    """More registered models than one search page holds (the page made small here)."""
+    from silo_pfl.tracking import registry
+    from silo_pfl.tracking.listing import model_rows
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri, registry_uri=uri)
+    silos = [f"s{i}" for i in range(7)]
+    for federation in ("aaa", "zzz"):
+        for silo in silos:
+            name = registry.model_name(federation, silo)
+            client.create_registered_model(name, tags={"federation": federation, "silo": silo})
+            tags = registry.version_tags(federation, silo, "fedper", "r", 1, 0.5, 0.5)
+            for _ in range(3):
+                client.create_model_version(name, source=str(tmp_path), tags=tags)
+    monkeypatch.setattr(registry, "PAGE_SIZE", 2)
+    rows = model_rows(client, "zzz", every_version=True)
+    assert [(r.silo, r.version) for r in rows] == [(s, v) for s in silos for v in (3, 2, 1)]
+    assert len(model_rows(client)) == 2 * len(silos)
+    capsys.readouterr()
+    assert main(["models", "--tracking-uri", uri, "--federation", "zzz"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1 + len(silos)
+    # The check before round 1 reads every page too: zzz-s70 is on the last one.
+    client.create_registered_model("zzz-s70", tags={"federation": "zzz-s", "silo": "70"})
+    with pytest.raises(ConfigError, match="zzz-s70 .* federation zzz-s, silo 70"):
+        registry.check_owner(client, "zzz", ["s70"], "the store")

@@ -3,6 +3,7 @@
 
 Per silo, from its child run: validation and test accuracy and bytes sent per round (step =
 round), and its selected model's round and accuracies. From the parent run: its tags, params
+(the rounds from its `rounds` tag, which a resume updates, else the param of older runs)
 and final metrics, and the artifacts `split.json` and `partition.json` (absent under
 aggregation.secure: the silos report no counts then).
 """
@@ -20,7 +21,7 @@ import numpy as np
 
 from silo_pfl.errors import ConfigError
 from silo_pfl.tracking import registry
-from silo_pfl.tracking.tracker import PARENT_RUN_TAG, PARTITION_FILE
+from silo_pfl.tracking.tracker import PARENT_RUN_TAG, PARTITION_FILE, ROUNDS_TAG
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -145,7 +146,7 @@ def read_run(client: MlflowClient, run_id: str, key: str = "RUN_ID", where: str 
         federation=tags[registry.FEDERATION],
         algorithm=tags.get(registry.ALGORITHM, params.get("algorithm.name", "")),
         seed=params.get("seed", ""),
-        rounds=int(params.get("rounds", 0)),
+        rounds=int(tags.get(ROUNDS_TAG, params.get("rounds", 0))),  # the tag: a resume's rounds
         wall_seconds=float(run.data.metrics.get("wall_seconds", np.nan)),
         secure=params.get("aggregation.secure", "False") == "True",
         silos={s.name: s for s in sorted(series, key=lambda s: silo_order(s.name))},

@@ -17,3 +17,7 @@ import os
 # No network at run time: MLflow's usage telemetry stays off unless the operator turns it on
 # (it also raced with our store-opening thread: a KeyError on its session id variable).
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+# MLflow prints "View run ... at: <store URI>" when it ends a run in an HTTP store, password and
+# all, on stdout (set_terminated, in the driver and in a silo's process alike). Never: every
+# process that talks to a store imports this package first; the run's own lines are redacted.
+os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"

@@ -60,10 +60,12 @@ class MlflowExporter:
         return self.model_id is None
 
     def check(self, silo: str) -> None:
-        """Before round 1, from the silo's node: its store (or artifact location) is usable."""
+        """Before round 1, from the silo's node: its store (or artifact location) is usable,
+        and, in its own store, its registered name is no other silo's."""
         if self.own_store:
             client = open_client(self.uri, self.key)
             ensure_experiment(client, self.uri, self.experiment, self.key)
+            registry.check_owner(client, self.experiment, [silo], f"{self.key} {redact(self.uri)}")
         else:
             path = sqlite_path(self.uri)
             if path is not None and not path.is_file():

@@ -17,6 +17,7 @@ from silo_pfl.tracking.registry import (
     SILO,
     TEST_ACCURACY,
     VAL_ACCURACY,
+    pages,
     tag_value,
 )
 
@@ -48,37 +49,56 @@ class ModelRow:
 def model_rows(
     client: MlflowClient, federation: str | None = None, every_version: bool = False
 ) -> list[ModelRow]:
-    """Registered silo models (tagged by silo_pfl), newest version first within each model."""
+    """Registered silo models (tagged by silo_pfl), newest version first within each model.
+
+    Every page of the search is read. A version is attributed to the federation and silo its
+    own tags name (those of its model when it has none), never by splitting the model's name:
+    `<federation>-<silo>` is ambiguous when either holds '-'.
+    """
     rows = []
-    for model in client.search_registered_models(max_results=1000, order_by=["name ASC"]):
-        fed, silo = model.tags.get(FEDERATION), model.tags.get(SILO)
-        if fed is None or silo is None or (federation is not None and fed != federation):
+    models = sorted(pages(client.search_registered_models), key=lambda m: m.name)
+    for model in models:
+        if model.tags.get(FEDERATION) is None or model.tags.get(SILO) is None:
             continue
-        versions = client.search_model_versions(f"name = '{model.name}'", max_results=10000)
+        versions = pages(client.search_model_versions, f"name = '{model.name}'")
         versions = sorted(versions, key=lambda v: -int(v.version))
         newest = int(versions[0].version) if versions else 0
         # Versions found by search carry no aliases; the registered model maps alias -> version.
         named = client.get_registered_model(model.name).aliases
         for v in versions:
+            fed = v.tags.get(FEDERATION, model.tags[FEDERATION])
+            if federation is not None and fed != federation:
+                continue
             number = int(v.version)
             aliases = tuple(sorted(a for a, n in named.items() if int(n) == number))
             aliases += (LATEST,) if number == newest else ()
             if not every_version and not aliases:
                 continue
-            rows.append(
-                ModelRow(
-                    federation=fed,
-                    silo=silo,
-                    name=model.name,
-                    version=number,
-                    aliases=aliases,
-                    algorithm=v.tags.get(ALGORITHM, ""),
-                    val_accuracy=tag_value(v.tags, VAL_ACCURACY),
-                    test_accuracy=tag_value(v.tags, TEST_ACCURACY),
-                    joined=v.tags.get(JOINED, FOUNDER),
-                )
-            )
+            silo = v.tags.get(SILO, model.tags[SILO])
+            rows.append(_row(model.name, fed, silo, number, aliases, v.tags))
     return rows
+
+
+def _row(
+    name: str,
+    federation: str,
+    silo: str,
+    version: int,
+    aliases: tuple[str, ...],
+    tags: dict[str, str],
+) -> ModelRow:
+    """One version's row, its figures from its tags."""
+    return ModelRow(
+        federation=federation,
+        silo=silo,
+        name=name,
+        version=version,
+        aliases=aliases,
+        algorithm=tags.get(ALGORITHM, ""),
+        val_accuracy=tag_value(tags, VAL_ACCURACY),
+        test_accuracy=tag_value(tags, TEST_ACCURACY),
+        joined=tags.get(JOINED, FOUNDER),
+    )
 
 
 def format_table(rows: list[ModelRow]) -> str:

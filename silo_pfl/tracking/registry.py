@@ -1,6 +1,9 @@
 """The Model Registry side: names, tags, the one registration path and the champion alias.
 
-Each silo's personalized model is registered as `<federation>-<silo>`. Aliases:
+Each silo's personalized model is registered as `<federation>-<silo>`. Both names may hold '-', so
+two federations can reach one name (`clinic` + `north-a`, `clinic-north` + `a`): the registered
+model's tags say whose it is, and a run whose name is another's fails before round 1
+(`check_owner`), and `register` refuses to add a version to it. Aliases:
   champion  the version with the best validation accuracy so far; moved only when a new version
             beats the champion version's `val_accuracy` tag.
   latest    the newest version. MLflow reserves this alias and resolves it by itself, so
@@ -10,7 +13,10 @@ Each silo's personalized model is registered as `<federation>-<silo>`. Aliases:
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from silo_pfl.errors import ConfigError, FederationError
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -25,11 +31,58 @@ VAL_ACCURACY, TEST_ACCURACY = "val_accuracy", "test_accuracy"
 JOINED, FOUNDER, ONBOARD = "joined", "founder", "onboard"
 # A parent run's kind: a federation's training, or a silo's onboarding onto a trained one.
 RUN_KIND, FEDERATION_RUN, ONBOARD_RUN = "run_kind", "federation", "onboard"
+# Results per search call (MLflow's largest page of registered models); every page is read.
+PAGE_SIZE = 1000
+
+
+def pages(search: Callable[..., Any], filter_string: str | None = None) -> Iterator[Any]:
+    """Every result of an MLflow search (search_registered_models, search_model_versions),
+    following its page tokens."""
+    token = None
+    while True:
+        page = search(filter_string, max_results=PAGE_SIZE, page_token=token)
+        yield from page
+        token = page.token
+        if not token:
+            return
 
 
 def model_name(federation: str, silo: str) -> str:
     """The registered name of a silo's personalized model."""
     return f"{federation}-{silo}"
+
+
+def foreign_owner(tags: Mapping[str, str], federation: str, silo: str) -> str | None:
+    """Whose a registered model is, by its tags, when not silo `silo` of `federation`."""
+    owner = (tags.get(FEDERATION), tags.get(SILO))
+    if owner == (federation, silo):
+        return None
+    if None in owner:
+        return "no silo of any federation (it has no federation and silo tags)"
+    return f"federation {owner[0]}, silo {owner[1]}"
+
+
+def collision(name: str, owner: str, federation: str, silo: str, where: str) -> str:
+    """The one line saying that silo `silo`'s registered name `name` is taken by `owner`."""
+    return (
+        f"name: silo {silo} of federation {federation} registers its model as {name} in "
+        f"{where}, but that registered model belongs to {owner}; rename the federation (name) "
+        "or the silo so that <federation>-<silo> names no other silo's model"
+    )
+
+
+def check_owner(client: MlflowClient, federation: str, silos: Iterable[str], where: str) -> None:
+    """Before round 1: each silo's registered name, if it exists in this store, is that silo's
+    (its tags name this federation and silo); otherwise a one-line ConfigError."""
+    names = {model_name(federation, silo): silo for silo in silos}
+    if not names:
+        return
+    # One search for every name: they all start with "<federation>-".
+    for model in pages(client.search_registered_models, f"name LIKE '{federation}-%'"):
+        silo = names.get(model.name)
+        owner = None if silo is None else foreign_owner(model.tags, federation, silo)
+        if owner is not None:
+            raise ConfigError(collision(model.name, owner, federation, str(silo), where))
 
 
 def tag_value(tags: dict[str, str], key: str) -> float:
@@ -83,6 +136,7 @@ def register(
     client: MlflowClient, name: str, model_id: str, location: str, tags: dict[str, str]
 ) -> str:
     """A new version of registered model `name` (created on first use); returns its number.
+    A model of that name whose tags name another federation or silo is refused, not joined.
 
     The source is the logged model's artifact location, not `models:/<id>`: MLflow would resolve
     that through the process-wide tracking URI, which need not be this client's store.
@@ -104,6 +158,9 @@ def register(
     except MlflowException as exc:
         if exc.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
             raise
+        owner = foreign_owner(client.get_registered_model(name).tags, federation, silo)
+        if owner is not None:  # another federation's, made since the check before round 1
+            raise FederationError(collision(name, owner, federation, silo, "the store")) from None
     version = client.create_model_version(
         name, source=location, run_id=tags[RUN_ID], tags=tags, model_id=model_id
     )

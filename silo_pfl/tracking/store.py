@@ -8,16 +8,18 @@ file. A SQLite store's new experiment keeps its artifacts in <db dir>/mlartifact
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import logging
 import os
+import sqlite3
 import tempfile
 import urllib.error
 import urllib.request
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from silo_pfl.errors import ConfigError, FederationError, one_line
 from silo_pfl.paths import nearest_existing
@@ -27,6 +29,9 @@ if TYPE_CHECKING:
     from mlflow import MlflowClient
 
 HEALTH_TIMEOUT_SECONDS = 20.0  # a server busy starting up answers slowly on 2 cores
+# Tables every MLflow SQLite store has: an existing file without them is not a store to read
+# (MLflow would add its whole schema to it).
+MLFLOW_TABLES = ("alembic_version", "experiments")
 
 
 def quiet() -> None:
@@ -103,7 +108,8 @@ def open_client(uri: str, key: str) -> MlflowClient:
 
 def open_existing(uri: str | None, key: str) -> tuple[MlflowClient, str]:
     """A store that runs were logged to already (what `silo-pfl models` and `report` read): a
-    client and the resolved URI; a SQLite file that is not there is a one-line error."""
+    client and the resolved URI. A SQLite file that is not there, or is no MLflow store (an
+    empty file among them), is a one-line error, and the file is left as it was."""
     uri = resolve_uri(uri, key)
     path = sqlite_path(uri)
     if path is not None and not path.is_file():
@@ -111,7 +117,30 @@ def open_existing(uri: str | None, key: str) -> tuple[MlflowClient, str]:
             f"{key} {redact(uri)}: no MLflow store at {path}; run a federation first, or point "
             f"{key} at its store"
         )
+    if path is not None:
+        _check_mlflow_tables(path, key, redact(uri))
     return open_client(uri, key), uri
+
+
+def _check_mlflow_tables(path: Path, key: str, uri: str) -> None:
+    """The SQLite file at `path` (of `key`'s `uri`) has MLflow's tables; read through a
+    read-only connection, so that nothing, not even a journal, is written to it."""
+    try:
+        with contextlib.closing(
+            sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro", uri=True)
+        ) as db:
+            rows = db.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
+    except sqlite3.Error as exc:
+        what = one_line(exc)
+    else:
+        missing = [t for t in MLFLOW_TABLES if t not in {name for (name,) in rows}]
+        if not missing:
+            return
+        what = f"no {' or '.join(missing)} table" if rows else "it holds no table"
+    raise ConfigError(
+        f"{key} {uri}: {path} is not an MLflow store ({what}); point {key} at the store a "
+        "federation ran with (its tracking.uri)"
+    )
 
 
 def ensure_experiment(client: MlflowClient, uri: str, name: str, key: str) -> str:

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig, to_dict
 from silo_pfl.config_views import logged_view
+from silo_pfl.data import silo_names
 from silo_pfl.errors import typed_line
 from silo_pfl.messages import SiloInfo, SplitInfo, model_shape
 from silo_pfl.results import FederationResult, RoundSummary
@@ -40,6 +41,9 @@ if TYPE_CHECKING:
 
 PARENT_RUN_TAG = "mlflow.parentRunId"
 TRAINED_RUN = "trained_run_id"  # an onboarding run's tag: the federation run it joined
+# The parent run's tag: the rounds the run goes to, set at start and again on a resume, which
+# may raise them (the `rounds` param, like every MLflow param, keeps its first value).
+ROUNDS_TAG = "rounds"
 MAX_PARAMS_PER_BATCH = 100
 MAX_METRICS_PER_BATCH = 1000
 # Round metrics reach the store at most this late, one batch per run. Batches are written
@@ -80,10 +84,13 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def _open(opening: Future[tuple[MlflowClient, str]], uri: str, name: str) -> None:
-    """Open the store and the experiment; the result or the error goes to `opening`."""
+def _open(opening: Future[tuple[MlflowClient, str]], uri: str, name: str, silos: list[str]) -> None:
+    """Open the store, check that the registered names of `silos` (those whose models it
+    registers) are no other federation's or silo's, then open the experiment; the result or
+    the error goes to `opening`."""
     try:
         client = open_client(uri, "tracking.uri")
+        registry.check_owner(client, name, silos, f"tracking.uri {redact(uri)}")
         opening.set_result((client, ensure_experiment(client, uri, name, "tracking.uri")))
     except BaseException as exc:
         opening.set_exception(exc)
@@ -109,15 +116,17 @@ class MlflowTracker(Callback):
         default_artifacts = artifact_dir(self.uri, cfg.name)
         if default_artifacts is not None:
             check_artifact_dir(str(default_artifacts), "tracking.uri")
+        self.own_stores = {s: c.tracking_uri for s, c in cfg.silos.items() if c.tracking_uri}
+        self.central = cfg.privacy.central_models  # what of the models the central store gets
+        # A federation's silos are known now; a joining silo's name only at on_start.
+        founders = self._central(silo_names(cfg.data)) if joined == registry.FOUNDER else []
         self.opening: Future[tuple[MlflowClient, str]] = Future()
-        args = (self.opening, self.uri, cfg.name)
+        args = (self.opening, self.uri, cfg.name, founders)
         threading.Thread(target=_open, args=args, name="mlflow-open", daemon=True).start()
         self.run_id = ""
         self.children: dict[str, str] = {}
         self.receipts: dict[str, dict[str, str]] = {}
         self.split: SplitInfo | None = None
-        self.own_stores = {s: c.tracking_uri for s, c in cfg.silos.items() if c.tracking_uri}
-        self.central = cfg.privacy.central_models  # what of the models the central store gets
         self.buffered: dict[str, list[Metric]] = {}
         self.flushed_at = time.monotonic()
         self.logged: dict[str, Any] = {}  # silo -> the logged model it writes its files into
@@ -158,6 +167,7 @@ class MlflowTracker(Callback):
             self.client.update_run(run_id, status=running)
         resumes = self.client.get_run(self.run_id).data.tags.get("resumes", "0")
         self.client.set_tag(self.run_id, "resumes", str(int(resumes) + 1))
+        self.client.set_tag(self.run_id, ROUNDS_TAG, str(self.cfg.rounds))
 
     def on_start(
         self, config: FederationConfig, silos: Sequence[SiloInfo], split: SplitInfo
@@ -165,6 +175,11 @@ class MlflowTracker(Callback):
         from mlflow.entities import Param
 
         self.client, self.experiment_id = self.opening.result()
+        if self.joined != registry.FOUNDER:  # a federation's silos were checked as it opened
+            joining = self._central(info.silo for info in silos)
+            registry.check_owner(
+                self.client, config.name, joining, f"tracking.uri {redact(self.uri)}"
+            )
         self.split = split
         self.partition = partition_counts(silos) if self.central == "full" else None
         if self.run_id:
@@ -172,6 +187,7 @@ class MlflowTracker(Callback):
             return
         algorithm = config.algorithm["name"]
         tags = {registry.ALGORITHM: algorithm, registry.FEDERATION: config.name}
+        tags[ROUNDS_TAG] = str(config.rounds)
         if self.joined == registry.FOUNDER:
             run_name = f"{config.name}-{algorithm}-seed{config.seed}"
             tags[registry.RUN_KIND] = registry.FEDERATION_RUN
@@ -205,6 +221,10 @@ class MlflowTracker(Callback):
                 },
             )
             self.children[info.silo] = child.info.run_id
+
+    def _central(self, silos: Iterable[str]) -> list[str]:
+        """Of `silos`, those whose models the central store registers."""
+        return [silo for silo in silos if self._model_store(silo) == "central"]
 
     def _model_store(self, silo: str) -> str:
         """Where the silo's model goes: its own store, the central one, or its own directory."""

@@ -1,0 +1,59 @@
+"""A tracking server's password never reaches a driver's output, nor a silo worker's: MLflow
+prints a link to each run it ends in an HTTP store ("View run ... at: <store URI>"), which would
+hold it. A real `mlflow server`, the CLI in a process of its own on the session's local Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from drivers import joining_env, start_driver
+from processes import stop_group, wait_for_http
+from serving import free_port
+
+PASSWORD = "s3cretPW-in-the-uri"
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """A real `mlflow server` on a free port; its URI with a user and password, which MLflow
+    sends and the server ignores."""
+    port = free_port()
+    command = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--backend-store-uri", f"sqlite:///{tmp_path / 'srv.db'}"]
+    command += ["--artifacts-destination", str(tmp_path / "srv-artifacts"), "--workers", "1"]
+    log = tmp_path / "mlflow-server.log"
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    with log.open("w") as out:
+        server = subprocess.Popen(
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        wait_for_http(f"http://127.0.0.1:{port}/health", server, log, "mlflow server", 120)
+        yield f"http://alice:{PASSWORD}@127.0.0.1:{port}"
+    finally:
+        stop_group(server)
+
+
+def test_a_store_password_is_printed_nowhere(ray_local, tmp_path, mlflow_server):
+    args = ["run", "jobs/heart_disease.yaml", "rounds=1", f"output_dir={tmp_path / 'runs'}"]
+    # va registers its model itself, from its silo's process, in a store given as its own.
+    args += [f"tracking.uri={mlflow_server}", f"silos.va.tracking_uri={mlflow_server}"]
+    results = tmp_path / "results.json"
+    driver = start_driver([*args, "--quiet", "--results", str(results)], joining_env())
+    try:
+        out, err = driver.communicate(timeout=300)
+    finally:
+        stop_group(driver)
+    assert driver.returncode == 0, err
+    assert "mlflow: run " in out and "alice:***@" in out  # the run's own line, redacted
+    assert json.loads(results.read_text())["mlflow"]["models"]["va"] == "models:/heart_disease-va/1"
+    assert PASSWORD not in out + err
+    # Nor in the silo workers' logs: va ended its run in its own store from its own process.
+    logs = Path(ray_local._private.worker._global_node.get_logs_dir_path())
+    leaked = [log.name for log in logs.glob("worker-*") if PASSWORD.encode() in log.read_bytes()]
+    assert leaked == []
