@@ -290,7 +290,9 @@ def _submit(args: argparse.Namespace) -> int:
     if args.results and args.no_wait:
         raise ConfigError("--results: needs the job's end; drop --no-wait")
     client = JobsClient(args.address, args.token_file)
-    job_id = client.submit(Path(args.config), args.overrides, config.name, args.quiet, args.resume)
+    job_id = client.submit(
+        Path(args.config), args.overrides, config.name, args.quiet, args.resume, config.plugins
+    )
     print(f"submitted job {job_id} to {client.address}", flush=True)
     if note:
         print(f"warning: {note}", file=sys.stderr, flush=True)

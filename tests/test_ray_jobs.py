@@ -134,6 +134,26 @@ def test_a_submitted_run_is_resumed_by_a_later_submission(cluster, tmp_path):
     )
 
 
+def test_submit_ships_a_plugin_the_nodes_do_not_have(cluster, tmp_path):
+    """A plugin importable where the job is submitted (here through PYTHONPATH) is shipped with
+    it: the driver and every silo's node import it, and its algorithm runs."""
+    package = tmp_path / "team_algos"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "mine.py").write_text(
+        "from silo_pfl.algorithms import register\n"
+        "from silo_pfl.algorithms.fedavg import FedAvg\n\n\n"
+        "@register\nclass TeamFedAvg(FedAvg):\n    name = 'team_fedavg'\n"
+    )
+    env = {**cluster.env, "PYTHONPATH": str(tmp_path)}
+    results = tmp_path / "results.json"
+    args = ["plugins=[team_algos.mine]", "algorithm.name=team_fedavg", "rounds=1"]
+    args += ["tracking.enabled=false", "--quiet", "--results", str(results)]
+    done = _cli(env, "submit", JOB, *args, "--address", cluster.info["dashboard"])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert json.loads(results.read_text())["algorithm"] == "team_fedavg"
+
+
 def test_plain_ray_job_submit_with_the_server_on_a_worker_node(cluster, tmp_path):
     """`ray job submit --working-dir .`, as the README shows; the server pinned to a worker."""
     uri = cluster.info["tracking_uri"]

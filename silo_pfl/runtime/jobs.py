@@ -9,6 +9,7 @@ cluster through the RAY_ADDRESS that Ray sets for it. Every request carries the 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import logging
 import os
@@ -82,6 +83,24 @@ def check_tracking_store(config: Path, overrides: Sequence[str], tracking_enable
             "node reaches, e.g. tracking.uri=http://HOST:5000 (the default SQLite file would live "
             "in the job's temporary directory); or tracking.enabled=false"
         )
+
+
+def plugin_code(plugins: Sequence[str]) -> list[str]:
+    """The local code of each plugin (config `plugins`) to ship with a job: the directory of its
+    top-level package, or its .py file, as this process imports it (the config's check imported
+    them). Installed distributions (site-packages) are not shipped: a node has its own, as it
+    has torch."""
+    shipped: list[str] = []
+    for module in plugins:
+        top = module.split(".")[0]
+        spec = None if top == "silo_pfl" else importlib.util.find_spec(top)
+        if spec is None or spec.origin in (None, "built-in", "frozen"):
+            continue
+        locations = list(spec.submodule_search_locations or [])
+        path = Path(locations[0]) if locations else Path(spec.origin)
+        if not {"site-packages", "dist-packages"} & set(path.parts) and str(path) not in shipped:
+            shipped.append(str(path))
+    return shipped
 
 
 def output_dir_note(output_dir: str, resume: bool | str) -> str | None:
@@ -171,9 +190,10 @@ class JobsClient:
         federation: str,
         quiet: bool = False,
         resume: bool | str = False,
+        plugins: Sequence[str] = (),
     ) -> str:
-        """Submit `python -m silo_pfl run` on the config (with `--resume [RUN_ID]` if `resume`);
-        return the job's submission id."""
+        """Submit `python -m silo_pfl run` on the config (with `--resume [RUN_ID]` if `resume`),
+        shipping silo_pfl and the `plugins` modules' code; return the job's submission id."""
         import silo_pfl
 
         command = ["python", "-m", "silo_pfl", "run", JOB_FILE, *overrides, "--results-in-log"]
@@ -184,7 +204,7 @@ class JobsClient:
             shutil.copyfile(config, Path(staging) / JOB_FILE)
             runtime_env = {
                 "working_dir": staging,
-                "py_modules": [str(Path(silo_pfl.__file__).parent)],
+                "py_modules": [str(Path(silo_pfl.__file__).parent), *plugin_code(plugins)],
                 "excludes": ["__pycache__"],
             }
             with self._errors():
