@@ -219,6 +219,34 @@ def test_report_refuses_unknown_runs_and_stores_in_one_line(runs, tmp_path, caps
         assert err.count("\n") == 0 and "Traceback" not in err and expected in err, err
 
 
+def test_report_says_a_run_did_not_finish_and_refuses_a_deleted_one(runs, tmp_path, capsys):
+    """On a copy of the store: a killed run's page says so; a deleted run, or one whose
+    experiment is deleted, is one line saying how to restore it."""
+    store = tmp_path / "copy.db"
+    shutil.copyfile(runs.root / "mlflow.db", store)
+    uri, run_id = f"sqlite:///{store}", Runs.run_id(runs.fedper)
+    client = MlflowClient(uri)
+    client.set_terminated(run_id, "KILLED")
+    args = ["report", run_id, "--tracking-uri", uri, "--no-log"]
+    assert main([*args, "--out", str(tmp_path / "killed")]) == 0, capsys.readouterr().err
+    page = (tmp_path / "killed" / "report.html").read_text()
+    assert '<th class="name">status</th><td class="name">KILLED, not finished' in page
+    client.delete_run(run_id)
+    assert main([*args, "--out", str(tmp_path / "deleted")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"error: RUN_ID {run_id}: the run is deleted in {uri}; restore it first "
+        f"(mlflow runs restore --run-id {run_id})"
+    )
+    client.restore_run(run_id)
+    experiment = client.get_run(run_id).info.experiment_id
+    client.delete_experiment(experiment)
+    assert main([*args, "--out", str(tmp_path / "gone")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: RUN_ID {run_id}: its experiment heart_disease is deleted")
+    assert err.endswith(f"(mlflow experiments restore --experiment-id {experiment})")
+
+
 def keep_screens(*shots: Path) -> None:
     """Copy screenshots to $SILO_PFL_SCREENS, when set, for a person to look at."""
     target = os.environ.get("SILO_PFL_SCREENS")

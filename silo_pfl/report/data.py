@@ -60,6 +60,7 @@ class RunData:
     silos: dict[str, SiloSeries]
     split: dict[str, Any] = field(default_factory=dict)  # split.json; empty if not logged
     partition: dict[str, list[int]] | None = None  # silo -> training rows per class
+    status: str = "FINISHED"  # MLflow's: RUNNING, KILLED or FAILED for a run that did not end
 
     @property
     def selected_test(self) -> np.ndarray:
@@ -119,6 +120,17 @@ def get_parent(client: MlflowClient, run_id: str, key: str, where: str) -> Any:
         run = client.get_run(run_id)
     except MlflowException:
         raise ConfigError(f"{key} {run_id}: no such run in {where}") from None
+    experiment = client.get_experiment(run.info.experiment_id)
+    if experiment.lifecycle_stage == "deleted":
+        raise ConfigError(
+            f"{key} {run_id}: its experiment {experiment.name} is deleted in {where}; restore it "
+            f"first (mlflow experiments restore --experiment-id {experiment.experiment_id})"
+        )
+    if run.info.lifecycle_stage == "deleted":
+        raise ConfigError(
+            f"{key} {run_id}: the run is deleted in {where}; restore it first "
+            f"(mlflow runs restore --run-id {run_id})"
+        )
     tags = run.data.tags
     if PARENT_RUN_TAG in tags or registry.FEDERATION not in tags:
         raise ConfigError(
@@ -152,6 +164,7 @@ def read_run(client: MlflowClient, run_id: str, key: str = "RUN_ID", where: str 
         silos={s.name: s for s in sorted(series, key=lambda s: silo_order(s.name))},
         split=_artifact_json(client, run_id, SPLIT_FILE) or {},
         partition=None if partition is None else dict(partition["silos"]),
+        status=run.info.status,
     )
 
 

@@ -38,6 +38,11 @@ def _header(run: RunData, against: RunData | None) -> str:
         ("algorithm", run.algorithm),
         ("seed", run.seed),
         ("rounds", str(run.rounds)),
+        *(
+            [("status", f"{run.status}, not finished: the figures are of the rounds it logged")]
+            if run.status != "FINISHED"
+            else []
+        ),
         ("silos", str(len(run.silos))),
         (
             "selected test accuracy over silos",
