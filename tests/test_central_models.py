@@ -77,13 +77,16 @@ def test_global_only_keeps_every_silo_model_and_statistic_out_of_the_central_sto
     assert all(tuple(row) not in real_rows for row in example["data"])
 
 
-def test_none_sends_no_model_at_all(tmp_path, mlflow_store):
-    overrides = [f"output_dir={tmp_path / 'runs'}", "rounds=2", "privacy.central_models=none"]
-    result = Federation(JOB, overrides).run()
+def test_none_sends_no_model_at_all(tmp_path, mlflow_store, monkeypatch):
+    job = Path(JOB).absolute()
+    monkeypatch.chdir(tmp_path)  # a relative output_dir: the results name each model absolutely
+    overrides = ["output_dir=runs", "rounds=2", "privacy.central_models=none"]
+    result = Federation(job, overrides).run()
     names = {Path(name).name for name in _artifacts(mlflow_store)}
     assert "global_state.npz" not in names and "partition.json" not in names
     assert not any(name == "MLmodel" for name in names)
     client = MlflowClient(mlflow_store)
     run = client.get_run(result.extras["mlflow"]["run_id"])
     assert run.data.metrics["mean_test_accuracy"] == pytest.approx(result.mean_test_accuracy)
-    assert all(Path(uri).is_dir() for uri in result.extras["mlflow"]["models"].values())
+    models = result.extras["mlflow"]["models"].values()
+    assert all(Path(uri).is_absolute() and Path(uri).is_dir() for uri in models)

@@ -257,7 +257,9 @@ class LocalExporter:
         save_pyfunc(model, directory)
         outcome = model.outcome
         return {
-            "model_uri": str(directory),
+            "model_uri": str(
+                directory.absolute()
+            ),  # on the silo's node; output_dir may be relative
             registry.ROUND: str(outcome.selected_round),
             registry.VAL_ACCURACY: repr(outcome.val_accuracy),
             registry.TEST_ACCURACY: repr(outcome.test_accuracy),
