@@ -1,10 +1,20 @@
-"""Placement by Ray node label: which label each actor needs, checked against the live nodes."""
+"""Placement by Ray node label: which label each actor needs, checked against the live nodes,
+and on a real loopback cluster, the CPUs a pinned silo reserves against its labelled nodes'."""
 
 from __future__ import annotations
 
+import json
+import os
+import secrets
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
+from loopback_cluster import CLIENT_VARS, STARTUP_SECONDS, cluster_script, stop_group
 
 from silo_pfl.errors import FederationError
 from silo_pfl.runtime.placement import (
@@ -15,6 +25,7 @@ from silo_pfl.runtime.placement import (
     silo_selector,
 )
 
+ROOT = Path(__file__).resolve().parents[1]
 JOB = "jobs/heart_disease.yaml"
 
 
@@ -47,3 +58,58 @@ def test_a_label_no_live_node_carries_is_one_line_naming_the_actor(ray_local):
     message = str(info.value)
     assert message.startswith("silo b: no live Ray node carries the label silo=b")
     assert "ray start --labels=silo=b" in message and "\n" not in message
+
+
+@pytest.fixture
+def one_silo_cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """A real two-node cluster on loopback (cluster/local_cluster.py): the head and one 1-CPU
+    node labelled silo=cleveland, token authentication on; its info, plus the clients' env."""
+    env = {k: v for k, v in os.environ.items() if k not in CLIENT_VARS}
+    env["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    info_file, errors = tmp_path / "cluster.json", tmp_path / "cluster.err"
+    command = [sys.executable, str(ROOT / "cluster" / "local_cluster.py"), "cleveland"]
+    command += ["--cpus-per-node", "1", "--info-file", str(info_file)]
+    proc = subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=errors.open("w"),
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while not (info_file.exists() and info_file.read_text().strip()):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"local_cluster.py did not come up: {errors.read_text()[-2000:]}")
+            time.sleep(0.5)
+        info = json.loads(info_file.read_text())
+        yield {**info, "client_env": {**env, **info["env"]}}
+    finally:
+        stop_group(proc, 90)
+    assert proc.returncode == 0, errors.read_text()[-2000:]
+    assert cluster_script("local_cluster")._processes_marked(info["marker"]) == []
+
+
+@pytest.mark.slow
+def test_more_cpus_than_a_silos_labelled_node_has_is_one_line_at_once(one_silo_cluster, tmp_path):
+    """per_node on a cluster: silo cleveland may run only on its 1-CPU node, so ray.silo_cpus=2
+    can never be met; the run says so at once rather than after round.call_timeout_s."""
+    argv = [sys.executable, "-m", "silo_pfl", "run", JOB, "rounds=1", "tracking.enabled=false"]
+    argv += [f"output_dir={tmp_path / 'runs'}", f"ray.address={one_silo_cluster['address']}"]
+    argv += ["ray.placement=per_node", "data.late_silos=[hungarian,switzerland,va]"]
+    argv += ["round.call_timeout_s=60", "ray.silo_cpus=2"]
+    began = time.monotonic()
+    done = subprocess.run(
+        argv,
+        cwd=ROOT,
+        env=one_silo_cluster["client_env"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-1] == (
+        "error: ray.silo_cpus: got 2, so silo cleveland reserves 2 CPUs, more than any live node "
+        "labelled silo=cleveland has (CPUs: 1); expected at most 1, or 0 to let silos share cores"
+    )
+    assert time.monotonic() - began < 45

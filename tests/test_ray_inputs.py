@@ -1,14 +1,24 @@
 """Ray settings that cannot work fail at once, in one line naming the key, and leave no run
-behind: a cluster address nothing listens on, and more CPUs reserved than a local Ray has."""
+behind: a cluster address nothing listens on, or something other than a Ray GCS answers on (an
+HTTP server), an http:// address, and more CPUs reserved than a local Ray has."""
 
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 from silo_pfl.cli import main
+from silo_pfl.errors import FederationError
+from silo_pfl.runtime import session
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = str(ROOT / "jobs" / "heart_disease.yaml")
@@ -40,3 +50,102 @@ def test_more_cpus_reserved_than_a_local_ray_has_names_ray_silo_cpus(ray_local, 
     )
     assert list((tmp_path / "runs").glob("*/*")) == []
     assert main([*argv, f"ray.silo_cpus={cpus / 4}", "--quiet"]) == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def _http_server() -> Iterator[int]:
+    """A real HTTP server (`python -m http.server`) on a free loopback port, for the test's
+    length; stopped by its process group."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "no http.server"
+                time.sleep(0.1)
+        yield port
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _run(tmp_path: Path, address: str) -> tuple[subprocess.CompletedProcess, float]:
+    """The CLI joining `address`, in a fresh process as a user runs it; and its seconds."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    argv = [sys.executable, "-m", "silo_pfl", "run", JOB, "rounds=1", "tracking.enabled=false"]
+    argv += [f"output_dir={tmp_path / 'runs'}", f"ray.address={address}"]
+    began = time.monotonic()
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=90, env=env, cwd=tmp_path)
+    return done, time.monotonic() - began
+
+
+def test_an_address_that_answers_but_is_no_gcs_is_one_line_within_seconds(ray_local, tmp_path):
+    """An HTTP server (as a dashboard's port is) and a silent listener are refused at once; a
+    real Ray GCS passes the same probe."""
+    session.check_reachable(ray_local._private.worker._global_node.gcs_address)
+    with _http_server() as port:
+        done, seconds = _run(tmp_path, f"127.0.0.1:{port}")
+    assert done.returncode == 1, done.stderr
+    assert done.stderr == (
+        f"error: ray.address: 127.0.0.1:{port} answers, but not as a Ray cluster's GCS (it "
+        "answers in plain text, as HTTP/1 does: '<!DOCTYPE HTML>'); give the head's GCS address "
+        'host:port (ray start --head --port), or "auto"\n'
+    )
+    assert seconds < 30
+    assert not (tmp_path / "runs").exists()
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        began = time.monotonic()
+        with pytest.raises(FederationError) as info:
+            session.check_reachable(address, "RAY_ADDRESS")
+    assert time.monotonic() - began < session.GCS_ANSWER_SECONDS + 2
+    assert str(info.value) == (
+        f"RAY_ADDRESS: {address} answers, but not as a Ray cluster's GCS (no answer to HTTP/2 "
+        f"within {session.GCS_ANSWER_SECONDS:g} s); give the head's GCS address host:port "
+        '(ray start --head --port), or "auto"'
+    )
+
+
+def test_an_http_address_is_one_whole_line(tmp_path):
+    with _http_server() as port:
+        done, _ = _run(tmp_path, f"http://127.0.0.1:{port}")
+    assert done.returncode == 1, done.stderr
+    assert done.stderr == (
+        f"error: ray.address: got http://127.0.0.1:{port}, an HTTP address (a dashboard's, for "
+        'Ray Jobs); a run joins the GCS: host:port (ray start --head --port), or "auto"\n'
+    )
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_token_the_cluster_refuses_is_named_at_once(ray_local, tmp_path):
+    """RAY_AUTH_MODE=token with a token that is not the cluster's: one line naming the token's
+    source, at once, not Ray's 20 s of retries ending in 'Failed to connect'."""
+    address = ray_local._private.worker._global_node.gcs_address
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH")}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="deadbeef")
+    argv = [sys.executable, "-m", "silo_pfl", "run", JOB, "rounds=1", "tracking.enabled=false"]
+    argv += [f"output_dir={tmp_path / 'runs'}", f"ray.address={address}"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr == (
+        f"error: ray.address: the cluster at {address} refused the token (RAY_AUTH_TOKEN); give "
+        "the cluster's own token in RAY_AUTH_TOKEN or ~/.ray/auth_token\n"
+    )
+    assert not (tmp_path / "runs").exists()

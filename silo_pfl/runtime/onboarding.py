@@ -85,7 +85,7 @@ class Onboarding:
             start = time.perf_counter()
             check_labels({f"silo {name}": silo_selector(self.cfg, name)}, LABEL_WAIT_SECONDS)
             workers = 1 + (self.alone is not None)
-            check_local_cpus(self.cfg, workers, ray.cluster_resources().get("CPU", 1))
+            check_local_cpus(self.cfg, [[name]] * workers, ray.cluster_resources().get("CPU", 1))
             actors = {name: start_silo(self.cfg, to_dict(self.cfg), name, run_id, keep=keep)}
             if self.alone is not None:
                 alone_id = f"{run_id}-{ALONE}"

@@ -116,8 +116,8 @@ class Orchestrator:
             try:
                 actors["__server__"] = server = start_server(self.cfg, config, run_id, tags, keep)
                 cpus = ray.cluster_resources().get("CPU", 1)
-                check_local_cpus(self.cfg, len(names), cpus)
                 groups = pack(self.cfg, names, cpus)
+                check_local_cpus(self.cfg, groups, cpus)
                 actors.update(start_silos(self.cfg, config, groups, run_id, tags, keep))
                 resuming = bool(self.resume)
                 infos = self._each(actors, names, "setup", "silo set-up", resuming)

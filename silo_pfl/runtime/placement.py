@@ -8,7 +8,7 @@ live node carries is an error naming the actor and the label, never a hang.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
@@ -91,15 +91,48 @@ def homeless(selectors: Mapping[str, Mapping[str, str] | None]) -> dict[str, str
     }
 
 
-def check_local_cpus(cfg: FederationConfig, workers: int, cpus: float) -> None:
-    """On a local Ray (`ray.address` and RAY_ADDRESS unset; nothing joins it), the CPUs the
-    silos' workers reserve (ray.silo_cpus per silo, `workers` silos or baselines) fit in its
-    `cpus`: one that does not would wait for them until its call timed out. A cluster may grow,
-    so nothing is checked there."""
-    need = cfg.ray.silo_cpus * workers
-    if ray_address(cfg.ray.address) is None and need > cpus:
+def check_local_cpus(cfg: FederationConfig, groups: Sequence[Sequence[str]], cpus: float) -> None:
+    """The CPUs the silos' workers reserve (ray.silo_cpus per silo; `groups`: the silos of each
+    worker) can be had, else a one-line FederationError naming ray.silo_cpus rather than a wait
+    until the set-up call times out. On a local Ray (`ray.address` and RAY_ADDRESS unset;
+    nothing joins it) they together fit in its `cpus`; on a cluster each pinned worker fits on
+    one of the nodes it may run on (`check_node_cpus`)."""
+    if ray_address(cfg.ray.address) is not None:
+        check_node_cpus(cfg, groups)
+        return
+    silos = sum(len(names) for names in groups)
+    need = cfg.ray.silo_cpus * silos
+    if need > cpus:
         raise FederationError(
             f"ray.silo_cpus: got {cfg.ray.silo_cpus:g}, which reserves {need:g} CPUs for "
-            f"{workers} silos, but the local Ray has {cpus:g}; expected at most "
-            f"{cpus / workers:g}, or 0 to let silos share cores"
+            f"{silos} silos, but the local Ray has {cpus:g}; expected at most "
+            f"{cpus / silos:g}, or 0 to let silos share cores"
+        )
+
+
+def check_node_cpus(cfg: FederationConfig, groups: Sequence[Sequence[str]]) -> None:
+    """On a cluster: each worker pinned by a label (per_node's silo=<name>, or
+    silos.<name>.node_label) reserves ray.silo_cpus per silo it hosts; if every live node
+    carrying its label has fewer CPUs in all, Ray could never start it, so this fails at once
+    naming ray.silo_cpus, the silo and those nodes' CPUs. A label no live node carries is
+    check_labels' to report. An unpinned worker is not checked: it may run on any node, and a
+    cluster may grow (an autoscaler adds nodes for a request no node meets yet), whereas a
+    labelled node's CPUs are fixed when it starts."""
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    for names in groups:
+        selector = silo_selector(cfg, names[0]) if names else None
+        if not selector:
+            continue
+        need = cfg.ray.silo_cpus * len(names)
+        sizes = sorted(
+            float(n.get("Resources", {}).get("CPU", 0)) for n in nodes if _carries(n, selector)
+        )
+        if not sizes or sizes[-1] >= need:
+            continue
+        who = f"silo {names[0]}" if len(names) == 1 else f"the worker of silos {', '.join(names)}"
+        has = ", ".join(f"{c:g}" for c in sizes)
+        raise FederationError(
+            f"ray.silo_cpus: got {cfg.ray.silo_cpus:g}, so {who} reserves {need:g} CPUs, more "
+            f"than any live node labelled {_describe(selector)} has (CPUs: {has}); expected at "
+            f"most {sizes[-1] / len(names):g}, or 0 to let silos share cores"
         )

@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -37,7 +38,9 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
         return
     address = ray_address(cfg.address)
     if address is not None:
-        check_reachable(address)
+        key = "ray.address" if cfg.address else "RAY_ADDRESS"
+        check_reachable(address, key)
+        check_token(address, key)
     try:
         if address is None:
             ensure_local_token()
@@ -69,23 +72,133 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
 
 
 REACH_SECONDS = 10.0  # how long a cluster's address may take to accept a connection
+GCS_ANSWER_SECONDS = 3.0  # how long a GCS may take to answer the HTTP/2 preface
+# What an HTTP/2 client (gRPC's, Ray's GCS clients') sends first: the preface and its SETTINGS
+# (an empty frame: type 0x4, no flags, stream 0). A server's first frame is its own SETTINGS.
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 0x4, 0, 0, 0, 0, 0])
+HTTP2_SETTINGS = 0x4
+FRAME_HEADER = 9  # bytes: length (3), type, flags, stream id (4)
 
 
-def check_reachable(address: str, timeout: float = REACH_SECONDS) -> None:
-    """A cluster's `host:port` (or `ray://host:port`) accepts a TCP connection within `timeout`:
-    Ray itself retries an address nothing listens on for minutes. A one-line FederationError
-    otherwise; any other form of address ("auto") is left to Ray."""
-    host, sep, port = address.split("://", 1)[-1].rpartition(":")
+def check_reachable(address: str, key: str = "ray.address", timeout: float = REACH_SECONDS) -> None:
+    """A cluster's `host:port` (or `ray://host:port`) is a Ray GCS (or Ray Client server): it
+    accepts a TCP connection within `timeout` and answers as a gRPC server, in HTTP/2. Ray itself
+    retries an address nothing listens on, or something else listens on, for minutes. A one-line
+    FederationError naming `key` otherwise: an http(s):// address too (a dashboard's, for Ray
+    Jobs). Any other form of address ("auto") is left to Ray; so is the HTTP/2 answer of a
+    cluster with TLS (RAY_USE_TLS), whose GCS speaks TLS first."""
+    scheme, _, rest = address.rpartition("://")
+    if scheme.lower() in ("http", "https"):
+        raise FederationError(
+            f"{key}: got {address}, an HTTP address (a dashboard's, for Ray Jobs); a run joins "
+            'the GCS: host:port (ray start --head --port), or "auto"'
+        )
+    host, sep, port = rest.rpartition(":")
     if not sep or not host or not port.isdigit():
         return
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+        conn = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
     except OSError as exc:
         raise FederationError(
-            f"ray.address: nothing accepts a connection at {address} "
+            f"{key}: nothing accepts a connection at {address} "
             f"({exc.strerror or type(exc).__name__}); expected a running cluster's head, "
             "host:port (e.g. 10.0.0.1:6379)"
         ) from None
+    with conn:
+        if _tls():
+            return
+        wrong = not_http2(conn, GCS_ANSWER_SECONDS)
+    if wrong is not None:
+        raise FederationError(
+            f"{key}: {address} answers, but not as a Ray cluster's GCS ({wrong}); give the "
+            'head\'s GCS address host:port (ray start --head --port), or "auto"'
+        )
+
+
+TOKEN_ANSWER_SECONDS = 3.0  # how long a GCS may take to answer the token probe
+# A GCS method any client calls first, with no arguments (an empty message is its request).
+CLUSTER_ID_METHOD = "/ray.rpc.NodeInfoGcsService/GetClusterId"
+
+
+def check_token(address: str, key: str = "ray.address") -> None:
+    """With token authentication on (RAY_AUTH_MODE=token), the cluster's GCS at `address`
+    (`host:port`) accepts this client's token: one gRPC call carrying it, as Ray's clients send
+    it. A refusal is a one-line FederationError naming where the token came from; Ray itself
+    retries for 20 s and then names only the address. Any other outcome is left to Ray, and so
+    is a cluster with TLS (RAY_USE_TLS)."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token" or _tls():
+        return
+    host, sep, port = address.split("://", 1)[-1].rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return
+    import grpc
+
+    from silo_pfl.runtime.jobs import auth_token
+
+    token = auth_token()
+    metadata = [("authorization", f"Bearer {token}")] if token else []
+    try:
+        with grpc.insecure_channel(f"{host}:{port}") as channel:
+            channel.unary_unary(CLUSTER_ID_METHOD)(
+                b"", metadata=metadata, timeout=TOKEN_ANSWER_SECONDS
+            )
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.UNAUTHENTICATED:
+            return
+    else:
+        return
+    if token is None:
+        raise FederationError(
+            f"{key}: the cluster at {address} needs its token, and none is set; give it in "
+            "RAY_AUTH_TOKEN or ~/.ray/auth_token (RAY_AUTH_MODE=token)"
+        )
+    raise FederationError(
+        f"{key}: the cluster at {address} refused the token ({_token_source()}); give the "
+        "cluster's own token in RAY_AUTH_TOKEN or ~/.ray/auth_token"
+    )
+
+
+def _token_source() -> str:
+    """Where this client's token came from, as auth_token looks for it."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "RAY_AUTH_TOKEN"
+    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return f"RAY_AUTH_TOKEN_PATH={os.environ['RAY_AUTH_TOKEN_PATH']}"
+    return "~/.ray/auth_token"
+
+
+def _tls() -> bool:
+    """Whether Ray's connections use TLS (RAY_USE_TLS), as Ray reads it."""
+    return os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
+
+
+def not_http2(conn: socket.socket, timeout: float) -> str | None:
+    """None if the server on `conn` answers an HTTP/2 client's preface with a SETTINGS frame, as
+    every gRPC server does; else what it did instead, in a few words."""
+    deadline = time.monotonic() + timeout
+    got = b""
+    try:
+        conn.sendall(HTTP2_PREFACE)
+        while len(got) < FRAME_HEADER:
+            conn.settimeout(max(0.01, deadline - time.monotonic()))
+            chunk = conn.recv(1024)
+            if not chunk:
+                break
+            got += chunk
+    except TimeoutError:
+        if not got:
+            return f"no answer to HTTP/2 within {timeout:g} s"
+    except OSError as exc:
+        return f"the connection failed: {exc.strerror or type(exc).__name__}"
+    if len(got) >= FRAME_HEADER and got[3] == HTTP2_SETTINGS and got[5:9] == bytes(4):
+        return None
+    if not got:
+        return "it closed the connection"
+    text = got.decode("ascii", "replace")
+    if text.replace("\r", "").replace("\n", "").replace("\t", "").isprintable():
+        line = (text.strip().splitlines() or [""])[0][:60]
+        return f"it answers in plain text, as HTTP/1 does: {line!r}"
+    return "it does not speak HTTP/2"
 
 
 def shutdown_local() -> None:
