@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from silo_pfl import Federation
-from silo_pfl.algorithms import ALGORITHMS
+from silo_pfl.builtin_names import ALGORITHMS  # the built-in ones: plugins come and go
 from silo_pfl.config import read_yaml, to_dict
 from silo_pfl.settings import from_dict, load_config
 
