@@ -11,7 +11,7 @@ import pytest
 from serving import free_port
 
 from silo_pfl.errors import ConfigError
-from silo_pfl.runtime.jobs import auth_token, jobs_address
+from silo_pfl.runtime.jobs import auth_token, jobs_address, output_dir_note
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = "jobs/heart_disease.yaml"
@@ -110,3 +110,14 @@ def test_overrides_may_follow_the_options():
     assert args.resume is True and args.overrides == ["rounds=9"]
     args = _parse(["submit", JOB, "--resume", "20261130-052301-3fa9c2", "--address", "a:1"])
     assert args.resume == "20261130-052301-3fa9c2"
+
+
+def test_a_fresh_submission_with_a_relative_output_dir_is_warned_of():
+    """Its run lies in the job's temporary working directory: no later job can resume it."""
+    assert output_dir_note("/var/tmp/silo_pfl", False) is None
+    assert output_dir_note("~/runs", False) is None
+    assert output_dir_note("runs", False) == (
+        "output_dir: got 'runs', which lies in the job's temporary working directory on each "
+        "node: a later job cannot resume this run; to resume, give an absolute path that every "
+        "node can write, e.g. output_dir=/var/tmp/silo_pfl"
+    )
