@@ -4,13 +4,16 @@ Silo actors record their training, traffic, accuracy and masking from the FitMet
 EvalMetrics their plain Silo returns; the server actor its unmasking from the RoundReport; the
 driver the round, its straggler, the silos alive and the updates left out. Each process creates
 its metric objects once (`_instruments`); a run without metrics creates none. Ray exports them
-with its own `ray_` prefix (a counter with `_total`) on each node's metrics agent.
+with its own `ray_` prefix (a counter with `_total`) on each node's metrics agent. A gauge's last
+value is held, set again every half export interval, until the process ends (`_Held`); the
+straggler's gauge holds only its latest silo.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -129,8 +132,45 @@ def _instruments() -> dict[str, Any]:
     return {s.name: kinds[s.kind](s.name, s.description, tag_keys=s.tags) for s in METRICS}
 
 
-def _set(name: str, value: float, tags: Mapping[str, str]) -> None:
-    _instruments()[name].set(float(value), tags=dict(tags))
+class _Held:
+    """The last value of each gauge series this process set, set again every export interval
+    by a daemon thread: Ray's metrics agent drops a gauge series that was not set within two
+    export intervals (2 s), while Prometheus scrapes every 5 s, so a gauge set once a round
+    would be missing from most scrapes, and its last value from the run's end."""
+
+    def __init__(self) -> None:
+        self.values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+
+    def set(self, name: str, value: float, tags: Mapping[str, str], alone: bool) -> None:
+        """Set and hold a series; `alone`: the gauge's other series are no longer held."""
+        key = (name, tuple(sorted(tags.items())))
+        with self.lock:
+            if alone:
+                self.values = {k: v for k, v in self.values.items() if k[0] != name}
+            self.values[key] = value
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._hold, name="metrics-hold", daemon=True)
+                self.thread.start()
+        _instruments()[name].set(value, tags=dict(tags))
+
+    def _hold(self) -> None:
+        while True:
+            time.sleep(export_interval_s() / 2)
+            with self.lock:
+                held = list(self.values.items())
+            for (name, tags), value in held:
+                _instruments()[name].set(value, tags=dict(tags))
+
+
+_HELD = _Held()
+
+
+def _set(name: str, value: float, tags: Mapping[str, str], alone: bool = False) -> None:
+    """Set a gauge series, and hold it (`_Held`) until this process ends or, for `alone`, the
+    gauge is set again on other tags."""
+    _HELD.set(name, float(value), tags, alone)
 
 
 def _inc(name: str, value: float, tags: Mapping[str, str]) -> None:
@@ -203,7 +243,7 @@ class DriverMetrics:
         if train_seconds:
             slowest = max(train_seconds, key=lambda name: train_seconds[name])
             wait = train_seconds[slowest] - statistics.median(train_seconds.values())
-            _set("silo_pfl_straggler_seconds", wait, {**self.tags, "silo": slowest})
+            _set("silo_pfl_straggler_seconds", wait, {**self.tags, "silo": slowest}, alone=True)
 
     def left_out(self, reasons: Mapping[str, str]) -> None:
         """Silo -> why its update was not aggregated (late, died, failed, withheld, ...)."""
