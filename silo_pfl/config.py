@@ -341,6 +341,11 @@ def read_yaml(path: Path) -> DictConfig:
     return loaded
 
 
+# The longest metrics.linger_s and metrics.export_interval_s: a scrape interval of Prometheus is
+# seconds to minutes, and a longer wait would hold a finished run's end for nothing.
+MAX_METRICS_SECONDS = 600.0
+
+
 def _require(condition: bool, key: str, allowed: str, value: Any) -> None:
     if not condition:
         raise ConfigError(f"{key}: got {value!r}, expected {allowed}")
@@ -443,8 +448,18 @@ def check_ranges(cfg: FederationConfig) -> None:
         per_worker,
     )
     linger, interval = cfg.metrics.linger_s, cfg.metrics.export_interval_s
-    _require(linger >= 0, "metrics.linger_s", "a number of seconds >= 0", linger)
-    _require(interval >= 1, "metrics.export_interval_s", "a number of seconds >= 1", interval)
+    _require(
+        0 <= linger <= MAX_METRICS_SECONDS,
+        "metrics.linger_s",
+        f"a number of seconds from 0 to {MAX_METRICS_SECONDS:g}",
+        linger,
+    )
+    _require(
+        1 <= interval <= MAX_METRICS_SECONDS,
+        "metrics.export_interval_s",
+        f"a number of seconds from 1 to {MAX_METRICS_SECONDS:g}",
+        interval,
+    )
     if cfg.ray.num_cpus is not None:
         _require(cfg.ray.num_cpus >= 1, "ray.num_cpus", "an integer >= 1", cfg.ray.num_cpus)
 

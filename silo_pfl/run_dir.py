@@ -8,6 +8,7 @@ under `server/`, each on its own node's disk at the same path.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import shutil
 import time
@@ -42,6 +43,9 @@ def silo_dir(cfg: FederationConfig, run_id: str, silo: str) -> Path:
 def server_dir(cfg: FederationConfig, run_id: str) -> Path:
     """The server's directory in one run, on the server's node."""
     return run_path(cfg, run_id) / "server"
+
+
+RUN_ID = re.compile(r"\d{8}-\d{6}-[0-9a-f]{6}")  # what new_run_id makes
 
 
 def new_run_id() -> str:
@@ -144,7 +148,7 @@ def _read(path: Path) -> dict[str, Any]:
 
 def check_resumable(saved: dict[str, Any], cfg: FederationConfig, path: Path) -> None:
     """Only `rounds` may change on resume, and only upwards; any other change names its key
-    (tracking.* may change where MLflow is off, before and now).
+    (metrics.* may change, and tracking.* where MLflow is off, before and now).
     A key that the version which started the run did not have yet (it is not in the saved
     config) may stand at its default, which does what that version did (eval.every=1)."""
     before_all, after_all = _flat(saved), _json_flat(cfg)
@@ -153,10 +157,12 @@ def check_resumable(saved: dict[str, Any], cfg: FederationConfig, path: Path) ->
         if key in defaults and after_all[key] == defaults[key]:
             before_all[key] = defaults[key]
     both = before_all.keys() & after_all.keys()
-    free = {"rounds"}
+    keys = before_all.keys() | after_all.keys()
+    # Live metrics watch a run and change nothing in it: they may be turned on or tuned.
+    free = {"rounds"} | {k for k in keys if k.startswith("metrics.")}
     if before_all.get("tracking.enabled") is False and not cfg.tracking.enabled:
         # Without MLflow, its store (resolved against the working directory) plays no part.
-        free |= {k for k in before_all.keys() | after_all.keys() if k.startswith("tracking.")}
+        free |= {k for k in keys if k.startswith("tracking.")}
     # A key set in both is named before one only in either (an algorithm's added options).
     for key in sorted(before_all.keys() | after_all.keys(), key=lambda k: (k not in both, k)):
         if key in free:

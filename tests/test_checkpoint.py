@@ -588,12 +588,15 @@ def test_resume_allows_only_more_rounds(tmp_path):
 
 def test_without_mlflow_a_resume_from_another_directory_may_resolve_another_store(tmp_path):
     """tracking.uri defaults to mlflow.db in the working directory; a run without MLflow (a Ray
-    Job's working directory is new each time) resumes whatever it resolves to."""
+    Job's working directory is new each time) resumes whatever it resolves to; live metrics,
+    which change nothing in a run, may be turned on for its resume."""
     off = [f"output_dir={tmp_path}", "tracking.enabled=false"]
     run = RunDir.create(load_config("jobs/heart_disease.yaml", off))
     saved = run.saved_config()
     elsewhere = [*off, f"tracking.uri=sqlite:///{tmp_path}/elsewhere/mlflow.db"]
     check_resumable(saved, load_config("jobs/heart_disease.yaml", elsewhere), run.path)
+    watched = [*off, "metrics.enabled=true", "metrics.linger_s=30", "metrics.export_interval_s=2"]
+    check_resumable(saved, load_config("jobs/heart_disease.yaml", watched), run.path)
     turned_on = load_config("jobs/heart_disease.yaml", [*elsewhere, "tracking.enabled=true"])
     with pytest.raises(ConfigError, match=r"^tracking\.enabled: got True, but run "):
         check_resumable(saved, turned_on, run.path)

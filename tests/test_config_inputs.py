@@ -17,6 +17,10 @@ JOB = str(ROOT / "jobs" / "heart_disease.yaml")  # mlp, fedper
 QUIET = ["tracking.enabled=false"]
 
 
+LINGER = "a number of seconds from 0 to 600"
+EVERY = "a number of seconds from 1 to 600"
+
+
 def refused(*overrides: str, job: str | Path = JOB) -> str:
     """The one-line ConfigError that loading `job` with `overrides` raises."""
     with pytest.raises(ConfigError) as info:
@@ -105,6 +109,13 @@ def test_a_file_store_in_the_environment_is_named_as_such(monkeypatch):
         ("server.tau=inf", "server.tau: got inf, expected a number > 0"),
         ("algorithm.fedprox.mu=nan", "algorithm.fedprox.mu: got nan, expected a finite number"),
         ("algorithm.ditto.lam=inf", "algorithm.ditto.lam: got inf, expected a finite number"),
+        ("metrics.linger_s=inf", f"metrics.linger_s: got inf, expected {LINGER}"),
+        ("metrics.linger_s=1e12", f"metrics.linger_s: got 1000000000000.0, expected {LINGER}"),
+        ("metrics.export_interval_s=inf", f"metrics.export_interval_s: got inf, expected {EVERY}"),
+        (
+            "metrics.export_interval_s=601",
+            f"metrics.export_interval_s: got 601.0, expected {EVERY}",
+        ),
     ],
 )
 def test_numbers_out_of_range_are_refused(override, expected):

@@ -207,6 +207,10 @@ def test_report_refuses_unknown_runs_and_stores_in_one_line(runs, tmp_path, caps
     )[0]
     cases = [
         (report(runs, "0123456789abcdef", tmp_path), "RUN_ID 0123456789abcdef: no such run"),
+        (
+            report(runs, Path(runs.fedper.run_dir).name, tmp_path),
+            "that is a run's directory id: give its MLflow run id",
+        ),
         (report(runs, child.info.run_id, tmp_path), "not a federation run"),
         (
             ["report", "x", "--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}"],

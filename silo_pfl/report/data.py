@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from silo_pfl.errors import ConfigError
+from silo_pfl.run_dir import RUN_ID
 from silo_pfl.tracking import registry
 from silo_pfl.tracking.tracker import PARENT_RUN_TAG, PARTITION_FILE, ROUNDS_TAG
 
@@ -119,7 +120,13 @@ def get_parent(client: MlflowClient, run_id: str, key: str, where: str) -> Any:
     try:
         run = client.get_run(run_id)
     except MlflowException:
-        raise ConfigError(f"{key} {run_id}: no such run in {where}") from None
+        hint = ""
+        if RUN_ID.fullmatch(run_id):  # a user may give a run directory's id for its MLflow run's
+            hint = (
+                "; that is a run's directory id: give its MLflow run id, printed as `mlflow: run "
+                "<id>` and in the results' mlflow.run_id"
+            )
+        raise ConfigError(f"{key} {run_id}: no such run in {where}{hint}") from None
     experiment = client.get_experiment(run.info.experiment_id)
     if experiment.lifecycle_stage == "deleted":
         raise ConfigError(

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import ray
 
+from silo_pfl.errors import ConfigError
+
 DISCOVERY_FILE = "prom_metrics_service_discovery.json"  # Ray's name for it
 
 
@@ -34,10 +36,17 @@ def write_discovery_file() -> Path:
     target = session / DISCOVERY_FILE
     content = [{"labels": {"job": "ray"}, "targets": metrics_targets()}]
     partial = session / f"tmp_{DISCOVERY_FILE}"
-    partial.write_text(json.dumps(content))
-    os.replace(partial, target)
     legacy = Path(node.get_temp_dir_path()) / DISCOVERY_FILE
-    if legacy != target:
-        legacy.unlink(missing_ok=True)
-        legacy.symlink_to(target)
+    try:
+        partial.write_text(json.dumps(content))
+        os.replace(partial, target)
+        if legacy != target:
+            legacy.unlink(missing_ok=True)
+            legacy.symlink_to(target)
+    except OSError as exc:
+        raise ConfigError(
+            f"metrics.enabled: cannot write Prometheus' service-discovery file {exc.filename} "
+            f"({exc.strerror or type(exc).__name__}); expected a file this user can replace in "
+            "Ray's temp directory ($RAY_TMPDIR), or metrics.enabled=false"
+        ) from None
     return target

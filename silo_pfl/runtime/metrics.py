@@ -295,8 +295,15 @@ class DriverMetrics:
         run (the kernel lists a closed one for a minute), watched from Ray's start for at least
         two linger times, in which a Prometheus scraping every linger_s finds and scrapes it. Where
         connections cannot be seen (no /proc), the whole linger_s is waited. The run's end
-        (callbacks' on_end: MLflow, the report) runs before this, inside that time.
+        (callbacks' on_end: MLflow, the report) runs before this, inside that time. Ctrl-C
+        ends the wait, and the run ends as it would have.
         """
+        try:
+            self._linger()
+        except KeyboardInterrupt:  # Ctrl-C while only waiting for a scrape: the run is done
+            return
+
+    def _linger(self) -> None:
         interval = export_interval_s()
         self._wait(interval)
         if self.linger_s <= 0:
