@@ -216,6 +216,9 @@ def test_prometheus_scrapes_every_metric_of_a_run_with_its_tags(tmp_path, ray_tm
         "silo_0": 4 * (per_round + keys_and_shares),
         "silo_1": 3 * per_round + 4 * keys_and_shares,
     }
+    # Each silo's process fitted every attempt (silo_1's withheld update too): the bytes panels
+    # divide by these, which restart with the process as the bytes counters do.
+    assert values("silo_pfl_silo_fits") == {"silo_0": 4.0, "silo_1": 4.0}
     straggler = found["silo_pfl_straggler_seconds"]
     assert all(float(s["value"][1]) >= 0 for s in straggler)
     left_out = {

@@ -64,6 +64,13 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "silo_pfl_silo_train_seconds", "gauge", SILO_TAGS, "The silo's last fit, in seconds."
     ),
+    MetricSpec(
+        "silo_pfl_silo_fits",
+        "counter",
+        SILO_TAGS,
+        "Fits the silo's process ran: the bytes counters over it are a round's, even across a "
+        "restart or a resume, which start every counter of the process again.",
+    ),
     MetricSpec("silo_pfl_silo_bytes_sent", "counter", SILO_TAGS, "Bytes of updates sent."),
     MetricSpec(
         "silo_pfl_silo_bytes_received",
@@ -186,6 +193,7 @@ class SiloMetrics:
 
     def fit(self, metrics: FitMetrics) -> None:
         _set("silo_pfl_silo_train_seconds", metrics.train_seconds, self.tags)
+        _inc("silo_pfl_silo_fits", 1, self.tags)
         _inc("silo_pfl_silo_bytes_sent", metrics.bytes_sent, self.tags)
         _inc("silo_pfl_silo_bytes_received", metrics.bytes_received, self.tags)
         if metrics.secure_seconds > 0:
