@@ -49,16 +49,21 @@ def stop_group(proc: subprocess.Popen, timeout: float) -> None:
         proc.wait()
 
 
-def start(base: Path) -> Iterator[SimpleNamespace]:
-    """Start the cluster under `base`; yield info, the clients' env and base; then stop it."""
+def start(
+    base: Path,
+    hospitals: tuple[str, ...] = HOSPITALS,
+    options: tuple[str, ...] = ("--tracking-server",),
+) -> Iterator[SimpleNamespace]:
+    """Start the cluster under `base`, a node per hospital (with its rows) and the head, with
+    local_cluster.py's `options`; yield info, the clients' env and base; then stop it."""
     hospital_data = cluster_script("hospital_data")
-    for hospital in HOSPITALS:
+    for hospital in hospitals:
         hospital_data.write_hospital(base / "nodes", hospital)
     env = {k: v for k, v in os.environ.items() if k not in CLIENT_VARS}
     env["RAY_AUTH_TOKEN"] = secrets.token_hex(32)  # ~/.ray/auth_token is left alone
     info_file, errors = base / "cluster.json", base / "cluster.err"
-    command = [sys.executable, str(ROOT / "cluster" / "local_cluster.py"), *HOSPITALS]
-    command += ["--tracking-server", "--data-root", str(base / "nodes")]
+    command = [sys.executable, str(ROOT / "cluster" / "local_cluster.py"), *hospitals]
+    command += [*options, "--data-root", str(base / "nodes")]
     command += ["--info-file", str(info_file)]
     proc = subprocess.Popen(
         command,

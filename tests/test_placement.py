@@ -3,9 +3,6 @@ and on a real loopback cluster, the CPUs a pinned silo reserves against its labe
 
 from __future__ import annotations
 
-import json
-import os
-import secrets
 import subprocess
 import sys
 import time
@@ -14,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from loopback_cluster import CLIENT_VARS, STARTUP_SECONDS, cluster_script, stop_group
+from loopback_cluster import start
 
 from silo_pfl.errors import FederationError
 from silo_pfl.runtime.placement import (
@@ -64,30 +61,8 @@ def test_a_label_no_live_node_carries_is_one_line_naming_the_actor(ray_local):
 def one_silo_cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
     """A real two-node cluster on loopback (cluster/local_cluster.py): the head and one 1-CPU
     node labelled silo=cleveland, token authentication on; its info, plus the clients' env."""
-    env = {k: v for k, v in os.environ.items() if k not in CLIENT_VARS}
-    env["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
-    info_file, errors = tmp_path / "cluster.json", tmp_path / "cluster.err"
-    command = [sys.executable, str(ROOT / "cluster" / "local_cluster.py"), "cleveland"]
-    command += ["--cpus-per-node", "1", "--info-file", str(info_file)]
-    proc = subprocess.Popen(
-        command,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=errors.open("w"),
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + STARTUP_SECONDS
-        while not (info_file.exists() and info_file.read_text().strip()):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"local_cluster.py did not come up: {errors.read_text()[-2000:]}")
-            time.sleep(0.5)
-        info = json.loads(info_file.read_text())
-        yield {**info, "client_env": {**env, **info["env"]}}
-    finally:
-        stop_group(proc, 90)
-    assert proc.returncode == 0, errors.read_text()[-2000:]
-    assert cluster_script("local_cluster")._processes_marked(info["marker"]) == []
+    for cluster in start(tmp_path, ("cleveland",), ("--cpus-per-node", "1")):
+        yield {**cluster.info, "client_env": cluster.env}
 
 
 @pytest.mark.slow

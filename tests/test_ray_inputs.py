@@ -94,20 +94,27 @@ def _run(tmp_path: Path, address: str) -> tuple[subprocess.CompletedProcess, flo
     return done, time.monotonic() - began
 
 
+def _refused_beside_http(tmp_path: Path, scheme: str = "") -> tuple[str, int, float]:
+    """The CLI joining `<scheme>127.0.0.1:<an HTTP server's port>`: refused with exit 1 and no
+    run directory left; its stderr, the port and its seconds."""
+    with _http_server() as port:
+        done, seconds = _run(tmp_path, f"{scheme}127.0.0.1:{port}")
+    assert done.returncode == 1, done.stderr
+    assert not (tmp_path / "runs").exists()
+    return done.stderr, port, seconds
+
+
 def test_an_address_that_answers_but_is_no_gcs_is_one_line_within_seconds(ray_local, tmp_path):
     """An HTTP server (as a dashboard's port is) and a silent listener are refused at once; a
     real Ray GCS passes the same probe."""
     session.check_reachable(ray_local._private.worker._global_node.gcs_address)
-    with _http_server() as port:
-        done, seconds = _run(tmp_path, f"127.0.0.1:{port}")
-    assert done.returncode == 1, done.stderr
-    assert done.stderr == (
+    stderr, port, seconds = _refused_beside_http(tmp_path)
+    assert stderr == (
         f"error: ray.address: 127.0.0.1:{port} answers, but not as a Ray cluster's GCS (it "
         "answers in plain text, as HTTP/1 does: '<!DOCTYPE HTML>'); give the head's GCS address "
         'host:port (ray start --head --port), or "auto"\n'
     )
     assert seconds < 30
-    assert not (tmp_path / "runs").exists()
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen()
@@ -124,14 +131,11 @@ def test_an_address_that_answers_but_is_no_gcs_is_one_line_within_seconds(ray_lo
 
 
 def test_an_http_address_is_one_whole_line(tmp_path):
-    with _http_server() as port:
-        done, _ = _run(tmp_path, f"http://127.0.0.1:{port}")
-    assert done.returncode == 1, done.stderr
-    assert done.stderr == (
+    stderr, port, _ = _refused_beside_http(tmp_path, "http://")
+    assert stderr == (
         f"error: ray.address: got http://127.0.0.1:{port}, an HTTP address (a dashboard's, for "
         'Ray Jobs); a run joins the GCS: host:port (ray start --head --port), or "auto"\n'
     )
-    assert not (tmp_path / "runs").exists()
 
 
 def test_a_token_the_cluster_refuses_is_named_at_once(ray_local, tmp_path):
