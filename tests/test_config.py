@@ -55,7 +55,10 @@ def test_every_job_loads():
         (["algorithm.fedprox.mu=-0.5"], "algorithm.fedprox.mu: got -0.5, expected >= 0"),
         (["algorithm.ditto.personal_epochs=-1"], "algorithm.ditto.personal_epochs: got -1"),
         (["model.adapter_dim=-2"], "model.adapter_dim: got -2, expected an integer >= 0"),
-        (["metrics.linger_s=-1"], "metrics.linger_s: got -1.0, expected a number of seconds >= 0"),
+        (
+            ["metrics.linger_s=-1"],
+            "metrics.linger_s: got -1.0, expected a number of seconds from 0 to 600",
+        ),
         (["metrics.enabled=maybe"], "metrics.enabled: got 'maybe', expected true or false"),
         (["split.local=head"], "split.local: got 'head', expected a list, e.g. [head]"),
         (["model.hidden=5"], "model.hidden: got 5, expected a list, e.g. [5]"),

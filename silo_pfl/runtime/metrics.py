@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -317,13 +318,19 @@ class DriverMetrics:
         if self.linger_s <= 0:
             return
         before = self._look()
+        watched = time.monotonic() - self.watched_since
+        if before is not None and not self.scraped and watched >= 2 * self.linger_s:
+            return
+        deadline = self.last + interval + self.linger_s
+        print(
+            f"metrics: waiting up to {max(0.0, deadline - time.monotonic()):.0f} s for a scrape "
+            "of the last figures (metrics.linger_s; Ctrl-C ends the wait)",
+            file=sys.stderr,
+            flush=True,
+        )
         if before is None:
             self._wait(interval + self.linger_s)
             return
-        watched = time.monotonic() - self.watched_since
-        if not self.scraped and watched >= 2 * self.linger_s:
-            return
-        deadline = self.last + interval + self.linger_s
         while time.monotonic() < deadline:
             if scrapes.finished_since(before, scrapes.connections(self.port) or {}):
                 return
