@@ -49,6 +49,10 @@ def test_a_discovery_file_that_cannot_be_written_is_one_line(tmp_path, ray_tmp):
     assert not (tmp_path / "runs").exists()
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_while_lingering_for_a_scrape_ends_the_run_as_finished(tmp_path, ray_tmp):
     results = tmp_path / "results.json"
     command = [sys.executable, "-m", "silo_pfl", "run", JOB, "rounds=2", "metrics.enabled=true"]
@@ -62,6 +66,9 @@ def test_ctrl_c_while_lingering_for_a_scrape_ends_the_run_as_finished(tmp_path, 
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        # A background job of a non-interactive shell (CI's) inherits SIGINT ignored, and a
+        # Python started so never raises KeyboardInterrupt: the run gets a terminal's default.
+        preexec_fn=_default_sigint,
     )
     lines = []
     try:
