@@ -261,21 +261,24 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
         raise omegaconf_error(exc) from None
 
 
+def flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as dotted keys to its leaves (an empty mapping or a list is a leaf)."""
+    leaves: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            leaves.update(flat(value, f"{prefix}{key}."))
+        else:
+            leaves[f"{prefix}{key}"] = value
+    return leaves
+
+
 def written_keys(base: Any = None, overrides: list[str] | None = None) -> set[str]:
     """The dotted keys a job's mapping and its `key=value` overrides give values to (each leaf,
     a list being one), e.g. {"rounds", "model.hidden", "silos.a.tracking_uri"}."""
     keys: set[str] = set()
     for part in (base, _parse_overrides(overrides or [])):
-        if part is None or isinstance(part, FederationConfig):
-            continue
-        data = OmegaConf.to_container(OmegaConf.create(part))
-        todo: list[tuple[str, Any]] = [("", data)]
-        while todo:
-            prefix, value = todo.pop()
-            if isinstance(value, dict) and value:
-                todo += [(f"{prefix}{key}.", item) for key, item in value.items()]
-            elif prefix:
-                keys.add(prefix[:-1])
+        if part is not None and not isinstance(part, FederationConfig):
+            keys |= flat(OmegaConf.to_container(OmegaConf.create(part))).keys()
     return keys
 
 

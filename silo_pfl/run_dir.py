@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from silo_pfl.config import FederationConfig, to_dict
+from silo_pfl.config import FederationConfig, flat, to_dict
 from silo_pfl.errors import ConfigError
 from silo_pfl.paths import outermost_missing
 from silo_pfl.results import write_json_atomic
@@ -151,7 +151,7 @@ def check_resumable(saved: dict[str, Any], cfg: FederationConfig, path: Path) ->
     (metrics.* may change, and tracking.* where MLflow is off, before and now).
     A key that the version which started the run did not have yet (it is not in the saved
     config) may stand at its default, which does what that version did (eval.every=1)."""
-    before_all, after_all = _flat(saved), _json_flat(cfg)
+    before_all, after_all = flat(saved), _json_flat(cfg)
     defaults = _json_flat(FederationConfig())
     for key in after_all.keys() - before_all.keys():
         if key in defaults and after_all[key] == defaults[key]:
@@ -164,7 +164,7 @@ def check_resumable(saved: dict[str, Any], cfg: FederationConfig, path: Path) ->
         # Without MLflow, its store (resolved against the working directory) plays no part.
         free |= {k for k in keys if k.startswith("tracking.")}
     # A key set in both is named before one only in either (an algorithm's added options).
-    for key in sorted(before_all.keys() | after_all.keys(), key=lambda k: (k not in both, k)):
+    for key in sorted(keys, key=lambda k: (k not in both, k)):
         if key in free:
             continue
         before, after = before_all.get(key), after_all.get(key)
@@ -182,14 +182,4 @@ def check_resumable(saved: dict[str, Any], cfg: FederationConfig, path: Path) ->
 
 def _json_flat(cfg: FederationConfig) -> dict[str, Any]:
     """The config's keys and values as its saved JSON has them, flattened."""
-    return _flat(json.loads(json.dumps(to_dict(cfg))))
-
-
-def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        if isinstance(value, dict) and value:
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
+    return flat(json.loads(json.dumps(to_dict(cfg))))

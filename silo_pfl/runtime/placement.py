@@ -60,16 +60,15 @@ def check_labels(selectors: Mapping[str, Mapping[str, str] | None], wait: float)
     Polls for up to `wait` seconds (nodes that are still joining), then raises a one-line
     FederationError naming the first role whose label no node carries.
     """
-    pending = {role: sel for role, sel in selectors.items() if sel}
     deadline = time.monotonic() + wait
     while True:
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-        pending = {r: s for r, s in pending.items() if not any(_carries(n, s) for n in nodes)}
+        pending = homeless(selectors)
         if not pending or time.monotonic() >= deadline:
             break
         time.sleep(0.5)
     if pending:
-        role, selector = next(iter(pending.items()))
+        role = next(iter(pending))
+        selector = selectors[role] or {}
         raise FederationError(
             f"{role}: no live Ray node carries the label {_describe(selector)} (waited "
             f"{wait:.0f} s); start its node with `ray start --labels={_describe(selector)}` "

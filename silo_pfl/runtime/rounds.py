@@ -211,6 +211,7 @@ class RoundRunner:
         args = self.rejoin_args
         limit = self.cfg.round.call_timeout_s
         deadline = time.monotonic() + limit
+        late = f"no answer within round.call_timeout_s={limit:g} s"
         waiting = [n for n, p in self.parties.items() if p.died]
         rejoined: dict[str, RejoinInfo] = {}
         self.down = {}
@@ -232,7 +233,6 @@ class RoundRunner:
                 )
                 for n in waiting
             }
-            late = f"no answer within round.call_timeout_s={limit:g} s"
             infos, absent, restarting = gather(refs, max(0.0, deadline - time.monotonic()), late)
             for name, info in infos.items():
                 party = self.parties[name]

@@ -93,11 +93,11 @@ def check_reachable(address: str, key: str = "ray.address", timeout: float = REA
             f"{key}: got {address}, an HTTP address (a dashboard's, for Ray Jobs); a run joins "
             'the GCS: host:port (ray start --head --port), or "auto"'
         )
-    host, sep, port = rest.rpartition(":")
-    if not sep or not host or not port.isdigit():
+    where = _host_port(rest)
+    if where is None:
         return
     try:
-        conn = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+        conn = socket.create_connection(where, timeout=timeout)
     except OSError as exc:
         raise FederationError(
             f"{key}: nothing accepts a connection at {address} "
@@ -128,8 +128,8 @@ def check_token(address: str, key: str = "ray.address") -> None:
     is a cluster with TLS (RAY_USE_TLS)."""
     if os.environ.get("RAY_AUTH_MODE", "").lower() != "token" or _tls():
         return
-    host, sep, port = address.split("://", 1)[-1].rpartition(":")
-    if not sep or not host or not port.isdigit():
+    target = address.split("://", 1)[-1]
+    if _host_port(target) is None:
         return
     import grpc
 
@@ -138,7 +138,7 @@ def check_token(address: str, key: str = "ray.address") -> None:
     token = auth_token()
     metadata = [("authorization", f"Bearer {token}")] if token else []
     try:
-        with grpc.insecure_channel(f"{host}:{port}") as channel:
+        with grpc.insecure_channel(target) as channel:
             channel.unary_unary(CLUSTER_ID_METHOD)(
                 b"", metadata=metadata, timeout=TOKEN_ANSWER_SECONDS
             )
@@ -156,6 +156,14 @@ def check_token(address: str, key: str = "ray.address") -> None:
         f"{key}: the cluster at {address} refused the token ({_token_source()}); give the "
         "cluster's own token in RAY_AUTH_TOKEN or ~/.ray/auth_token"
     )
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """`host:port` (the host maybe in brackets) as (host, port); None for another form."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
 
 
 def _token_source() -> str:
