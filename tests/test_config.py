@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from silo_pfl.config import FederationConfig
+from silo_pfl.config import FederationConfig, flat
 from silo_pfl.errors import ConfigError
 from silo_pfl.settings import load_config, resolved_config
 
@@ -178,16 +178,6 @@ def _leaves(schema: type, prefix: str = "") -> set[str]:
     return keys
 
 
-def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
-    out: dict[str, object] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def _config_command(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "silo_pfl", "config", *args],
@@ -202,8 +192,8 @@ def test_config_prints_every_key_with_its_default_and_runs_as_a_job(tmp_path):
     done = _config_command("jobs/heart_disease.yaml", "algorithm.name=fedrep", "rounds=7")
     assert done.returncode == 0 and not done.stderr, done.stderr
     printed = yaml.safe_load(done.stdout)
-    flat = _flat(printed)
-    assert _leaves(FederationConfig) - {"data", "algorithm", "silos", "plugins"} <= set(flat)
+    leaves = flat(printed)
+    assert _leaves(FederationConfig) - {"data", "algorithm", "silos", "plugins"} <= set(leaves)
     assert printed["rounds"] == 7 and printed["algorithm"]["name"] == "fedrep"
     assert printed["algorithm"]["fedrep"]["head_epochs"] == 5  # the algorithm's own defaults
     assert printed["data"]["val_fraction"] == 0.2  # the data source's defaults
