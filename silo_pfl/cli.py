@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from silo_pfl.compare import add_arguments as compare_arguments
-from silo_pfl.errors import ConfigError, SiloPflError
+from silo_pfl.errors import ConfigError, Interrupted, SiloPflError
 
 if TYPE_CHECKING:
     from silo_pfl.callbacks import Callback
@@ -435,9 +435,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR if isinstance(exc, ConfigError) else EXIT_FAILURE
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        stopped = exc if isinstance(exc, Interrupted) else Interrupted()
+        print(f"error: {stopped}", file=sys.stderr)
+        return stopped.exit_code
     except Exception as exc:
         if args.debug:
             traceback.print_exc()

@@ -1,5 +1,7 @@
 """Errors a user can act on. Each message is one line naming the key, silo or file at fault."""
 
+import signal
+
 
 class SiloPflError(Exception):
     """Base class: the CLI prints these as one line, without a traceback."""
@@ -15,6 +17,31 @@ class DataError(SiloPflError):
 
 class FederationError(SiloPflError):
     """The federation could not run: a silo failed, the cluster is unreachable, ..."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped a run. Once the run has checkpointed a round, it names the run
+    and that round, which `--resume` continues from."""
+
+    def __init__(
+        self, signum: int = signal.SIGINT, run_id: str | None = None, round_: int | None = None
+    ) -> None:
+        super().__init__(signum, run_id, round_)
+        self.signum = signum
+        self.run_id = run_id
+        self.round = round_
+
+    @property
+    def exit_code(self) -> int:
+        """What a process the signal ended exits with: 130 for SIGINT, 143 for SIGTERM."""
+        return 128 + self.signum
+
+    def __str__(self) -> str:
+        said = "interrupted" if self.signum == signal.SIGINT else "stopped by SIGTERM"
+        if self.run_id is None:
+            return said
+        where = "its last checkpoint" if self.round is None else f"its round {self.round}"
+        return f"{said}; run {self.run_id} resumes from {where} with --resume {self.run_id}"
 
 
 def one_line(exc: BaseException) -> str:

@@ -159,3 +159,24 @@ class ShiftOnce(FedPer):
                 for name, param in silo.model.named_parameters():
                     if name in reference:
                         param.add_(10.0)
+
+
+@dataclass
+class SlowParams(FedPerParams):
+    """Every silo's fits sleep `seconds` in rounds 1 to `until`."""
+
+    seconds: float = 1.0
+    until: int = 5
+
+
+@register
+class SlowRounds(FedPer):
+    """FedPer whose early rounds are slow: a run whose first part takes a known least time."""
+
+    name = "slow_rounds"
+    Params = SlowParams
+
+    def begin_round(self, silo: SiloTrainer, reference, broadcast) -> None:
+        super().begin_round(silo, reference, broadcast)
+        if getattr(silo, "committed", 0) < self.params.until:
+            time.sleep(self.params.seconds)

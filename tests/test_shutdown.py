@@ -1,16 +1,20 @@
 """SIGTERM (what `ray job stop` sends) stops a run cleanly: MLflow says KILLED, nothing is left,
-and `--resume` then completes the run in the same MLflow run."""
+the last line names the run and round to resume, and `--resume` then completes the run in the
+same MLflow run, its wall time counting both parts."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
 
 import pytest
 from drivers import run_driver, start_driver
+
+from silo_pfl import checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -33,9 +37,11 @@ def test_sigterm_during_round_5_ends_the_run_as_killed_then_resume_completes_it(
     tmp_path, mlflow_store
 ):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    slow = "algorithm.slow_rounds"  # rounds 1-7 take seconds: the first part's wall time is known
     command = [
         *("run", "jobs/heart_disease.yaml", "rounds=12", "train.local_epochs=10"),
-        *("ray.num_cpus=2", f"output_dir={tmp_path / 'runs'}"),
+        *("ray.num_cpus=2", f"output_dir={tmp_path / 'runs'}", "plugins=[tests.fault_plugins]"),
+        *("algorithm.name=slow_rounds", f"{slow}.seconds=0.8", f"{slow}.until=7"),
     ]
     proc = start_driver(command, env)
     try:
@@ -53,8 +59,17 @@ def test_sigterm_during_round_5_ends_the_run_as_killed_then_resume_completes_it(
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert elapsed < 10, elapsed
-    assert proc.returncode == 130
-    assert err.strip().splitlines()[-1] == "error: interrupted"
+    assert proc.returncode == 143  # 128 + SIGTERM, as a process the signal ended
+    last = err.strip().splitlines()[-1]
+    said = re.fullmatch(
+        r"error: stopped by SIGTERM; run (\S+) resumes from its round (\d+) with --resume \1", last
+    )
+    assert said, last
+    run_id, round_ = said[1], int(said[2])
+    assert 5 <= round_ < 12
+    saved = checkpoint.load_latest(tmp_path / "runs" / "heart_disease" / run_id / "server")
+    assert saved is not None and saved[0] == round_
+    earlier_seconds = saved[1]["driver"]["elapsed_s"]
     deadline = time.monotonic() + 15  # Ray's own processes may take a moment to go
     while _in_session(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -67,10 +82,12 @@ def test_sigterm_during_round_5_ends_the_run_as_killed_then_resume_completes_it(
     assert {run.info.status for run in runs} == {"KILLED"}
 
     results = tmp_path / "resumed.json"
-    code, err = run_driver([*command, "--resume", "--results", str(results)], env)
+    code, err = run_driver([*command, "--resume", run_id, "--results", str(results)], env)
     assert code == 0, err[-2000:]
     summary = json.loads(results.read_text())
     assert [h["round"] for h in summary["history"]] == list(range(1, 13))
+    resumed_rounds = sum(h["seconds"] for h in summary["history"][round_:])
+    assert summary["wall_seconds"] > earlier_seconds + resumed_rounds
     again = client.search_runs([client.get_experiment_by_name("heart_disease").experiment_id])
     assert {run.info.run_id for run in again} == {run.info.run_id for run in runs}
     assert {run.info.status for run in again} == {"FINISHED"}

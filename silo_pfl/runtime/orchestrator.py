@@ -9,6 +9,7 @@ last commit, the callbacks' state such as the MLflow run id).
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ import ray
 from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig, to_dict
 from silo_pfl.data import silo_names
-from silo_pfl.errors import ConfigError
+from silo_pfl.errors import ConfigError, Interrupted
 from silo_pfl.messages import SiloOutcome, SplitInfo, fields_of, model_shape
 from silo_pfl.results import FederationResult, RoundSummary, SiloResult
 from silo_pfl.run_dir import RESULT_FILE, RunDir, check_resumable
@@ -57,6 +58,9 @@ class Orchestrator:
         self.resume = resume  # True: the latest run of this federation; a str: that run id
         self.run_dir = self._run_dir()
         self.resumable = bool(resume)  # whether the run's directory has a round to resume from
+        self.checkpointed: int | None = None  # the newest round checkpointed or restored
+        self.started = time.perf_counter()
+        self.earlier_seconds = 0.0  # the wall time of the rounds restored, on resume
 
     def _run_dir(self) -> RunDir:
         """A fresh run's directory, or the run to resume after checking its config (the run
@@ -92,13 +96,24 @@ class Orchestrator:
     def run(self) -> FederationResult:
         """Set up every silo and the server (or restore them), run the rounds, collect each
         silo's outcome. A fresh run that fails before its first checkpoint leaves no directory
-        (on this node) for --resume to find."""
+        (on this node) for --resume to find; a run stopped after one says which run and round
+        --resume continues (Interrupted)."""
         try:
             return self._run()
+        except KeyboardInterrupt as exc:
+            if not self.resumable:
+                self.run_dir.discard()
+                raise
+            signum = getattr(exc, "signum", signal.SIGINT)
+            raise Interrupted(signum, self.run_dir.run_id, self.checkpointed) from exc
         except BaseException:
             if not self.resumable:
                 self.run_dir.discard()
             raise
+
+    def _elapsed(self) -> float:
+        """The run's wall time so far: this part's, and on resume the restored rounds'."""
+        return self.earlier_seconds + time.perf_counter() - self.started
 
     def _run(self) -> FederationResult:
         run_id = self.run_dir.run_id
@@ -107,7 +122,7 @@ class Orchestrator:
         ended = False
         with ray_session(self.cfg.ray, metrics_interval_s=export_interval(self.cfg)):
             metrics.watch()
-            start = time.perf_counter()
+            self.started = time.perf_counter()
             config = to_dict(self.cfg)
             names = silo_names(self.cfg.data)
             actors: dict[str, Any] = {}
@@ -160,7 +175,7 @@ class Orchestrator:
                     self.cfg,
                     self.run_dir,
                     split,
-                    wall_seconds=time.perf_counter() - start,
+                    wall_seconds=self._elapsed(),
                     silos={
                         info.silo: SiloResult.of(
                             info,
@@ -205,9 +220,11 @@ class Orchestrator:
             "selected": {n: p.selected for n, p in parties.items()},
             "restarts": {n: p.restarts for n, p in parties.items()},
             "callbacks": {type(c).__name__: c.state() for c in self.callbacks},
+            "elapsed_s": self._elapsed(),
         }
         what = f"round {round_}: server checkpoint"
         get(server.checkpoint.remote(round_, bookkeeping), what, self.timeout)
+        self.checkpointed = round_
 
     def _restore(
         self,
@@ -223,6 +240,7 @@ class Orchestrator:
             round_ = len(saved["history"])
             print(f"warning: {line}; resuming from round {round_}", file=sys.stderr, flush=True)
         history.extend(RoundSummary(**s) for s in saved["history"])
+        self.earlier_seconds = float(saved.get("elapsed_s", 0.0))  # 0: a checkpoint without it
         selector.best = {k: (float(v[0]), float(v[1])) for k, v in saved["selector"].items()}
         for name, party in parties.items():
             party.committed = int(saved["committed"][name])
@@ -232,6 +250,7 @@ class Orchestrator:
             callback.restore(saved["callbacks"].get(type(callback).__name__, {}))
         refs = {n: p.actor.restore.remote(p.committed) for n, p in parties.items()}
         get(list(refs.values()), "resume: silo restore", self.timeout, [f"silo {n}" for n in refs])
+        self.checkpointed = len(history)
 
     def _save_global(self, npz: bytes) -> str:
         """Write the server's global keys, received as bytes, on the driver's own disk."""

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import ray
 
 from silo_pfl.config import FederationConfig, RayConfig
-from silo_pfl.errors import FederationError, one_line
+from silo_pfl.errors import FederationError, Interrupted, one_line
 from silo_pfl.runtime.discovery import write_discovery_file
 from silo_pfl.runtime.metrics import export_interval, ray_address
 from silo_pfl.runtime.ray_token import ensure_local_token
@@ -302,9 +302,10 @@ def _export_interval(seconds: float | None) -> Iterator[None]:
 
 
 def _interrupt(signum: int, frame: Any) -> None:
-    """Raise KeyboardInterrupt once; a second SIGTERM cannot cut the clean-up short."""
+    """Raise Interrupted (a KeyboardInterrupt) once; a second SIGTERM cannot cut the clean-up
+    short."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise KeyboardInterrupt
+    raise Interrupted(signum)
 
 
 @contextmanager
