@@ -102,8 +102,9 @@ def prometheus(tmp_path: Path, ray_tmp: Path) -> Iterator[SimpleNamespace]:
     stop_group(proc)
 
 
-def _query(url: str, expr: str) -> list[dict[str, Any]]:
-    answer = _get(f"{url}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
+def _query(url: str, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+    params = {"query": expr} if at is None else {"query": expr, "time": at}
+    answer = _get(f"{url}/api/v1/query?" + urllib.parse.urlencode(params))
     assert answer["status"] == "success", answer
     return answer["data"]["result"]
 
@@ -228,6 +229,7 @@ def test_prometheus_scrapes_every_metric_of_a_run_with_its_tags(tmp_path, ray_tm
     assert left_out == {("silo_1", "withheld"): 1.0}
 
     _every_panel_has_data(prometheus.url, run_id, began)
+    _left_out_sum_reads_zero_when_none(prometheus.url, run_id)
 
 
 def _every_panel_has_data(url: str, run_id: str, began: float) -> None:
@@ -246,6 +248,22 @@ def _every_panel_has_data(url: str, run_id: str, began: float) -> None:
         answer = _get(f"{url}/api/v1/query_range?" + urllib.parse.urlencode(params))
         assert answer["status"] == "success", (expr, answer)
         assert answer["data"]["result"], f"no data for panel query {expr}: {samples}"
+
+
+def _left_out_sum_reads_zero_when_none(url: str, run_id: str) -> None:
+    """The "all silos" line of the updates-left-out panel, at the run's last scrape: this run's
+    one withheld update; and 0, not "No data", for a run that left none out (the same query
+    with the counter, which such a run never creates, absent)."""
+    samples = _query(url, f'{{run_id="{run_id}"}}[15m]')
+    last = max(float(t) for series in samples for t, _ in series["values"])
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    panel = next(p for p in panels if p["title"] == "Updates left out")
+    expr = next(t["expr"] for t in panel["targets"] if t["legendFormat"] == "all silos")
+    query = expr.replace("$federation", "digits_label_skew").replace("$run_id", run_id)
+    assert [float(r["value"][1]) for r in _query(url, query, last)] == [1.0]
+    counter = "ray_silo_pfl_updates_left_out_total"
+    none_left_out = query.replace(counter, "ray_silo_pfl_updates_left_out_never_made_total")
+    assert [float(r["value"][1]) for r in _query(url, none_left_out, last)] == [0.0]
 
 
 def _exprs(dashboard: dict[str, Any]) -> tuple[list[str], list[str]]:
