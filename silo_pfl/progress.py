@@ -101,10 +101,10 @@ class ProgressPrinter(Callback):
         figures = f"val {val}  {slow}"
         if summary.attempts > 1:
             figures += f"  (attempt {summary.attempts})"
-        for silo, how in summary.restarted.items():
-            self._print(f"  {silo}: restarted, restored round {how['round']}")
-        for silo, reason in summary.absent.items():
-            self._print(f"  {silo}: left out: {reason}")
+        if summary.restarted:  # each silo's why is logged once, as it happens (runtime.rounds)
+            figures += f"  restarted: {', '.join(sorted(summary.restarted))}"
+        if summary.absent:
+            figures += f"  left out: {', '.join(sorted(summary.absent))}"
         if self.bar is not None:
             self.bar.set_postfix_str(figures, refresh=False)
             self.bar.update(1)

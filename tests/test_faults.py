@@ -156,7 +156,7 @@ def test_a_silo_killed_mid_round_restarts_from_its_checkpoint(
     assert va.data.tags["round_3_restored"] == killer.digests["va"][2]
 
 
-def test_a_hung_silo_is_left_out_by_the_deadline_and_rejoins(tmp_path, mlflow_store):
+def test_a_hung_silo_is_left_out_by_the_deadline_and_rejoins(tmp_path, mlflow_store, caplog):
     timeout = 3.0
 
     """va's process stops in the middle of its fit in round 3, and goes on 2 s after the
@@ -168,9 +168,12 @@ def test_a_hung_silo_is_left_out_by_the_deadline_and_rejoins(tmp_path, mlflow_st
     printed = io.StringIO()
     result = _run(tmp_path, "runs", *stop, *quorum, callbacks=[waker, ProgressPrinter(printed)])
     assert (tmp_path / "stop_once.pid").read_text() == str(waker.pid), "va stopped itself"
-    assert (
-        f"\n  va: left out: no answer within round.timeout_s={timeout:g} s\n" in printed.getvalue()
-    )
+    reason = f"no answer within round.timeout_s={timeout:g} s"
+    said = [r.getMessage() for r in caplog.records if reason in r.getMessage()]
+    assert said == [f"round 3: silo va left out: {reason}"], "the reason is said once"
+    assert reason not in printed.getvalue()
+    third_line = next(s for s in printed.getvalue().splitlines() if s.startswith("round 3/"))
+    assert third_line.endswith("  left out: va"), third_line
     third = result.history[2]
     assert third.participants == ["cleveland", "hungarian", "switzerland"]
     assert third.absent == {"va": f"no answer within round.timeout_s={timeout:g} s"}
