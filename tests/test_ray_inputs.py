@@ -1,10 +1,12 @@
 """Ray settings that cannot work fail at once, in one line naming the key, and leave no run
 behind: a cluster address nothing listens on, or something other than a Ray GCS answers on (an
-HTTP server), an http:// address, and more CPUs reserved than a local Ray has."""
+HTTP server), an http:// address, more CPUs reserved than a local Ray has, and a $RAY_TMPDIR
+too long for Ray's sockets."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -35,6 +37,26 @@ def test_an_address_nothing_listens_on_is_one_line_not_a_hang(tmp_path):
         "error: ray.address: nothing accepts a connection at 127.0.0.1:1 (Connection refused); "
         "expected a running cluster's head, host:port (e.g. 10.0.0.1:6379)\n"
     )
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_ray_tmpdir_too_long_for_rays_sockets_is_one_line_naming_it(tmp_path):
+    """Ray's sockets live under $RAY_TMPDIR/ray/session_*/sockets/, and an AF_UNIX path holds at
+    most 107 bytes: Ray refuses with an OSError, which the run names in one line."""
+    long = tmp_path / ("t" * max(1, 100 - len(str(tmp_path))))
+    long.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_TMPDIR"] = str(long)
+    argv = [sys.executable, "-m", "silo_pfl", "run", JOB, "rounds=1", "tracking.enabled=false"]
+    argv += [f"output_dir={tmp_path / 'runs'}"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: RAY_TMPDIR: Ray's sockets under {long}")
+    most = re.search(
+        r"set RAY_TMPDIR to a directory path at most (\d+) bytes long, e\.g\. /tmp/ray$", lines[0]
+    )
+    assert most and 20 < int(most[1]) < len(str(long)), lines[0]  # the pid's digits vary
     assert not (tmp_path / "runs").exists()
 
 

@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -50,6 +51,10 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
                 write_discovery_file()
         else:
             ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+    except OSError as exc:
+        if SOCKET_PATH_TOO_LONG not in str(exc):
+            raise
+        raise FederationError(_socket_dir_too_long(str(exc))) from None
     except (ConnectionError, RuntimeError, ValueError) as exc:
         where = address or "a local instance"
         hint = ""
@@ -207,6 +212,24 @@ def not_http2(conn: socket.socket, timeout: float) -> str | None:
         line = (text.strip().splitlines() or [""])[0][:60]
         return f"it answers in plain text, as HTTP/1 does: {line!r}"
     return "it does not speak HTTP/2"
+
+
+SOCKET_PATH_TOO_LONG = "validate_socket_filename"  # Ray's OSError for an AF_UNIX path too long
+SOCKET_PATH_MAX = 107  # bytes, AF_UNIX on Linux
+
+
+def _socket_dir_too_long(message: str) -> str:
+    """The line for Ray's refusal of a socket path under a temporary directory too long."""
+    variable = "RAY_TMPDIR" if os.environ.get("RAY_TMPDIR") else "TMPDIR"
+    directory = tempfile.gettempdir() if variable == "TMPDIR" else os.environ["RAY_TMPDIR"]
+    path = message.rsplit(": ", 1)[-1].strip()
+    over = len(path.encode()) - SOCKET_PATH_MAX
+    most = len(directory.encode()) - over if over > 0 and path.startswith(directory) else None
+    allowed = f"at most {most} bytes long" if most and most > 0 else "shorter"
+    return (
+        f"{variable}: Ray's sockets under {directory} would exceed the {SOCKET_PATH_MAX} bytes "
+        f"an AF_UNIX path may have; set {variable} to a directory path {allowed}, e.g. /tmp/ray"
+    )
 
 
 def shutdown_local() -> None:
