@@ -4,6 +4,7 @@ never saw joins with `silo-pfl onboard`, is registered like the founders and ser
 from __future__ import annotations
 
 import json
+import sqlite3
 
 import numpy as np
 import pytest
@@ -106,10 +107,19 @@ def test_a_silo_the_federation_never_saw_joins_registers_and_serves(tmp_path, ml
     )
 
 
-def test_onboarding_needs_tracking_and_a_trained_federation(tmp_path, capsys):
+def test_onboarding_needs_tracking_and_a_trained_federation(tmp_path, mlflow_store, capsys):
     runs = f"output_dir={tmp_path / 'runs'}"
     code = main(["onboard", SKEW, "--silo", NEW, "tracking.enabled=false", runs, *DATA])
     _one_line_error(code, capsys.readouterr().err, "tracking.enabled: onboarding reads")
+    store = tmp_path / "mlflow.db"
     code = main(["onboard", SKEW, "--silo", NEW, runs, *DATA])
-    _one_line_error(code, capsys.readouterr().err, f"onboard: no federation '{FEDERATION}'")
+    missing = f"tracking.uri {mlflow_store}: no MLflow store at {store}"
+    _one_line_error(code, capsys.readouterr().err, missing)
+    assert not store.exists(), "no store is made to be read"
+    sqlite3.connect(store).execute("CREATE TABLE notes (text)").connection.commit()
+    before = store.read_bytes()
+    code = main(["onboard", SKEW, "--silo", NEW, runs, *DATA])
+    foreign = f"tracking.uri {mlflow_store}: {store} is not an MLflow"
+    _one_line_error(code, capsys.readouterr().err, foreign)
+    assert store.read_bytes() == before, "a file that is no MLflow store is left as it was"
     assert not (tmp_path / "runs").exists()

@@ -20,7 +20,7 @@ import numpy as np
 
 from silo_pfl.errors import ConfigError
 from silo_pfl.tracking import registry
-from silo_pfl.tracking.store import open_client
+from silo_pfl.tracking.store import open_existing
 from silo_pfl.tracking.uri import redact
 
 if TYPE_CHECKING:
@@ -90,7 +90,7 @@ def load_trained_run(uri: str, federation: str, run_id: str | None = None) -> Tr
     """The run `run_id` (`--from`), or the federation's latest finished run, from store `uri`."""
     from mlflow.exceptions import MlflowException
 
-    client = open_client(uri, "tracking.uri")
+    client, uri = open_existing(uri, "tracking.uri")  # a store runs were logged to, left as is
     if run_id is None:
         run_id = _latest(client, federation, uri)
     try:
