@@ -16,7 +16,7 @@ class SiloInfo:
     """What a silo reports after set-up: sizes and shapes, never data."""
 
     silo: str
-    num_train: int  # training rows before the validation hold-out
+    num_train: int  # the rows it trains on (its weight in the aggregate), validation rows apart
     num_val: int
     num_test: int
     input_shape: tuple[int, ...]

@@ -17,7 +17,7 @@ from silo_pfl.messages import RoundReport, SiloUpdate
 from silo_pfl.round_log import RoundLog
 from silo_pfl.run_dir import server_dir
 from silo_pfl.secure.aggregator import SecureAggregator, SecureRoundError
-from silo_pfl.secure.fixed_point import decode_mean, vector_length
+from silo_pfl.secure.fixed_point import decode_mean, decoded_weight, vector_length
 from silo_pfl.secure.identity import configured_keys
 from silo_pfl.secure.messages import Advertisement, Reveal, SealedShares
 from silo_pfl.secure.params import secure_params
@@ -216,7 +216,8 @@ class Server:
             self._pending = (round_, {u.silo: u.masked for u in accepted}, rejected)
             return RoundReport(round_, names, rejected, False, "awaiting the reveals", request)
         assert mean is not None  # a quorum of accepted plain updates has a mean
-        return self._apply(round_, names, rejected, mean)
+        weight = float(sum(u.num_examples for u in accepted))
+        return self._apply(round_, names, rejected, mean, weight)
 
     def _finite_mean(
         self, round_: int, accepted: list[SiloUpdate], rejected: dict[str, str]
@@ -257,7 +258,8 @@ class Server:
             log.warning("%s", exc)
             return RoundReport(round_, names, rejected, False, str(exc))
         mean = decode_mean(total, self.flat_shapes)
-        return self._apply(round_, names, rejected, mean, time.perf_counter() - began)
+        weight = decoded_weight(total)
+        return self._apply(round_, names, rejected, mean, weight, time.perf_counter() - began)
 
     def _apply(
         self,
@@ -265,13 +267,15 @@ class Server:
         names: tuple[str, ...],
         rejected: dict[str, str],
         mean: State,
+        weight: float,
         secure_seconds: float = 0.0,
     ) -> RoundReport:
-        """The round's mean update, through the strategy and the server optimizer."""
+        """The round's mean update (of updates whose training rows sum to `weight`), through
+        the strategy and the server optimizer."""
         self.round = round_
         if self.state:
             delta, extras = unflatten(mean, self.strategy.extras)
-            aggregate = Aggregate(delta, extras, len(names) / len(self.enrolled))
+            aggregate = Aggregate(delta, extras, weight, len(self.enrolled))
             self.state = self.strategy.apply(self.state, aggregate, self.optimizer)
         return RoundReport(round_, names, rejected, True, secure_seconds=secure_seconds)
 

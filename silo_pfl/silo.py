@@ -171,7 +171,7 @@ class Silo:
             identity.check_own(self.name, identity.public_bytes(self._identity), self._trusted)
         return SiloInfo(
             silo=self.name,
-            num_train=data.num_train_total,
+            num_train=len(data.y_train),
             num_val=len(data.y_val),
             num_test=len(data.y_test),
             input_shape=data.input_shape,
@@ -306,6 +306,11 @@ class Silo:
         targets = self.model.state_dict(keep_vars=True)
         return all(_written(targets[k]) == v for k, v in versions.items())
 
+    @property
+    def num_examples(self) -> int:
+        """The rows this silo trains on: its weight in every aggregate."""
+        return len(self.train_xy[1])
+
     def train(
         self,
         model: nn.Module,
@@ -403,7 +408,7 @@ class Silo:
         extras = self.algorithm.update_extras(self, reference)
         payload = self.split.outgoing(delta, extras)
         self.algorithm.after_fit(self, reference, round_)
-        num_examples = len(self.train_xy[1])
+        num_examples = self.num_examples
         masking = 0.0
         if self._secure is None:
             update = SiloUpdate(self.name, round_, num_examples, payload, extras=extras)

@@ -30,7 +30,8 @@ class Aggregate:
 
     delta: State  # of the global keys' deltas
     extras: dict[str, State]  # of each named extra, keyed like the global keys
-    participation: float  # accepted silos / enrolled silos
+    weight: float  # the accepted updates' training rows, summed (what the means divide by)
+    silos: int  # the federation's silos, N
 
 
 class ServerStrategy:
@@ -63,7 +64,11 @@ class ServerStrategy:
 
 class ControlVariates(ServerStrategy):
     """SCAFFOLD's server part (algorithms.scaffold): the server's control variate c, broadcast
-    each round and moved by the participation-scaled mean of the silos' Delta c_i."""
+    each round and moved by (1/N) sum over the accepted silos of Delta c_i (Karimireddy et al.,
+    Alg. 1), so that c stays the mean of the N silos' c_i whichever silos take part. Each silo
+    sends Delta c_i / n_i, its rows n_i weight it in the mean, and so the mean times the rows
+    summed is the plain sum of the Delta c_i; under secure aggregation too, with no silo's
+    rows known."""
 
     extras = (CONTROL_VARIATE,)
 
@@ -74,7 +79,7 @@ class ControlVariates(ServerStrategy):
 
     def apply(self, state: State, aggregate: Aggregate, optimizer: ServerOptimizer) -> State:
         for key, change in aggregate.extras[CONTROL_VARIATE].items():
-            self.c[key] = self.c[key] + aggregate.participation * change
+            self.c[key] = self.c[key] + (aggregate.weight / aggregate.silos) * change
         return optimizer.step(state, aggregate.delta)
 
     def broadcast(self) -> dict[str, State]:

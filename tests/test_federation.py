@@ -125,18 +125,21 @@ def test_cli_run_writes_results_json(tmp_path, capsys):
     assert summary["algorithm"] == "fedper" and summary["rounds"] == 2
     assert summary["global_parameters"] == 13 * 32 + 32
     assert summary["local_parameters"] == 32 * 2 + 2
-    sizes = {name: (s["num_train"], s["num_test"]) for name, s in summary["silos"].items()}
-    assert sizes == {
-        "cleveland": (199, 104),
-        "hungarian": (172, 89),
-        "switzerland": (30, 16),
-        "va": (85, 45),
+    sizes = {
+        name: (s["num_train"], s["num_val"], s["num_test"]) for name, s in summary["silos"].items()
+    }
+    assert sizes == {  # rows trained on, validation rows apart: 199, 172, 30, 85 in all
+        "cleveland": (159, 40, 104),
+        "hungarian": (138, 34, 89),
+        "switzerland": (24, 6, 16),
+        "va": (68, 17, 45),
     }
     accuracies = [s["test_accuracy"] for s in summary["silos"].values()]
     assert summary["mean_test_accuracy"] == pytest.approx(np.mean(accuracies))
     for silo in summary["silos"].values():
         assert silo["bytes_sent_per_round"] == 4 * (13 * 32 + 32)
         assert 0 < silo["num_val"] < silo["num_train"]
+    assert "cleveland         159    40   104" in printed  # the table's train, val and test rows
 
 
 def test_local_algorithm_sends_nothing(job):

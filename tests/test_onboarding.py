@@ -45,7 +45,7 @@ def test_a_silo_the_federation_never_saw_joins_registers_and_serves(tmp_path, ml
     assert list(result["silos"]) == [NEW]
     silo = result["silos"][NEW]
     assert silo["joined"] == "onboard" and silo["bytes_sent_per_round"] == 0
-    assert silo["num_train"] == 50 + silo["num_val"]
+    assert silo["num_train"] == 50  # data.max_train_rows: the rows it trains on
     report = result["onboard"]
     assert report["trained_run_id"] == founders["mlflow"]["run_id"]
     assert report["founders_mean_test_accuracy"] == pytest.approx(founders["mean_test_accuracy"])

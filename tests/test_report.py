@@ -108,7 +108,7 @@ def test_every_tracked_run_ends_with_its_report(runs):
     assert sorted(partition) == HOSPITALS
     for hospital, counts in partition.items():
         silo = runs.fedavg.silos[hospital]
-        assert len(counts) == 2 and sum(counts) == silo.num_train - silo.num_val, hospital
+        assert len(counts) == 2 and sum(counts) == silo.num_train, hospital
 
 
 def test_the_report_a_run_writes_as_it_ends_equals_the_one_read_back_from_the_store(runs, tmp_path):

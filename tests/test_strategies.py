@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from plain_federation import federation, play_round
+import torch
+from plain_federation import aggregate, federation, fit_all, play_round
 
 from silo_pfl.aggregation import weighted_mean
+from silo_pfl.algorithms.scaffold import steps_moved
 from silo_pfl.config import to_dict
 from silo_pfl.errors import ConfigError
 from silo_pfl.server_start import new_server
@@ -18,25 +20,65 @@ from silo_pfl.split import PrivacyError
 HOSPITALS = ("cleveland", "hungarian", "switzerland", "va")
 
 
-def _weights(silos: list[Silo]) -> np.ndarray:
-    sizes = np.array([len(silo.train_xy[1]) for silo in silos], dtype=np.float64)
-    return sizes / sizes.sum()
+def _assert_c_is_the_mean_of_the_silos(server, silos: list[Silo]) -> None:
+    """The server's c is the plain mean of the N silos' c_i (Karimireddy et al., Alg. 1)."""
+    server_c = server.broadcast()["control_variate"]
+    for key in server.global_state():
+        mean = np.mean([s.algorithm.c_local[key].double().numpy() for s in silos], axis=0)
+        np.testing.assert_allclose(server_c[key], mean, rtol=0, atol=1e-6)
+    assert max(float(np.abs(v).max()) for v in server_c.values()) > 1e-3  # it moved
 
 
 def test_scaffolds_server_control_variate_is_the_mean_of_the_silos_after_each_round(job):
     silos, server = federation(job, "scaffold", silos=HOSPITALS)
-    weights = _weights(silos)
     for round_ in (1, 2, 3):
         updates = play_round(silos, server, round_, commit=True)[0]
         assert all(set(u.extras) == {"control_variate"} for u in updates)
-        server_c = server.broadcast()["control_variate"]
-        for key in server.global_state():
-            mean = sum(
-                w * s.algorithm.c_local[key].double().numpy()
-                for w, s in zip(weights, silos, strict=True)
-            )
-            np.testing.assert_allclose(server_c[key], mean, rtol=0, atol=1e-6)
-        assert max(float(np.abs(v).max()) for v in server_c.values()) > 1e-3  # it moved
+        _assert_c_is_the_mean_of_the_silos(server, silos)
+
+
+@pytest.mark.parametrize(
+    ("secure", "later"),
+    [
+        (False, [("switzerland",), ("cleveland", "va")]),
+        (True, [("cleveland", "switzerland", "va"), ("hungarian", "switzerland", "va")]),
+    ],
+)
+def test_scaffolds_control_variate_stays_the_mean_when_few_silos_take_part(job, secure, later):
+    """Silos of very different sizes (159, 138, 24 and 68 rows): every silo in round 1, then
+    fewer (under secure aggregation, at least its threshold of 3); each round moves c by (1/N)
+    times the sum of the Delta c_i of the silos that took part, so c stays the mean of all four
+    c_i. Before, it moved by the silos' share times their row-weighted mean, and drifted."""
+    quorum = "round.min_silos=3" if secure else "round.min_silos=1"
+    silos, server = federation(
+        job, "scaffold", quorum, f"aggregation.secure={secure}", silos=HOSPITALS
+    )
+    by_name = {s.name: s for s in silos}
+    for round_, names in enumerate([HOSPITALS, *later], start=1):
+        taking_part = [by_name[n] for n in names]
+        updates = [u for u, _ in fit_all(taking_part, server, round_)]
+        assert aggregate(taking_part, server, updates).aggregated
+        state = server.global_state()
+        for silo in taking_part:
+            silo.evaluate(state, round_)
+            silo.commit(round_, keep=True)
+        _assert_c_is_the_mean_of_the_silos(server, silos)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.5, 0.9])
+def test_scaffolds_steps_moved_is_how_far_sgd_moves_under_a_steady_gradient(momentum):
+    """The c_i update divides the drift by what K steps of the package's SGD (a fresh momentum
+    buffer each round) move per unit gradient; K * lr / (1 - m) was 0.23x of that at K=4."""
+    from silo_pfl.optim import SGD
+
+    for steps in (1, 4, 10, 20, 100):
+        weight = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+        optimizer = SGD([weight], lr=0.01, momentum=momentum)
+        for _ in range(steps):
+            weight.grad = torch.ones(3, dtype=torch.float64)
+            optimizer.step()
+        moved = float(-weight.detach()[0]) / 0.01
+        assert steps_moved(steps, momentum) == pytest.approx(moved, rel=1e-12), steps
 
 
 def test_scaffold_corrects_local_steps_by_the_control_variates(job):

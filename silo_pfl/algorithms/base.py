@@ -51,6 +51,7 @@ class SiloTrainer(Protocol):
 
     model: nn.Module  # the silo's model: the global keys it holds now, and its local keys
     val_xy: tuple[torch.Tensor, torch.Tensor]  # its validation rows (inputs, labels)
+    num_examples: int  # the rows it trains on: its weight in the aggregate
 
     def train(
         self,

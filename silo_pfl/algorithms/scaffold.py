@@ -4,11 +4,13 @@ The server keeps a control variate c over the global keys and sends it each roun
 keeps its own c_i. Local SGD follows g - c_i + c instead of g (here: the linear loss term
 <c - c_i, w>, whose gradient is exactly that correction). After K local steps of size lr the silo
 sets c_i+ = c_i - c + (x - y) / (K * lr) and sends Delta c_i = c_i+ - c_i beside its delta; the
-server adds the example-weighted mean of the Delta c_i, times the share of silos that took part,
-to c. With every silo taking part, c stays the (example-weighted) mean of the c_i.
+server adds (1/N) sum_S Delta c_i to c (strategy.ControlVariates), so c stays the mean of the N
+silos' c_i whichever silos S take part. The silo sends Delta c_i / n_i, which the server's mean
+weighted by the rows n_i turns back into the plain sum.
 
-With momentum, K steps of SGD move about lr / (1 - momentum) per unit gradient, so that is the
-step size in the c_i update. Control variates of buffers (BatchNorm statistics) stay zero.
+With momentum m, K steps from a fresh buffer move lr * sum_{j=1..K} (1 - m^j) / (1 - m) per unit
+of a steady gradient, so that takes the place of K * lr (`steps_moved`). Control variates of
+buffers (BatchNorm statistics) stay zero.
 """
 
 from __future__ import annotations
@@ -26,6 +28,15 @@ from silo_pfl.strategy import ControlVariates
 from silo_pfl.training import shared_tensors
 
 PREFIX = "scaffold.c."
+
+
+def steps_moved(steps: int, momentum: float) -> float:
+    """How far `steps` steps of SGD (buf = m * buf + g; p -= lr * buf, from a fresh buffer) move
+    the weights, in units of lr times a steady gradient: sum_{j=1..K} (1 - m^j) / (1 - m), which
+    is K without momentum."""
+    if momentum == 0:
+        return float(steps)
+    return (steps - momentum * (1 - momentum**steps) / (1 - momentum)) / (1 - momentum)
 
 
 @register
@@ -76,15 +87,17 @@ class Scaffold(Algorithm):
     ) -> dict[str, dict[str, np.ndarray]]:
         state = silo.model.state_dict()
         parameters = {name for name, _ in silo.model.named_parameters()}
-        step = self.train.lr / (1 - self.train.momentum)
+        moved = self.train.lr * steps_moved(self.steps, self.train.momentum)
+        n = silo.num_examples
         change: dict[str, np.ndarray] = {}
         for key, old in self.c_local.items():
             new = old
             if key in parameters and key in self.correction and self.steps:
                 # c_i+ = c_i - c + (x - y) / (K * lr), where c_i - c = -correction
-                drift = (reference[key] - state[key]) / (self.steps * step)
+                drift = (reference[key] - state[key]) / moved
                 new = drift - self.correction[key]
-            change[key] = (new - old).numpy()
+            moved_c = new - old  # integer buffers' (BatchNorm's batch counters) stay zero
+            change[key] = (moved_c / n if moved_c.is_floating_point() else moved_c).numpy()
             self.c_local[key] = new
         return {EXTRA: change}
 

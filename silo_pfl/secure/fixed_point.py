@@ -74,12 +74,18 @@ def vector_length(shapes: Mapping[str, tuple[int, ...]]) -> int:
     return sum(int(np.prod(shape, dtype=np.int64)) for shape in shapes.values()) + 1
 
 
+def decoded_weight(total: np.ndarray) -> int:
+    """From the unmasked sum of the silos' vectors, the sum of their weights, sum(w_i)."""
+    weight = int(total.view(np.int64)[-1])
+    if weight < 1:
+        raise ValueError(f"secure aggregation: the weights sum to {weight}, expected >= 1")
+    return weight
+
+
 def decode_mean(total: np.ndarray, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
     """From the unmasked sum of the silos' vectors, sum(w_i * x_i) / sum(w_i) per key (float64)."""
     signed = total.view(np.int64)
-    weight = int(signed[-1])
-    if weight < 1:
-        raise ValueError(f"secure aggregation: the weights sum to {weight}, expected >= 1")
+    weight = decoded_weight(total)
     flat = signed[:-1].astype(np.float64)
     flat /= SCALE * weight
     mean, start = {}, 0
