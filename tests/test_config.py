@@ -54,6 +54,25 @@ def test_every_job_loads():
         (["algorithm.fedper.head_warmup_epochs=-1"], "algorithm.fedper.head_warmup_epochs: got -1"),
         (["algorithm.fedprox.mu=-0.5"], "algorithm.fedprox.mu: got -0.5, expected >= 0"),
         (["algorithm.ditto.personal_epochs=-1"], "algorithm.ditto.personal_epochs: got -1"),
+        (
+            ["algorithm.ditto.personal_epochs=0"],
+            "algorithm.ditto.personal_epochs: got 0, expected >= 1",
+        ),
+        (
+            ["algorithm.apfl.personal_epochs=0"],
+            "algorithm.apfl.personal_epochs: got 0, expected >= 1",
+        ),
+        (["algorithm.fedrep.head_epochs=0"], "algorithm.fedrep.head_epochs: got 0, expected >= 1"),
+        (["algorithm.fedrep.body_epochs=0"], "algorithm.fedrep.body_epochs: got 0, expected >= 1"),
+        (
+            ["algorithm.name=apfl", "data.val_fraction=0", "eval.selection=last"],
+            "algorithm.apfl.alpha: grid chooses alpha on each silo's validation rows, but "
+            "data.val_fraction=0 leaves none",
+        ),
+        (
+            ["algorithm.name=local", "split.local=[head]"],
+            "split.local: got ['head'], but algorithm local keeps every key on its silo",
+        ),
         (["model.adapter_dim=-2"], "model.adapter_dim: got -2, expected an integer >= 0"),
         (
             ["metrics.linger_s=-1"],

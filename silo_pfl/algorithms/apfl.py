@@ -26,7 +26,7 @@ from torch.func import functional_call
 
 from silo_pfl.algorithms import register
 from silo_pfl.algorithms.base import Algorithm, Phase, SiloTrainer, require_at_least
-from silo_pfl.config import TrainConfig
+from silo_pfl.config import FederationConfig, TrainConfig
 from silo_pfl.errors import ConfigError
 from silo_pfl.optim import Optimizer
 from silo_pfl.training import evaluate
@@ -54,7 +54,8 @@ class APFLParams:
         return None if self.alpha in ("learned", "grid") else float(self.alpha)
 
     def validate(self) -> None:
-        require_at_least("algorithm.apfl", self, 0, "alpha_lr", "personal_epochs")
+        require_at_least("algorithm.apfl", self, 0, "alpha_lr")
+        require_at_least("algorithm.apfl", self, 1, "personal_epochs")  # 0: v never trains
         if self.alpha not in ("learned", "grid"):
             try:
                 valid = _in_unit_interval(float(self.alpha))
@@ -132,6 +133,15 @@ class APFL(Algorithm):
         self.personal: nn.Module | None = None
         self.alpha = self._initial_alpha()
         self._learning: Mixture | None = None  # the mixture being trained, while it is
+
+    def check_config(self, cfg: FederationConfig) -> None:
+        super().check_config(cfg)
+        if self.params.alpha == "grid" and getattr(cfg.data, "val_fraction", None) == 0:
+            raise ConfigError(
+                "algorithm.apfl.alpha: grid chooses alpha on each silo's validation rows, but "
+                "data.val_fraction=0 leaves none; set data.val_fraction above 0, or alpha to "
+                "learned or a number in [0, 1]"
+            )
 
     def _initial_alpha(self) -> float:
         fixed = self.params.fixed_alpha()

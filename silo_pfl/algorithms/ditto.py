@@ -29,7 +29,8 @@ class DittoParams:
     personal_epochs: int = 1  # epochs of the personal model each round
 
     def validate(self) -> None:
-        require_at_least("algorithm.ditto", self, 0, "lam", "personal_epochs")
+        require_at_least("algorithm.ditto", self, 0, "lam")
+        require_at_least("algorithm.ditto", self, 1, "personal_epochs")  # 0: v never trains
 
 
 @register

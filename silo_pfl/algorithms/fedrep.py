@@ -14,7 +14,9 @@ class FedRepParams:
     body_epochs: int = 1  # body only, head frozen
 
     def validate(self) -> None:
-        require_at_least("algorithm.fedrep", self, 0, "head_epochs", "body_epochs")
+        # Each part needs an epoch a round: with none the head stays at its random start, or
+        # the body is never trained (Collins et al., Alg. 1).
+        require_at_least("algorithm.fedrep", self, 1, "head_epochs", "body_epochs")
 
 
 @register
