@@ -611,8 +611,16 @@ class Silo:
             val_accuracy=self._selected.val_accuracy,
             test_accuracy=self._selected.test_accuracy,
             final_test_accuracy=self._last.test_accuracy,
-            extras=dict(self._selected_report),
+            extras=dict(self._selected_report) if self._model_goes_central else {},
         )
+
+    @property
+    def _model_goes_central(self) -> bool:
+        """Whether this silo's personalized model goes to the central store (privacy.central_models
+        =full, and no store of its own): only then do its figures (APFL's alpha, a part of that
+        model) leave the silo with its scores."""
+        own = self.cfg.silos.get(self.name)
+        return self.cfg.privacy.central_models == "full" and not (own and own.tracking_uri)
 
     def attach(self, exporters: dict[str, SiloExporter]) -> None:
         """Before round 1: keep the exporters to run at the end; each checks its store now."""

@@ -84,6 +84,27 @@ def test_grid_picks_the_alpha_with_the_best_validation_accuracy(job):
         assert silo.outcome().extras == {"alpha": best}
 
 
+@pytest.mark.parametrize(
+    "privacy",
+    [
+        ["privacy.central_models=global_only"],
+        ["privacy.central_models=none"],
+        [
+            "silos.cleveland.tracking_uri=sqlite:///c.db",
+            "silos.hungarian.tracking_uri=sqlite:///h.db",
+        ],
+    ],
+)
+def test_alpha_leaves_a_silo_only_where_its_personalized_model_goes(job, privacy):
+    """alpha is a part of the silo's personalized model: it reaches the driver (and the central
+    store, the results) only under privacy.central_models=full for a silo without its own store;
+    the test above shows it then."""
+    silos, server = federation(job, "apfl", *privacy)
+    play_round(silos, server, 1, commit=True)
+    for silo in silos:
+        assert silo.outcome().extras == {}, silo.name
+
+
 @pytest.mark.parametrize("alpha", ["grid", "learned"])
 def test_local_state_round_trip_restores_identical_evaluations(job, alpha):
     silos, server = federation(job, "apfl", f"algorithm.apfl.alpha={alpha}")
