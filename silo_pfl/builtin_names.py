@@ -11,6 +11,7 @@ ALGORITHMS = (
     "fedadagrad",
     "fedadam",
     "fedavg",
+    "fedavgm",
     "fedbn",
     "fedper",
     "fedprox",

@@ -212,10 +212,11 @@ class ServerConfig:
     # Ray node labels the server needs; None: the head node under ray.placement=per_node.
     node_label: dict[str, str] | None = None
     # The server's optimizer over each round's mean update (Reddi et al., 2021):
-    # sgd | adam | yogi | adagrad. None: the algorithm's own (fedadam: adam), else sgd.
+    # sgd | momentum | adam | yogi | adagrad. None: the algorithm's own (fedadam: adam), else sgd.
     optimizer: str | None = None
-    lr: float | None = None  # the server's step size; None: 1.0 for sgd (FedAvg), else 0.01
-    beta1: float = 0.9  # adam, yogi, adagrad: momentum of the mean update
+    # the server's step size; None: 1.0 for sgd (FedAvg) and momentum (FedAvgM), else 0.01
+    lr: float | None = None
+    beta1: float = 0.9  # momentum, adam, yogi, adagrad: momentum of the mean update
     beta2: float = 0.99  # adam, yogi: decay of the second moment
     tau: float = 1e-3  # adam, yogi, adagrad: adaptivity, added to the second moment's root
 

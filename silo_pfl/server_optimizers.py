@@ -1,6 +1,7 @@
 """The server's optimizer over each round's mean update (Reddi et al., 2021, "Adaptive Federated
-Optimization"): the mean delta is a pseudo-gradient step, and the server may scale it (sgd) or
-adapt it per coordinate (adam, yogi, adagrad).
+Optimization"): the mean delta is a pseudo-gradient step, and the server may scale it (sgd), add
+momentum to it (momentum: FedAvgM, Hsu et al., 2019) or adapt it per coordinate (adam, yogi,
+adagrad).
 
 With Delta the round's example-weighted mean delta of one parameter:
   m = beta1 * m + (1 - beta1) * Delta
@@ -9,7 +10,9 @@ With Delta the round's example-weighted mean delta of one parameter:
   v = v - (1 - beta2) * Delta^2 * sign(v - Delta^2)    (yogi)
   x = x + lr * m / (sqrt(v) + tau)
 with m = 0 and v = tau^2 before the first round, and no bias correction, as in the paper. sgd is
-x = x + lr * Delta: with lr = 1 it is FedAvg's mean, bit for bit. Only the model's parameters are
+x = x + lr * Delta: with lr = 1 it is FedAvg's mean, bit for bit. momentum is
+  m = beta1 * m + Delta;  x = x + lr * m
+with m = 0 before the first round (so its first round is sgd's). Only the model's parameters are
 optimized; buffers (BatchNorm statistics) take the plain mean.
 """
 
@@ -23,8 +26,8 @@ from silo_pfl.aggregation import State, apply_delta
 from silo_pfl.config import ServerConfig
 from silo_pfl.errors import ConfigError
 
-OPTIMIZERS = ("sgd", "adam", "yogi", "adagrad")
-DEFAULT_LR = {"sgd": 1.0, "adam": 0.01, "yogi": 0.01, "adagrad": 0.01}
+OPTIMIZERS = ("sgd", "momentum", "adam", "yogi", "adagrad")
+DEFAULT_LR = {"sgd": 1.0, "momentum": 1.0, "adam": 0.01, "yogi": 0.01, "adagrad": 0.01}
 
 
 def resolve_server_optimizer(cfg: ServerConfig, own: str | None, algorithm: str) -> None:
@@ -68,6 +71,10 @@ class ServerOptimizer:
                 continue
             d = np.asarray(d, dtype=np.float64)
             m = self.m.get(key, np.zeros_like(d))
+            if self.kind == "momentum":
+                self.m[key] = m = self.beta1 * m + d
+                step[key] = self.lr * m
+                continue
             v = self.v.get(key, np.full_like(d, self.tau**2))
             m = self.beta1 * m + (1 - self.beta1) * d
             square = d * d

@@ -17,6 +17,11 @@ from silo_pfl.config import FederationConfig
 # stands for the keys found: it or them).
 Finding = tuple[str, tuple[str, ...], str]
 SERVER_STEP = ("server.optimizer", "server.lr", "server.beta1", "server.beta2", "server.tau")
+SERVER_READERS = {  # each server optimizer's setting, and the optimizers that read it
+    "server.beta1": ("momentum", "adam", "yogi", "adagrad"),
+    "server.beta2": ("adam", "yogi"),
+    "server.tau": ("adam", "yogi", "adagrad"),
+}
 
 
 def _rules(cfg: FederationConfig, local_rules: list[str]) -> Iterator[Finding]:
@@ -40,13 +45,13 @@ def _rules(cfg: FederationConfig, local_rules: list[str]) -> Iterator[Finding]:
             (*SERVER_STEP, "aggregation.max_update_norm"),
             "there is nothing to aggregate",
         )
-    if cfg.server.optimizer in ("sgd", "adagrad"):
-        only = ("server.beta1", "server.beta2", "server.tau")
-        if cfg.server.optimizer == "adagrad":
-            only, readers = ("server.beta2",), "adam and yogi"
-        else:
-            readers = "adam, yogi and adagrad"
-        yield f"server.optimizer is {cfg.server.optimizer}", only, f"only {readers} read {{it}}"
+    for key, readers in SERVER_READERS.items():
+        if cfg.server.optimizer not in readers:
+            yield (
+                f"server.optimizer is {cfg.server.optimizer}",
+                (key,),
+                f"only {', '.join(readers[:-1])} and {readers[-1]} read {{it}}",
+            )
     if cfg.train.optimizer != "sgd":
         yield (
             f"train.optimizer is {cfg.train.optimizer}",

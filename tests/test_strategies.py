@@ -119,6 +119,21 @@ def test_one_round_of_a_server_optimizer_equals_the_optimizer_written_by_hand(jo
         np.testing.assert_array_equal(server.global_state()[key], expected)
 
 
+def test_two_rounds_of_fedavgm_equal_server_momentum_written_by_hand(job):
+    """FedAvgM (Hsu et al., 2019): m = beta1 * m + Delta; x = x + lr * m, m = 0 at the start."""
+    silos, server = federation(job, "fedavgm", "server.lr=0.5", "server.beta1=0.8", silos=HOSPITALS)
+    x = {k: v.astype(np.float64) for k, v in server.global_state().items()}
+    m = {k: np.zeros_like(v) for k, v in x.items()}
+    for round_ in (1, 2):
+        updates = play_round(silos, server, round_, commit=True)[0]
+        mean = weighted_mean([u.delta for u in updates], [u.num_examples for u in updates])
+        for key, delta in mean.items():
+            m[key] = 0.8 * m[key] + delta.astype(np.float64)
+            x[key] = x[key] + 0.5 * m[key]
+            np.testing.assert_allclose(server.global_state()[key], x[key], rtol=1e-6, atol=1e-7)
+    assert server.optimizer.kind == "momentum" and server.optimizer.m  # it kept its momentum
+
+
 def test_server_sgd_scales_the_mean_and_combines_with_a_personalized_algorithm(job):
     silos, server = federation(job, "fedper", "server.lr=0.5", silos=HOSPITALS)
     start = {k: v.copy() for k, v in server.global_state().items()}

@@ -32,9 +32,14 @@ CASES = [
         "server.lr have no effect: there is nothing to aggregate",
     ),
     (
-        ["server.beta1=0.5", "server.tau=0.01"],
-        "server.optimizer is sgd, so server.beta1, server.tau have no effect: only adam, yogi and "
-        "adagrad read them",
+        ["server.beta1=0.5"],
+        "server.optimizer is sgd, so server.beta1 has no effect: only momentum, adam, yogi and "
+        "adagrad read it",
+    ),
+    (
+        ["server.optimizer=momentum", "server.tau=0.01"],
+        "server.optimizer is momentum, so server.tau has no effect: only adam, yogi and adagrad "
+        "read it",
     ),
     (
         ["server.optimizer=adagrad", "server.beta2=0.9"],
@@ -108,9 +113,15 @@ def test_the_python_api_warns_for_a_mapping_and_for_overrides(caplog):
     assert warnings_of(caplog, lambda: Federation(base, ["train.optimizer=adam"])) == [line]
     cfg = load_config(JOB)
     assert warnings_of(caplog, lambda: Federation(cfg, ["server.beta1=0.5"])) == [
-        "server.optimizer is sgd, so server.beta1 has no effect: only adam, yogi and adagrad "
-        "read it"
+        "server.optimizer is sgd, so server.beta1 has no effect: only momentum, adam, yogi and "
+        "adagrad read it"
     ]
+    assert (
+        warnings_of(
+            caplog, lambda: Federation(base, ["algorithm.name=fedavgm", "server.beta1=0.5"])
+        )
+        == []
+    )
 
 
 def test_the_cli_prints_the_line_on_stderr_and_goes_on():
