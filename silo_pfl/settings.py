@@ -196,6 +196,7 @@ def _check_model(cfg: FederationConfig) -> None:
 def _check_secure(cfg: FederationConfig, names: list[str]) -> None:
     """Secure aggregation needs two silos, a majority threshold, a quorum no smaller, and either
     every silo's identity key or none."""
+    from silo_pfl.secure.fixed_point import bound
     from silo_pfl.secure.identity import configured_keys
     from silo_pfl.secure.topology import default_threshold
 
@@ -211,6 +212,12 @@ def _check_secure(cfg: FederationConfig, names: list[str]) -> None:
             "can both be recovered), or null for ceil(2N/3)"
         )
     threshold = threshold or default_threshold(len(names))
+    clip, most = cfg.aggregation.clip, bound(len(names))
+    if clip is not None and not clip < most:
+        raise ConfigError(
+            f"aggregation.clip: got {clip:g}, but a clipped value times its silo's rows must "
+            f"stay below {most:.3g} for {len(names)} silos; expected a number below that"
+        )
     quorum = cfg.round.min_silos
     if quorum is not None and quorum < threshold:
         raise ConfigError(
@@ -218,15 +225,50 @@ def _check_secure(cfg: FederationConfig, names: list[str]) -> None:
             "(aggregation.secure_threshold); raise it or set it to null"
         )
     neighbors = cfg.aggregation.secure_graph.neighbors
-    if neighbors is not None and neighbors >= len(names) - 1:
-        log.warning(
-            "aggregation.secure_graph.neighbors=%d: with %d silos each silo pairs with every "
-            "other, a full mesh as with null; SecAgg+ saves only with fewer than %d",
-            neighbors,
-            len(names),
-            len(names) - 1,
-        )
+    if neighbors is not None:
+        _check_graph(neighbors, len(names), threshold)
     configured_keys(cfg, names)
+
+
+def _check_graph(neighbors: int, silos: int, threshold: int) -> None:
+    """Warn of a SecAgg+ graph that is not what its k says: a full mesh (k raised to an even
+    degree, or k >= N - 1), or one whose secrets need every holder, so that any silo dropping
+    fails the round."""
+    from silo_pfl.secure.topology import degree, share_threshold
+
+    key = f"aggregation.secure_graph.neighbors={neighbors}"
+    peers = degree(silos, neighbors)
+    if peers >= silos - 1:
+        raised = ""
+        if neighbors < silos - 1:
+            raised = f" (raised to {peers}: {neighbors} and {silos} are both odd)"
+        log.warning(
+            "%s%s: with %d silos each silo pairs with every other, a full mesh as with null; "
+            "SecAgg+ saves only with fewer than %d",
+            key,
+            raised,
+            silos,
+            silos - 1 - silos % 2,
+        )
+        return
+    if peers != neighbors:
+        log.warning(
+            "%s: no %d-regular graph of %d silos exists, so each silo pairs with %d",
+            key,
+            neighbors,
+            silos,
+            peers,
+        )
+    holders = peers + 1
+    tolerated = holders - share_threshold(holders, threshold, silos)
+    if tolerated == 0:
+        log.warning(
+            "%s: each silo's secrets are shared among its %d holders (itself and its peers) and "
+            "need all of them, so any silo that drops fails the round; a larger k tolerates "
+            "dropouts",
+            key,
+            holders,
+        )
 
 
 def _check_silos(cfg: FederationConfig) -> None:

@@ -42,7 +42,7 @@ def _rules(cfg: FederationConfig, local_rules: list[str]) -> Iterator[Finding]:
         yield (
             f"split.local={local_rules} keeps every key on its silo (algorithm "
             f"{cfg.algorithm['name']})",
-            (*SERVER_STEP, "aggregation.max_update_norm"),
+            (*SERVER_STEP, "aggregation.max_update_norm", "aggregation.secure"),
             "there is nothing to aggregate",
         )
     for key, readers in SERVER_READERS.items():

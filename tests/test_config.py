@@ -254,7 +254,11 @@ def test_settings_only_secure_aggregation_reads_are_named_when_it_is_off(caplog)
     with caplog.at_level("WARNING", logger="silo_pfl.settings"):
         load_config(job, [*secure_only, "aggregation.secure=true"])
         load_config(job, [])
-    assert caplog.records == []
+    assert [r.getMessage() for r in caplog.records] == [  # of the graph, not of secure
+        "aggregation.secure_graph.neighbors=2: each silo's secrets are shared among its 3 "
+        "holders (itself and its peers) and need all of them, so any silo that drops fails the "
+        "round; a larger k tolerates dropouts"
+    ]
 
 
 def test_a_secagg_graph_as_large_as_the_full_mesh_is_named(caplog):
@@ -277,6 +281,58 @@ def test_a_secagg_graph_as_large_as_the_full_mesh_is_named(caplog):
         load_config(job, [*secure, "aggregation.secure_graph.neighbors=2"])
         load_config(job, secure)
     assert full_mesh_warnings() == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        (
+            ["data.num_silos=5", "aggregation.secure_graph.neighbors=3"],
+            "aggregation.secure_graph.neighbors=3 (raised to 4: 3 and 5 are both odd): with 5 "
+            "silos each silo pairs with every other, a full mesh as with null; SecAgg+ saves only "
+            "with fewer than 3",
+        ),
+        (
+            ["data.num_silos=7", "aggregation.secure_graph.neighbors=3"],
+            "aggregation.secure_graph.neighbors=3: no 3-regular graph of 7 silos exists, so each "
+            "silo pairs with 4",
+        ),
+        (
+            ["data.num_silos=10", "aggregation.secure_graph.neighbors=2"],
+            "aggregation.secure_graph.neighbors=2: each silo's secrets are shared among its 3 "
+            "holders (itself and its peers) and need all of them, so any silo that drops fails "
+            "the round; a larger k tolerates dropouts",
+        ),
+    ],
+)
+def test_a_secagg_graph_other_than_its_k_says_is_named(caplog, overrides, line):
+    """k and N both odd raise the degree (at 5 silos, to a full mesh); with 4 silos and k = 2,
+    every secret needs its 3 holders, so the threshold's promise of one dropout would fail."""
+    with caplog.at_level("WARNING", logger="silo_pfl.settings"):
+        load_config("jobs/digits_label_skew.yaml", ["aggregation.secure=true", *overrides])
+    assert [r.getMessage() for r in caplog.records if "secure_graph" in r.getMessage()] == [line]
+
+
+def test_the_protocol_refuses_a_threshold_that_is_no_majority_however_it_is_built():
+    """A silo's process checks its whole config again (`Silo` loads it); the protocol's own
+    parameters check the threshold too, so that no path to a silo's client (a plugin, a test,
+    a config changed on its way) shares keys with a threshold that is no majority: with 1 of 4,
+    a coordinator could recover both of a silo's secrets."""
+    from silo_pfl.secure.params import SecureParams
+
+    silos = ("a", "b", "c", "d")
+    for threshold in (1, 2, 5):
+        with pytest.raises(ConfigError, match=f"secure_threshold: got {threshold}, expected 3"):
+            SecureParams("f", silos, threshold=threshold)
+    with pytest.raises(ConfigError, match="secure_graph.neighbors: got 1, expected >= 2"):
+        SecureParams("f", silos, threshold=3, neighbors=1)
+    assert SecureParams("f", silos, threshold=3, neighbors=2).threshold == 3
+
+
+def test_a_clip_no_silo_could_encode_is_refused():
+    with pytest.raises(ConfigError, match=r"aggregation.clip: got inf, but a clipped value times"):
+        load_config(JOB, ["aggregation.secure=true", "aggregation.clip=inf"])
+    assert load_config(JOB, ["aggregation.secure=true", "aggregation.clip=10"])
 
 
 def test_a_keyed_config_error_survives_pickling_as_an_actors_error_does():

@@ -273,6 +273,11 @@ def test_a_value_outside_the_fixed_point_range_is_an_error_naming_the_silo_and_t
     payload = {"w": np.array([1.0, 3e9])}
     with pytest.raises(FederationError, match=r"silo va: .* value of 3e\+11 .* < 2.75e\+10 for 10"):
         encode(payload, 100, 10, "va")
+    with pytest.raises(FederationError, match=r"silos\); set aggregation.clip, or lower train.lr$"):
+        encode(payload, 100, 10, "va")
+    too_wide = r"silos\); lower aggregation.clip below 2.75e\+08 for this silo's 100 rows, or lower"
+    with pytest.raises(FederationError, match=too_wide):  # a clip already set: what it must be
+        encode(payload, 100, 10, "va", clip=1e9)
     clipped = encode(payload, 100, 10, "va", clip=2.0)
     assert decode_mean(clipped, {"w": (2,)})["w"].tolist() == [1.0, 2.0]
     with pytest.raises(FederationError, match="silo va: a weighted update value of inf"):

@@ -32,6 +32,11 @@ CASES = [
         "server.lr have no effect: there is nothing to aggregate",
     ),
     (
+        ["algorithm.name=local", "aggregation.secure=true"],
+        "split.local=['all'] keeps every key on its silo (algorithm local), so aggregation.secure "
+        "has no effect: there is nothing to aggregate",
+    ),
+    (
         ["server.beta1=0.5"],
         "server.optimizer is sgd, so server.beta1 has no effect: only momentum, adam, yogi and "
         "adagrad read it",

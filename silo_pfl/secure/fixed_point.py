@@ -62,10 +62,15 @@ def _out_of_range(
     flat = np.concatenate(parts).astype(np.float64)
     values = np.abs(np.nan_to_num(flat, nan=np.inf))
     worst = float(np.max(np.minimum(values, clip) if clip is not None else values)) * weight
+    fix = (
+        f"lower aggregation.clip below {bound(parties) / weight:.3g} for this silo's {weight} rows"
+        if clip is not None
+        else "set aggregation.clip"
+    )
     raise FederationError(
         f"silo {silo}: a weighted update value of {worst:.3g} is outside secure aggregation's "
         f"fixed-point range (|num_examples x value| < {bound(parties):.3g} for {parties} "
-        "silos); set aggregation.clip, or lower train.lr"
+        f"silos); {fix}, or lower train.lr"
     )
 
 

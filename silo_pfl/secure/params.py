@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from silo_pfl.errors import ConfigError
 from silo_pfl.secure.topology import default_threshold
 
 
@@ -18,6 +19,20 @@ class SecureParams:
     threshold: int  # survivors needed at every step, and shares per secret under a full mesh
     neighbors: int | None = None  # SecAgg+: peers per silo; None: a full mesh
     clip: float | None = None  # bound each value to [-clip, clip] before encoding
+
+    def __post_init__(self) -> None:
+        """Checked again wherever the protocol runs, a silo's process included: a threshold that
+        is no majority would let a coordinator recover both of a silo's secrets."""
+        n = len(self.silos)
+        if not n // 2 < self.threshold <= n:
+            raise ConfigError(
+                f"aggregation.secure_threshold: got {self.threshold}, expected {n // 2 + 1} to "
+                f"{n} (a majority of the {n} silos)"
+            )
+        if self.neighbors is not None and self.neighbors < 2:
+            raise ConfigError(
+                f"aggregation.secure_graph.neighbors: got {self.neighbors}, expected >= 2"
+            )
 
     def x(self, silo: str) -> int:
         """The silo's Shamir evaluation point: its place among the federation's silos, from 1."""

@@ -21,14 +21,27 @@ def default_threshold(silos: int) -> int:
     return math.ceil(2 * silos / 3)
 
 
+def degree(silos: int, k: int) -> int:
+    """Each silo's peers on the Harary graph H(k, n) of `silos` silos: k, raised by one if k and
+    n are both odd (no k-regular graph exists then), and at most n - 1 (a full mesh)."""
+    if k >= silos - 1:
+        return silos - 1
+    return k + 1 if k % 2 and silos % 2 else k
+
+
+def share_threshold(holders: int, threshold: int, federation_size: int) -> int:
+    """Shares that recover a secret held by `holders` (a silo and its peers): their share of
+    aggregation.secure_threshold, and always a majority of them."""
+    return min(max(holders // 2 + 1, math.ceil(holders * threshold / federation_size)), holders)
+
+
 def harary(order: Sequence[str], k: int) -> dict[str, frozenset[str]]:
     """The k-regular Harary graph on `order` (a ring, each joined to its k/2 nearest on either
-    side, and across for an odd k); k is raised by one if k and the count are both odd."""
+    side, and across for an odd k); k as `degree` makes it."""
     n = len(order)
+    k = degree(n, k)
     if k >= n - 1:
         return {a: frozenset(order) - {a} for a in order}
-    if k % 2 and n % 2:
-        k += 1
     edges: dict[str, set[str]] = {a: set() for a in order}
     for i, a in enumerate(order):
         for step in range(1, k // 2 + 1):
@@ -71,5 +84,4 @@ def topology(
     order = sorted(names, key=lambda a: hashlib.sha256(digest + a.encode()).digest())
     peers = harary(order, neighbors)
     holders = len(next(iter(peers.values()))) + 1
-    share_threshold = max(holders // 2 + 1, math.ceil(holders * threshold / federation_size))
-    return Topology(names, peers, min(share_threshold, holders), threshold)
+    return Topology(names, peers, share_threshold(holders, threshold, federation_size), threshold)
