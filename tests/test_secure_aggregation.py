@@ -26,9 +26,9 @@ from silo_pfl.messages import SiloUpdate
 from silo_pfl.secure import identity, prg, shamir
 from silo_pfl.secure.aggregator import SecureRoundError
 from silo_pfl.secure.fixed_point import decode_mean, encode
-from silo_pfl.secure.messages import Advertisement, UnmaskRequest, digest
+from silo_pfl.secure.messages import Advertisement, UnmaskRequest
 from silo_pfl.secure.prg import BLOCK_WORDS, CHUNK_WORDS, apply_streams, stream
-from silo_pfl.secure.topology import default_threshold, harary, topology
+from silo_pfl.secure.topology import default_threshold, graph_seed, harary, topology
 
 SHAPES = {"body.fc1.weight": (32, 13), "body.fc1.bias": (32,), "head.bias": (2,)}
 HOSPITALS = ("cleveland", "hungarian", "switzerland", "va")
@@ -251,22 +251,53 @@ def test_shamir_any_threshold_of_the_shares_recover_the_secret_and_fewer_do_not(
     assert shamir.combine(wrong, 4) != secret  # three shares and a guess reveal nothing
 
 
-def test_secagg_plus_graph_is_regular_and_chosen_by_the_advertisements():
+def test_secagg_plus_graph_is_regular_and_fixed_for_the_federation():
     names = [f"s{i:02d}" for i in range(25)]
     graph = harary(names, 6)
     assert {len(v) for v in graph.values()} == {6}
     assert all(a in graph[b] for a in names for b in graph[a])  # undirected
-    first = topology(names, b"a" * 32, 25, 17, 6)
-    second = topology(names, b"b" * 32, 25, 17, 6)
-    assert first.peers != second.peers
+    seed = graph_seed("fed", names)
+    first = topology(names, names, seed, 17, 6)
     assert first.threshold == 5  # ceil(7 * 17 / 25): a majority of its 7 holders
-    assert topology(names, b"a" * 32, 25, 17, 6) == first
+    assert topology(names, names, graph_seed("fed", names), 17, 6) == first
+    assert topology(names, names, graph_seed("other", names), 17, 6).peers != first.peers
     odd = harary(names, 5)  # 25 vertices, odd k: raised to 6
     assert {len(v) for v in odd.values()} == {6}
-    adverts = [Advertisement(n, 1, 1, b"c", b"m", b"s") for n in names]
-    assert digest(adverts) != digest(
-        [*adverts[:-1], dataclasses.replace(adverts[-1], mask_key=b"x")]
-    )
+    # Whichever silos' keys a coordinator relays, a silo's peers are its neighbours in the one
+    # graph, and its secrets need as many shares as with every neighbour.
+    for some in (names[:20], names[3:21], names[::2] + names[1:9:2]):
+        part = topology(names, some, seed, 17, 6)
+        assert all(part.peers[a] == first.peers[a] & set(some) for a in some)
+        assert part.threshold == first.threshold
+
+
+def test_a_coordinator_that_leaves_out_a_silos_neighbours_draws_it_no_new_peers():
+    """Before, the graph was drawn over the silos whose keys were relayed, so a coordinator that
+    left some out drew it again, and could so pair a silo with colluders (58 of 60 tries in an
+    audit, against 3 when it relayed every key). Now the silo's peers are its neighbours that
+    were relayed; with too few of them to hold its secrets it refuses to share keys, and with
+    too few that shared theirs it refuses to mask."""
+    params, clients, server = protocol_federation(10, 4)  # threshold 7: 4 shares of 5 holders
+    payloads, weights = _payloads(clients), _weights(clients)
+    names = sorted(clients)
+    plan = topology(names, names, params.graph_seed, params.threshold, 4)
+    target = "s00"
+    left_out = sorted(plan.peers[target])[:2]
+    adverts = [c.advertise(1, 1) for c in clients.values()]
+    relayed = [a for a in adverts if a.silo not in left_out]
+    server.enroll(1, 1, relayed)
+    assert server.topology is not None
+    assert server.topology.peers[target] == plan.peers[target] - set(left_out)
+    with pytest.raises(FederationError, match=r"silo s00: only 2 of its neighbours are in the"):
+        clients[target].share_keys(relayed)
+    # Its neighbours relayed, but two of them never send their shares: it will not mask.
+    params, clients, server = protocol_federation(10, 4)
+    adverts = [c.advertise(1, 1) for c in clients.values()]
+    server.enroll(1, 1, adverts)
+    bundles = [clients[n].share_keys(adverts) for n in names if n not in left_out]
+    inbox = server.route(bundles)
+    with pytest.raises(FederationError, match=r"silo s00: only 2 peers shared keys; 3 are needed"):
+        clients[target].mask(payloads[target], weights[target], 1, 1, inbox[target])
 
 
 def test_a_value_outside_the_fixed_point_range_is_an_error_naming_the_silo_and_the_bound():

@@ -13,7 +13,7 @@ from silo_pfl.errors import FederationError
 from silo_pfl.secure import shamir
 from silo_pfl.secure.agreement import mask_key
 from silo_pfl.secure.client import verify
-from silo_pfl.secure.messages import Advertisement, Reveal, SealedShares, UnmaskRequest, digest
+from silo_pfl.secure.messages import Advertisement, Reveal, SealedShares, UnmaskRequest
 from silo_pfl.secure.params import SecureParams
 from silo_pfl.secure.prg import apply_streams
 from silo_pfl.secure.topology import Topology, topology
@@ -56,9 +56,9 @@ class SecureAggregator:
             self.adverts = {a.silo: a for a in adverts}
         self._enough("key advertisement", list(self.adverts))
         self.topology = topology(
+            self.params.silos,
             list(self.adverts),
-            digest(list(self.adverts.values())),
-            len(self.params.silos),
+            self.params.graph_seed,
             self.params.threshold,
             self.params.neighbors,
         )

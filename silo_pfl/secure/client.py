@@ -28,7 +28,6 @@ from silo_pfl.secure.messages import (
     Reveal,
     SealedShares,
     UnmaskRequest,
-    digest,
 )
 from silo_pfl.secure.params import SecureParams
 from silo_pfl.secure.prg import apply_streams
@@ -146,14 +145,16 @@ class SecureClient:
                 f"fewer than aggregation.secure_threshold={needed}; refusing to share keys"
             )
         plan = topology(
-            list(checked),
-            digest(list(checked.values())),
-            len(self.params.silos),
-            needed,
-            self.params.neighbors,
+            self.params.silos, list(checked), self.params.graph_seed, needed, self.params.neighbors
         )
-        state.adverts, state.topology = checked, plan
         holders = sorted(plan.holders(self.silo))
+        if len(holders) < plan.threshold:
+            raise self._fail(
+                f"only {len(holders) - 1} of its neighbours are in the round "
+                f"({', '.join(sorted(plan.peers[self.silo])) or 'none'}), and its secrets need "
+                f"{plan.threshold} holders; refusing to share keys"
+            )
+        state.adverts, state.topology = checked, plan
         xs = [self.params.x(h) for h in holders]
         seeds = shamir.split(state.seed, plan.threshold, xs)
         keys = shamir.split(raw_private(state.mask), plan.threshold, xs)

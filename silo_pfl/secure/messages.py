@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -21,15 +19,6 @@ class Advertisement:
     def signed_bytes(self, federation: str) -> bytes:
         head = f"silo_pfl secagg advertise|{federation}|{self.silo}|{self.round}|{self.attempt}|"
         return head.encode() + self.cipher_key + self.mask_key
-
-
-def digest(adverts: Sequence[Advertisement]) -> bytes:
-    """A hash of every advertisement of a round, signatures included: orders SecAgg+'s graph."""
-    h = hashlib.sha256()
-    for advert in sorted(adverts, key=lambda a: a.silo):
-        for part in (advert.silo.encode(), advert.cipher_key, advert.mask_key, advert.signature):
-            h.update(len(part).to_bytes(4, "big") + part)
-    return h.digest()
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from silo_pfl.errors import ConfigError
-from silo_pfl.secure.topology import default_threshold
+from silo_pfl.secure.topology import default_threshold, graph_seed
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,11 @@ class SecureParams:
             raise ConfigError(
                 f"aggregation.secure_graph.neighbors: got {self.neighbors}, expected >= 2"
             )
+
+    @property
+    def graph_seed(self) -> bytes:
+        """What orders SecAgg+'s graph (`topology.graph_seed`)."""
+        return graph_seed(self.federation, self.silos)
 
     def x(self, silo: str) -> int:
         """The silo's Shamir evaluation point: its place among the federation's silos, from 1."""

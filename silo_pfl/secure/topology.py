@@ -2,10 +2,13 @@
 
 Full mesh: every enrolled silo pairs with every other, and a secret is recovered from
 aggregation.secure_threshold shares. SecAgg+ (aggregation.secure_graph.neighbors=k): each
-silo pairs only with its k neighbours on a Harary graph H(k, n) whose vertex order is a hash
-of the round's signed key advertisements, so no coordinator can choose it; a secret is shared
-among the silo and its neighbours, and recovered from a proportional share of them (always a
-majority, so that no one can obtain both of a silo's secrets).
+silo pairs only with its k neighbours on a Harary graph H(k, N) over all N silos of the
+federation, whose vertex order is a hash of the federation's name and silos (`graph_seed`): one
+graph for the whole run, which no coordinator can draw again by relaying some silos' keys and not
+others', or by failing attempts. A silo's peers in a round are its neighbours enrolled in it. A
+secret is shared among the silo and those peers, and recovered from a proportional share of the
+k + 1 holders it would have with every neighbour (always a majority, so that no one can obtain
+both of a silo's secrets, however many neighbours a coordinator says dropped).
 """
 
 from __future__ import annotations
@@ -69,19 +72,29 @@ class Topology:
         return self.peers[silo] | {silo}
 
 
+def graph_seed(federation: str, silos: Sequence[str]) -> bytes:
+    """What orders SecAgg+'s graph: the federation's name and its silos, fixed before any key."""
+    text = "|".join(["silo_pfl secagg+ graph", federation, *sorted(silos)])
+    return hashlib.sha256(text.encode()).digest()
+
+
 def topology(
+    silos: Sequence[str],
     enrolled: Sequence[str],
-    digest: bytes,
-    federation_size: int,
+    seed: bytes,
     threshold: int,
     neighbors: int | None,
 ) -> Topology:
-    """The round's topology over `enrolled`; `digest` (of the advertisements) orders the graph."""
+    """The round's topology over `enrolled`, of the federation's `silos`; `seed` (`graph_seed`)
+    orders SecAgg+'s graph over all of them."""
     names = tuple(sorted(enrolled))
-    if neighbors is None or neighbors >= len(names) - 1:
+    everyone = tuple(sorted(silos))
+    if neighbors is None or neighbors >= len(everyone) - 1:
         peers = {a: frozenset(names) - {a} for a in names}
         return Topology(names, peers, threshold, threshold)
-    order = sorted(names, key=lambda a: hashlib.sha256(digest + a.encode()).digest())
-    peers = harary(order, neighbors)
-    holders = len(next(iter(peers.values()))) + 1
-    return Topology(names, peers, share_threshold(holders, threshold, federation_size), threshold)
+    order = sorted(everyone, key=lambda a: hashlib.sha256(seed + a.encode()).digest())
+    graph = harary(order, neighbors)
+    here = frozenset(names)
+    peers = {a: graph[a] & here for a in names}
+    holders = degree(len(everyone), neighbors) + 1
+    return Topology(names, peers, share_threshold(holders, threshold, len(everyone)), threshold)
