@@ -367,12 +367,15 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _keys(args: argparse.Namespace) -> int:
+    """`keys init` makes this silo's identity key, `keys show` prints its public half."""
     from silo_pfl.config import check_name
     from silo_pfl.paths import check_dir_path
     from silo_pfl.secure import identity
 
     check_name(args.federation, "--federation")
     check_name(args.silo, "--silo")
+    if args.key_dir is not None and not args.key_dir.strip():
+        raise ConfigError(f"--key-dir: got {args.key_dir!r}, expected a directory path")
     directory = (
         Path(args.key_dir).expanduser()
         if args.key_dir
@@ -436,6 +439,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR if isinstance(exc, ConfigError) else EXIT_FAILURE
     except KeyboardInterrupt as exc:
+        if args.debug:
+            traceback.print_exc()
         stopped = exc if isinstance(exc, Interrupted) else Interrupted()
         print(f"error: {stopped}", file=sys.stderr)
         return stopped.exit_code

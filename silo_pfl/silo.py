@@ -166,8 +166,8 @@ class Silo:
             check_dir_path(
                 keys, f"silo {self.name}: key directory {keys} (silos.{self.name}.key_dir)"
             )
-            self._identity = identity.load_or_create(keys)
             self._trusted = identity.configured_keys(self.cfg, silo_names(self.cfg.data))
+            self._identity = identity.own_identity(self.cfg, self.name, self._trusted)
             identity.check_own(self.name, identity.public_bytes(self._identity), self._trusted)
         return SiloInfo(
             silo=self.name,

@@ -520,12 +520,11 @@ def test_identity_key_errors_name_the_silo_or_the_file(job, tmp_path):
     bad.write_text(text + "va\n")
     with pytest.raises(SiloPflError, match="bad.txt line 6: expected one '<silo> <base64 key>'"):
         job(HEART, "aggregation.secure=true", f"aggregation.identity_keys={bad}")
-    # silos.<name>.identity_key overrides the file's line for that silo.
-    cfg = job(
-        HEART, "aggregation.secure=true", f"aggregation.identity_keys={keys_file}",
-        "silos.va.identity_key=" + text.splitlines()[1].split()[1],
-    )  # fmt: skip
-    assert (
-        identity.configured_keys(cfg, list(HOSPITALS))["va"]
-        == identity.configured_keys(cfg, list(HOSPITALS))["cleveland"]
-    )
+    # silos.<name>.identity_key unlike the file's line for that silo is refused.
+    with pytest.raises(
+        SiloPflError, match=r"silos.va.identity_key: not the key aggregation.identity_keys"
+    ):
+        job(
+            HEART, "aggregation.secure=true", f"aggregation.identity_keys={keys_file}",
+            "silos.va.identity_key=" + text.splitlines()[1].split()[1],
+        )  # fmt: skip
