@@ -70,6 +70,8 @@ def omegaconf_error(exc: OmegaConfBaseException, schema: Any = None) -> KeyedErr
         reason = (
             f"got {converted.group(1)!r}, expected a value of type {converted.group(2).lower()}"
         )
+    elif reason.startswith("Cannot convert 'DictConfig' to "):
+        reason = "got a mapping, expected a single value (quote it if it holds a colon)"
     elif "is not a ListConfig" in reason:
         reason = f"got {value!r}, expected a list, e.g. [{value}]"
     elif "is not a valid bool" in reason:

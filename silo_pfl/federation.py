@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +23,17 @@ class Federation:
         overrides: Sequence[str] = (),
         callbacks: Sequence[Callback] = (),
     ) -> None:
-        if isinstance(config, FederationConfig):
-            self.config = user_config(config, list(overrides)) if overrides else config
-        elif isinstance(config, (str, Path)):
+        if isinstance(overrides, (str, bytes)):
+            raise TypeError(f"overrides: got {overrides!r}, expected a list of 'key=value' strings")
+        if isinstance(config, (str, Path)):
             self.config = load_config(config, list(overrides))
+        elif isinstance(config, (FederationConfig, Mapping)):
+            self.config = user_config(config, list(overrides))  # checked again, whoever built it
         else:
-            self.config = user_config(config, list(overrides))
+            raise TypeError(
+                f"config: got {type(config).__name__}, expected a FederationConfig, a YAML "
+                "path or a mapping"
+            )
         self.callbacks = list(callbacks)
 
     def run(self, resume: bool | str = False) -> FederationResult:

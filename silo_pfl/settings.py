@@ -188,6 +188,8 @@ def _check_finite(sections: dict[str, Any]) -> None:
 def _check_model(cfg: FederationConfig) -> None:
     """What the model's registry knows beyond its name (`config.check_ranges` checks that)."""
     check_adapters(cfg.model.name, cfg.model.adapter_dim)
+    if any(isinstance(width, bool) or not isinstance(width, int) for width in cfg.model.hidden):
+        raise ConfigError(f"model.hidden: got {list(cfg.model.hidden)}, expected a list of widths")
     if cfg.model.hidden and min(cfg.model.hidden) < 1:
         raise ConfigError(f"model.hidden: got {list(cfg.model.hidden)}, expected widths >= 1")
     check_hidden(cfg.model.name, cfg.model.hidden)

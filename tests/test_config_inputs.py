@@ -194,3 +194,51 @@ def test_a_selection_on_validation_rows_needs_some(selection):
         "eval.selection=last"
     )
     assert load_config(JOB, ["data.val_fraction=0", "eval.selection=last"]).eval.every == 1
+
+
+# From the onboarding and input audit of 2026-12-06.
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        (
+            "model.hidden=[32",
+            "override 'model.hidden=[32': model.hidden: its value is not valid YAML (an unclosed",
+        ),
+        ("rounds=[", "override 'rounds=[': rounds: its value is not valid YAML"),
+        ("data=abc", "data: got 'abc', expected a mapping, e.g. {source: heart_disease"),
+        ("data=3", "data: got 3, expected a mapping"),
+        (".rounds=3", "override '.rounds=3': expected key=value, e.g. rounds=5"),
+        ("a..b=1", "override 'a..b=1': expected key=value"),
+        ("model.hidden=[[32]]", "model.hidden: got [[32]], expected a list of widths"),
+        ("tracking.uri=::", "tracking.uri: got a mapping, expected a single value (quote it"),
+    ],
+)
+def test_a_malformed_override_is_one_line_naming_it(tmp_path, capsys, override, expected):
+    assert cli_error(capsys, tmp_path, JOB, override).startswith(expected)
+
+
+def test_the_python_api_checks_a_config_however_it_was_built(tmp_path):
+    """A loaded config changed afterwards, or one built by hand, is checked again: before, the
+    first went to the silos unchecked and failed there ('its worker holds no silos'), the second
+    failed with an AttributeError."""
+    from silo_pfl import Federation
+    from silo_pfl.config import FederationConfig, ModelConfig, TrackingConfig
+
+    cfg = load_config(JOB, [*QUIET, f"output_dir={tmp_path}"])
+    cfg.rounds = 0
+    with pytest.raises(ConfigError, match="rounds: got 0, expected an integer >= 1"):
+        Federation(cfg)
+    built = FederationConfig(
+        name="x",
+        rounds=2,
+        data={"source": "heart_disease"},
+        model=ModelConfig(name="mlp"),
+        tracking=TrackingConfig(enabled=False),
+    )
+    assert Federation(built).config.data.source == "heart_disease"
+    with pytest.raises(TypeError, match="config: got int, expected a FederationConfig"):
+        Federation(3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="overrides: got 'rounds=2', expected a list"):
+        Federation(JOB, "rounds=2")  # type: ignore[arg-type]

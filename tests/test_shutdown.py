@@ -96,3 +96,42 @@ def test_sigterm_during_round_5_ends_the_run_as_killed_then_resume_completes_it(
     assert parent.data.tags["resumes"] == "1"
     steps = [m.step for m in client.get_metric_history(parent.info.run_id, "round_seconds")]
     assert sorted(steps) == list(range(1, 13)), "every round logged once: no gap, no repeat"
+
+
+def _named(pids: list[int], name: str) -> bool:
+    """Whether one of `pids` is a process whose command line starts with `name`."""
+    for pid in pids:
+        try:
+            if (Path("/proc") / str(pid) / "cmdline").read_bytes().startswith(name.encode()):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def test_ctrl_c_while_ray_starts_leaves_no_ray_process(tmp_path):
+    """SIGINT as soon as the local Ray's agents are up, while `ray.init` still waits for its
+    node: before, the GCS and the agents outlived the command by a minute or more, as that
+    interrupted `ray.init` left them where no shutdown could find them."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    command = ["run", "jobs/heart_disease.yaml", "rounds=50", "tracking.enabled=false"]
+    proc = start_driver(
+        [*command, f"output_dir={tmp_path / 'runs'}"],
+        env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal's
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not _named(_in_session(proc.pid), "ray::DashboardAgent"):
+            assert proc.poll() is None and time.monotonic() < deadline, "no agent started"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+        deadline = time.monotonic() + 20
+        while _in_session(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _in_session(proc.pid) == []
+    finally:
+        if _in_session(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -45,6 +45,10 @@ def _source(name: object) -> ModuleType:
 def data_config(raw: Any) -> DataConfig:
     """Type the data.* mapping as its source's dataclass (a DataConfig) and check it; an option
     the source does not have is an error naming it and listing the source's options."""
+    if raw is not None and not OmegaConf.is_dict(raw) and not isinstance(raw, Mapping):
+        raise ConfigError(
+            f"data: got {raw!r}, expected a mapping, e.g. {{source: heart_disease, paths: ...}}"
+        )
     values = OmegaConf.to_container(raw) if OmegaConf.is_config(raw) else dict(raw or {})
     if "source" not in values:
         raise ConfigError(f"data.source: required; expected one of {', '.join(sorted(SOURCES))}")

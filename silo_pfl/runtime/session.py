@@ -45,8 +45,15 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
     try:
         if address is None:
             ensure_local_token()
-            with _export_interval(metrics_interval_s), _quiet_token_notice():
+            with (
+                _signals_held() as held,
+                _export_interval(metrics_interval_s),
+                _quiet_token_notice(),
+            ):
                 ray.init(**local_options(cfg))
+            if held:
+                shutdown_local()
+                raise Interrupted(held[0])
             if metrics_interval_s is not None:
                 write_discovery_file()
         else:
@@ -329,6 +336,27 @@ def _interrupt(signum: int, frame: Any) -> None:
     short."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Interrupted(signum)
+
+
+@contextmanager
+def _signals_held() -> Iterator[list[int]]:
+    """Ctrl-C and SIGTERM while a local Ray starts take effect once it has: `ray.init`
+    interrupted half-way leaves processes (its GCS, its agents) that no shutdown can reach, for a
+    minute or more. Yields the signals that came meanwhile."""
+    held: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+
+    def hold(signum: int, frame: Any) -> None:
+        held.append(signum)
+
+    previous = {sig: signal.signal(sig, hold) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield held
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 @contextmanager
