@@ -8,6 +8,7 @@ import gc
 import os
 import shlex
 import sys
+import tempfile
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
@@ -189,13 +190,19 @@ def _check_results_path(path: str | None) -> None:
         return
     if not path.strip():
         raise ConfigError(f"--results: got {path!r}, expected a file path")
-    if Path(path).is_dir():
+    if Path(path).is_dir() or path.endswith(os.sep):
         raise ConfigError(f"--results {path}: is a directory, expected a file path")
     parent = Path(path).resolve().parent
     if not parent.is_dir():
         raise ConfigError(f"--results {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise ConfigError(f"--results {path}: directory {parent} is not writable")
+    try:  # as the results will be written: a temporary file beside it (results.write_json_atomic)
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{Path(path).name}.", suffix=".tmp")
+    except OSError as exc:
+        raise ConfigError(
+            f"--results {path}: cannot write in directory {parent} ({exc.strerror})"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -66,6 +66,20 @@ def test_results_that_is_a_directory_is_refused_before_anything_runs(command, tm
 
 
 @pytest.mark.usefixtures("no_run")
+def test_results_that_names_a_directory_or_cannot_be_written_is_refused(tmp_path, capsys):
+    """`newdir/` named a directory that is not there: the results were written to a file
+    `newdir`; /proc takes no new file even for root, for whom os.access says it does: the
+    whole run went through, then its results were lost."""
+    new = f"{tmp_path / 'newdir'}/"
+    code, _, err = cli(capsys, *results_command("run", tmp_path, new))
+    assert_one_line(code, err, f"error: --results {new}: is a directory, expected a file path")
+    assert not (tmp_path / "newdir").exists()
+    code, _, err = cli(capsys, *results_command("run", tmp_path, "/proc/x.json"))
+    assert code == 2 and err.startswith("error: --results /proc/x.json: cannot write in directory")
+    assert err.count("\n") == 1
+
+
+@pytest.mark.usefixtures("no_run")
 @pytest.mark.parametrize("command", ["run", "onboard", "submit"])
 def test_an_empty_results_path_is_refused(command, tmp_path, capsys):
     code, _, err = cli(capsys, *results_command(command, tmp_path, ""))
