@@ -1,12 +1,14 @@
 """Settings a job gives that its other settings make do nothing: a warning each, never an error.
 
 Only keys the user wrote (the job's mapping and its overrides) are named, and only with a value
-(not null): a resolved config, such as an actor's copy or onboarding's, carries every key, and
-server.optimizer there is the algorithm's default, not a choice.
+(not null) other than the key's default: a resolved config, such as an actor's copy, onboarding's
+or `silo-pfl config`'s output run as a job, carries every key, and server.optimizer there is the
+algorithm's default, not a choice.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Iterator
 from fnmatch import fnmatchcase
 from typing import Any
@@ -111,7 +113,7 @@ def unused(
             key
             for pattern in patterns
             for key in sorted(keys)
-            if fnmatchcase(key, pattern) and key not in named and _value(cfg, key) is not None
+            if fnmatchcase(key, pattern) and key not in named and _chosen(cfg, key)
         ]
         if hits:
             named.update(hits)
@@ -119,6 +121,34 @@ def unused(
             why = why.replace("{it}", it)
             lines.append(f"{condition}, so {', '.join(hits)} {verb} no effect: {why}")
     return lines
+
+
+def _chosen(cfg: FederationConfig, key: str) -> bool:
+    """Whether the dotted key holds a value (not null) other than its default."""
+    value = _value(cfg, key)
+    return value is not None and value != _default(key)
+
+
+def _default(key: str) -> Any:
+    """The dataclass default of a dotted key of FederationConfig; a marker of no default where
+    it has none (a required key, or one in a free-form section such as data.* or silos.*)."""
+    value: Any = FederationConfig
+    for part in key.split("."):
+        sections = dataclasses.is_dataclass(value)
+        fields = {f.name: f for f in dataclasses.fields(value)} if sections else {}
+        field = fields.get(part)
+        if field is None:
+            return NO_DEFAULT
+        if field.default is not dataclasses.MISSING:
+            value = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            value = field.default_factory()
+        else:
+            return NO_DEFAULT
+    return value
+
+
+NO_DEFAULT = object()
 
 
 def _value(cfg: FederationConfig, key: str) -> Any:

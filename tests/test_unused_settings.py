@@ -95,6 +95,23 @@ def test_a_resolved_copy_of_the_config_warns_of_nothing(caplog, overrides, line)
 
 
 @pytest.mark.parametrize("job", sorted(str(p.relative_to(REPO)) for p in REPO.glob("jobs/*.yaml")))
+def test_silo_pfl_configs_output_run_as_a_job_warns_of_nothing(caplog, job, tmp_path):
+    """`silo-pfl config` writes every key with the value in force, defaults included; run as a
+    job, that gives the same run, and no warning for the defaults it wrote out."""
+    from omegaconf import OmegaConf
+
+    from silo_pfl.settings import resolved_config
+
+    written = tmp_path / "resolved.yaml"
+    written.write_text(OmegaConf.to_yaml(resolved_config(load_config(job))))
+    assert warnings_of(caplog, lambda: load_config(str(written))) == []
+    chosen = ["train.optimizer=adam", "train.momentum=0.5"]  # not the default: still named
+    assert warnings_of(caplog, lambda: load_config(str(written), chosen)) == [
+        "train.optimizer is adam, so train.momentum has no effect: only sgd reads it"
+    ]
+
+
+@pytest.mark.parametrize("job", sorted(str(p.relative_to(REPO)) for p in REPO.glob("jobs/*.yaml")))
 def test_the_shipped_jobs_warn_of_nothing(caplog, job):
     assert warnings_of(caplog, lambda: load_config(job)) == []
 
