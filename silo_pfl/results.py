@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -160,17 +161,30 @@ class FederationResult:
 
 
 def write_json_atomic(path: str | Path, data: Any) -> None:
-    """Write JSON to a temporary file beside `path`, then rename it into place."""
+    """Write JSON to a temporary file beside `path`, then rename it into place. A figure that
+    is not finite (a round's accuracy between evaluations: NaN) is written as null, so that any
+    JSON parser reads the file."""
     target = Path(path)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=2, default=json_default, allow_nan=True)
+            json.dump(finite_or_null(data), fh, indent=2, default=json_default, allow_nan=False)
             fh.write("\n")
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def finite_or_null(value: Any) -> Any:
+    """`value` with every float that is not finite, in any mapping or list, as None."""
+    if isinstance(value, dict):
+        return {key: finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(item) for item in value]
+    if isinstance(value, (float, np.floating)):
+        return float(value) if math.isfinite(value) else None
+    return value
 
 
 def json_default(value: Any) -> Any:

@@ -1,0 +1,35 @@
+"""The results JSON is JSON any parser reads: a figure that is not finite is null, not NaN."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from silo_pfl.results import write_json_atomic
+
+
+def _strict(text: str) -> object:
+    """json.loads as a strict parser reads: NaN and Infinity are errors."""
+
+    def refuse(name: str) -> object:
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_figure_that_is_not_finite_is_written_as_null(tmp_path):
+    path = tmp_path / "results.json"
+    history = [{"round": 1, "mean_val_accuracy": float("nan")}, {"mean_val_accuracy": 0.75}]
+    data = {
+        "history": history,
+        "extras": (np.float32("inf"), np.float64("-inf"), np.float32(0.5), 3),
+        "silos": {"va": {"test_accuracy": np.float64(0.8)}},
+    }
+    write_json_atomic(path, data)
+    assert _strict(path.read_text()) == {
+        "history": [{"round": 1, "mean_val_accuracy": None}, {"mean_val_accuracy": 0.75}],
+        "extras": [None, None, 0.5, 3],
+        "silos": {"va": {"test_accuracy": 0.8}},
+    }
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
