@@ -6,7 +6,8 @@
 For each seed: the federation trains without the late silos (tracking in a temporary SQLite
 store), then each late silo onboards with data.max_train_rows rows and, beside it, trains alone.
 Prints each onboarding's test accuracy against the founders' mean and against training alone.
-Onboarding overrides (e.g. rounds=10) follow `--onboard`.
+The key=value overrides apply to the training and to each onboarding (whose seed and data.*
+must be the trained run's); overrides of the onboarding alone (e.g. rounds=10) follow `--onboard`.
 """
 
 from __future__ import annotations
@@ -44,9 +45,14 @@ def main() -> None:
             ]
             trained = Federation(load_config(args.job, [*args.overrides, *common])).run()
             for silo in args.late:
-                cfg = load_config(
+                cfg = load_config(  # the training's overrides too: its data, model, training
                     args.job,
-                    [*common, f"data.max_train_rows={args.max_train_rows}", *args.onboard],
+                    [
+                        *args.overrides,
+                        *common,
+                        f"data.max_train_rows={args.max_train_rows}",
+                        *args.onboard,
+                    ],
                 )
                 report = Federation(cfg).onboard(silo).extras["onboard"]
                 rows.append({"seed": seed, "train_seconds": trained.wall_seconds, **report})

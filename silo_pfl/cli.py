@@ -255,12 +255,10 @@ def _loaded(args: argparse.Namespace, callbacks: list[Callback]) -> Federation:
 def _onboard(args: argparse.Namespace) -> int:
     from silo_pfl.federation import Federation
     from silo_pfl.progress import ProgressPrinter
-    from silo_pfl.settings import load_config
 
-    config = load_config(args.config, args.overrides)
-    _check_results_path(args.results)
     callbacks: list[Callback] = [] if args.quiet else [ProgressPrinter()]
-    federation = Federation(config, callbacks=callbacks)
+    federation = Federation(args.config, args.overrides, callbacks=callbacks)
+    _check_results_path(args.results)
     result = federation.onboard(args.silo, args.from_run, alone=not args.no_alone)
     if args.quiet:
         ProgressPrinter().on_end(result)

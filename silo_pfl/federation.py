@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from silo_pfl.callbacks import Callback
-from silo_pfl.config import FederationConfig
+from silo_pfl.config import FederationConfig, read_yaml, written_keys
 from silo_pfl.errors import ConfigError
 from silo_pfl.results import FederationResult
 from silo_pfl.runtime.orchestrator import Orchestrator
@@ -25,10 +25,16 @@ class Federation:
     ) -> None:
         if isinstance(overrides, (str, bytes)):
             raise TypeError(f"overrides: got {overrides!r}, expected a list of 'key=value' strings")
+        # The keys the user wrote (None: unknown, for a config loaded before), which onboarding
+        # holds to the trained run's.
+        self.written: set[str] | None = None
         if isinstance(config, (str, Path)):
             self.config = load_config(config, list(overrides))
+            self.written = written_keys(read_yaml(Path(config)), list(overrides))
         elif isinstance(config, (FederationConfig, Mapping)):
             self.config = user_config(config, list(overrides))  # checked again, whoever built it
+            if not isinstance(config, FederationConfig):
+                self.written = written_keys(config, list(overrides))
         else:
             raise TypeError(
                 f"config: got {type(config).__name__}, expected a FederationConfig, a YAML "
@@ -81,7 +87,7 @@ class Federation:
         from silo_pfl.tracking.trained_run import load_trained_run
 
         trained = load_trained_run(str(self.config.tracking.uri), self.config.name, from_run)
-        cfg = joining_config(trained, self.config, silo)
+        cfg = joining_config(trained, self.config, silo, self.written)
         tracker = MlflowTracker(cfg, ONBOARD, trained.run_id)
         baseline = alone_config(cfg) if alone else None
         onboarding = Onboarding(cfg, trained, silo, [*self.callbacks, tracker], baseline)

@@ -1,30 +1,51 @@
 """Cold start: the config of a silo that joins a trained federation.
 
 The trained run decides what the federation is: its name, model, split, algorithm and server
-(`FROM_TRAINED_RUN`). The joining silo's job YAML and overrides decide everything else: its data
-(usually the same job with the silo in data.late_silos), the rounds of local fitting, the training
-options, selection, Ray and tracking. Its baseline, the same silo training alone, is the same
-config with algorithm `local`.
+(`FROM_TRAINED_RUN`); a key of those the user wrote with another value is refused, not dropped.
+Its seed and data.* split the data, so the joining silo's must be the same, apart from what is the
+silo's own (`OWN_DATA`): else its test rows could be rows the founders trained on. The joining
+silo's job YAML and overrides decide everything else: its data (usually the same job with the silo
+in data.late_silos), the rounds of local fitting, the training options, selection, Ray and
+tracking. Its baseline, the same silo training alone, is the same config with algorithm `local`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
 
-from silo_pfl.config import FederationConfig, to_dict
-from silo_pfl.data import all_silo_names
+from silo_pfl.algorithms import algorithm_config, build_algorithm
+from silo_pfl.config import FederationConfig, flat, to_dict
+from silo_pfl.data import all_silo_names, data_config
 from silo_pfl.errors import ConfigError
 from silo_pfl.messages import SiloOutcome
-from silo_pfl.settings import build_config
+from silo_pfl.server_optimizers import resolve_server_optimizer
+from silo_pfl.settings import build_config, split_rules
 from silo_pfl.tracking.trained_run import TrainedRun
 
 FROM_TRAINED_RUN = ("name", "model", "split", "algorithm", "server")
+# The data.* keys that are the joining silo's own: the silos that sat out, its few-data cap, where
+# its file is and what its label column is called. No founder's rows depend on them.
+OWN_DATA = ("late_silos", "max_train_rows", "paths", "label_column")
+# Compared even where `written` is unknown: a job names its federation and its model, and means
+# its algorithm (fedavg where it names none).
+NAMES = ("name", "model.name", "algorithm.name")
 
 
-def joining_config(trained: TrainedRun, cfg: FederationConfig, silo: str) -> FederationConfig:
-    """The config silo `silo` joins `trained` with; a one-line ConfigError if it cannot."""
+def joining_config(
+    trained: TrainedRun,
+    cfg: FederationConfig,
+    silo: str,
+    written: Collection[str] | None = None,
+) -> FederationConfig:
+    """The config silo `silo` joins `trained` with; a one-line ConfigError if it cannot: a
+    founder or unknown silo, a seed or data split other than the run's, or a key of
+    FROM_TRAINED_RUN written with another value. `written`: the keys the user wrote
+    (config.written_keys); None takes those whose value is not the default, and NAMES."""
     names = all_silo_names(cfg.data)
     if silo not in names:
         raise ConfigError(
@@ -36,10 +57,85 @@ def joining_config(trained: TrainedRun, cfg: FederationConfig, silo: str) -> Fed
             f"--silo {silo}: a founding silo of run {trained.run_id}; onboarding is for a silo "
             "the federation did not train with (see data.late_silos)"
         )
+    _check_data_split(trained, cfg)
     values = to_dict(cfg)
     values.update({key: trained.config[key] for key in FROM_TRAINED_RUN})
     values["aggregation"]["secure"] = False  # the joining silo sends nothing to mask
-    return build_config(values)
+    joined = build_config(values)
+    _check_written(trained, cfg, joined, written)
+    return joined
+
+
+def _check_data_split(trained: TrainedRun, cfg: FederationConfig) -> None:
+    """The seed and every data.* key but OWN_DATA are the trained run's (a key the run's version
+    did not have yet stands at its default)."""
+    theirs_data = data_config(trained.config["data"])
+    theirs = {"seed": trained.config.get("seed", 0), **_data_keys(theirs_data)}
+    mine = {"seed": cfg.seed, **_data_keys(cfg.data)}
+    if mine["data.source"] != theirs["data.source"]:
+        keys = ["data.source"]
+    else:
+        keys = sorted(mine.keys() | theirs.keys(), key=lambda k: (k != "seed", k))
+    own = ", ".join(f"data.{key}" for key in OWN_DATA)
+    for key in keys:
+        if mine.get(key) != theirs.get(key):
+            raise ConfigError(
+                f"{key}: got {mine.get(key)!r}, but run {trained.run_id} was trained with "
+                f"{theirs.get(key)!r}; a joining silo's data is made and split as the founders' "
+                f"was, so the seed and data.* are the trained run's (only {own} are its own)"
+            )
+
+
+def _data_keys(data: Any) -> dict[str, Any]:
+    """data.* as dotted keys, as its JSON has them, less OWN_DATA."""
+    values = json.loads(json.dumps(dataclasses.asdict(data), default=str))
+    kept = {key: value for key, value in values.items() if key not in OWN_DATA}
+    return flat(kept, "data.")
+
+
+def _check_written(
+    trained: TrainedRun,
+    cfg: FederationConfig,
+    joined: FederationConfig,
+    written: Collection[str] | None,
+) -> None:
+    """Refuse a key of FROM_TRAINED_RUN the user wrote in `cfg` with a value other than the
+    run's (`joined` has the run's; split.local compares the rules in force on each side)."""
+    mine, theirs = _json_flat(cfg), flat(trained.config)
+    absent = object()
+    if written is None:
+        defaults = _defaults(cfg)
+        chosen = {k for k, v in mine.items() if k in NAMES or defaults.get(k, absent) != v}
+    else:
+        chosen = {k for k in mine if any(k == w or k.startswith(f"{w}.") for w in written)}
+    decided = [k for k in chosen if k.split(".")[0] in FROM_TRAINED_RUN]
+    mine["split.local"], theirs["split.local"] = split_rules(cfg), split_rules(joined)
+    for key in sorted(decided, key=lambda k: (k not in NAMES, k)):
+        before = theirs.get(key, absent)
+        if before == mine[key]:
+            continue
+        was = "without it" if before is absent else f"with {before!r}"
+        raise ConfigError(
+            f"{key}: got {mine[key]!r}, but run {trained.run_id} was trained {was}; the trained "
+            "run decides the name, model, split, algorithm and server: give its value or leave "
+            "the key out"
+        )
+
+
+def _defaults(cfg: FederationConfig) -> dict[str, Any]:
+    """Each key's value where a job does not write it, with cfg's algorithm and its sections
+    (the server's step resolved as that algorithm's own)."""
+    name = cfg.algorithm["name"]
+    sections = {section: {} for section in cfg.algorithm if section != "name"}
+    default = FederationConfig(algorithm=algorithm_config({**sections, "name": name}))
+    own = build_algorithm(default.algorithm, default.train).server_optimizer
+    resolve_server_optimizer(default.server, own, name)
+    return _json_flat(default)
+
+
+def _json_flat(cfg: FederationConfig) -> dict[str, Any]:
+    """The config's keys and values as its saved JSON has them, flattened."""
+    return flat(json.loads(json.dumps(to_dict(cfg), default=str)))
 
 
 def alone_config(cfg: FederationConfig) -> FederationConfig:

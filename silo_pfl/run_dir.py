@@ -1,7 +1,9 @@
 """Each run's own directory, `<output_dir>/<name>/<run_id>/`, and finding one to resume.
 
-The driver writes `run.json` (the run id, when it started, the resolved config) when the run
-starts and `result.json` when it ends. Silos keep their state under `silos/<silo>/`, the server
+The driver writes `run.json` (the run id, its kind, when it started, the resolved config) when
+the run starts and `result.json` when it ends. A silo's onboarding (`silo-pfl onboard`) has a
+directory of the same shape beside the federation's runs, of kind `onboard`: it cannot be resumed,
+so `--resume` never takes one. Silos keep their state under `silos/<silo>/`, the server
 under `server/`, each on its own node's disk at the same path.
 """
 
@@ -23,6 +25,7 @@ from silo_pfl.results import write_json_atomic
 
 RUN_FILE = "run.json"
 RESULT_FILE = "result.json"
+FEDERATION_RUN, ONBOARD_RUN = "federation", "onboard"  # run.json's kind: what made it
 
 
 def federation_dir(cfg: FederationConfig) -> Path:
@@ -62,8 +65,9 @@ class RunDir:
     made: Path | None = None  # the outermost directory `create` made (output_dir, if new)
 
     @classmethod
-    def create(cls, cfg: FederationConfig) -> RunDir:
-        """A new run: its directory, with run.json."""
+    def create(cls, cfg: FederationConfig, kind: str = FEDERATION_RUN) -> RunDir:
+        """A new run of `kind` (FEDERATION_RUN, or ONBOARD_RUN for a silo's onboarding): its
+        directory, with run.json."""
         run_id = new_run_id()
         path = run_path(cfg, run_id)
         made = outermost_missing(path)
@@ -74,24 +78,38 @@ class RunDir:
                 f"output_dir: cannot make the run's directory {path.absolute()} "
                 f"({exc.strerror or exc}); expected a directory this user can write in"
             ) from None
-        record = {"run_id": run_id, "started_ns": time.time_ns(), "config": to_dict(cfg)}
+        record = {
+            "run_id": run_id,
+            "kind": kind,
+            "started_ns": time.time_ns(),
+            "config": to_dict(cfg),
+        }
         write_json_atomic(path / RUN_FILE, record)
         return cls(run_id, path, made)
 
     @classmethod
     def find(cls, cfg: FederationConfig, run_id: str | None) -> RunDir:
-        """The run to resume: `run_id`, or the latest run of this federation."""
+        """The run to resume: `run_id`, or the latest federation run of this federation (an
+        onboarding is none: it cannot be resumed)."""
         parent = federation_dir(cfg)
         if run_id is not None:
             if not (parent / run_id / RUN_FILE).is_file():
                 raise ConfigError(
                     f"--resume {run_id}: no run {run_id} of {cfg.name} in {_where(cfg, parent)}"
                 )
+            kind = _read(parent / run_id / RUN_FILE).get("kind", FEDERATION_RUN)
+            if kind != FEDERATION_RUN:
+                raise ConfigError(
+                    f"--resume {run_id}: a silo's onboarding (silo-pfl onboard), which cannot be "
+                    f"resumed; expected the id of a federation run of {cfg.name}"
+                )
             return cls(run_id, parent / run_id)
-        runs = [p.parent for p in parent.glob(f"*/{RUN_FILE}")] if parent.is_dir() else []
+        found = parent.glob(f"*/{RUN_FILE}") if parent.is_dir() else []
+        records = [(p.parent, _read(p)) for p in found]
+        runs = [(p, r) for p, r in records if r.get("kind", FEDERATION_RUN) == FEDERATION_RUN]
         if not runs:
             raise ConfigError(f"--resume: no run of {cfg.name} to resume in {_where(cfg, parent)}")
-        latest = max(runs, key=lambda p: (_read(p / RUN_FILE).get("started_ns", 0), p.name))
+        latest, _ = max(runs, key=lambda run: (run[1].get("started_ns", 0), run[0].name))
         return cls(latest.name, latest)
 
     def started_again(self, cfg: FederationConfig) -> None:

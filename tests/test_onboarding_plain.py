@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from silo_pfl.algorithms import ALGORITHMS
-from silo_pfl.config import to_dict
+from silo_pfl.config import to_dict, written_keys
 from silo_pfl.errors import ConfigError
 from silo_pfl.messages import SiloOutcome
 from silo_pfl.onboarding import alone_config, joining_config, onboard_report
@@ -19,19 +19,24 @@ from silo_pfl.tracking.trained_run import TrainedRun
 
 JOB = "jobs/heart_disease.yaml"
 SHAPE, CLASSES = (13,), 2
+DIGITS = "jobs/digits_label_skew.yaml"
+DIGITS_SHAPE, DIGITS_CLASSES = (1, 8, 8), 10
 
 
-def _trained(job, *overrides: str) -> TrainedRun:
-    """A 'trained' federation without the late hospital va: its initial global keys will do."""
-    cfg = job(JOB, "data.late_silos=[va]", "tracking.enabled=false", *overrides)
-    server = new_server(to_dict(cfg), SHAPE, CLASSES)
+def _trained(job, *overrides: str, job_file: str = JOB, late: str = "va") -> TrainedRun:
+    """A 'trained' federation without the late silo (hospital va): its initial global keys
+    will do."""
+    cfg = job(job_file, f"data.late_silos=[{late}]", "tracking.enabled=false", *overrides)
+    shape, classes = (SHAPE, CLASSES) if job_file == JOB else (DIGITS_SHAPE, DIGITS_CLASSES)
+    server = new_server(to_dict(cfg), shape, classes)
     founders = {"cleveland": {"test_accuracy": 0.8}, "hungarian": {"test_accuracy": 0.7}}
     state = {k: np.array(v) for k, v in server.global_state().items()}
-    return TrainedRun("run-1", to_dict(cfg), SHAPE, CLASSES, state, {"silos": founders})
+    return TrainedRun("run-1", to_dict(cfg), shape, classes, state, {"silos": founders})
 
 
 def _joining(job, trained: TrainedRun, *overrides: str) -> Silo:
-    cfg = joining_config(trained, job(JOB, "tracking.enabled=false", *overrides), "va")
+    algorithm = f"algorithm.name={trained.config['algorithm']['name']}"
+    cfg = joining_config(trained, job(JOB, "tracking.enabled=false", algorithm, *overrides), "va")
     silo = Silo(to_dict(cfg), "va")
     silo.setup()
     silo.build(trained.input_shape, trained.num_classes)
@@ -40,7 +45,7 @@ def _joining(job, trained: TrainedRun, *overrides: str) -> Silo:
 
 def test_the_trained_run_decides_model_split_and_algorithm(job):
     trained = _trained(job, "algorithm.name=fedrep", "model.hidden=[16,8]", "split.local=[last:2]")
-    mine = job(JOB, "tracking.enabled=false", "algorithm.name=fedavg", "rounds=3", "train.lr=0.1")
+    mine = job(JOB, "tracking.enabled=false", "algorithm.name=fedrep", "rounds=3", "train.lr=0.1")
     cfg = joining_config(trained, mine, "va")
     assert cfg.algorithm["name"] == "fedrep" and list(cfg.model.hidden) == [16, 8]
     assert list(cfg.split.local) == ["last:2"]
@@ -48,6 +53,62 @@ def test_the_trained_run_decides_model_split_and_algorithm(job):
     alone = alone_config(cfg)
     assert alone.algorithm["name"] == "local" and alone.split.local is None
     assert alone.rounds == 3 and list(alone.model.hidden) == [16, 8]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algorithm.name=fedavg"], "algorithm.name: got 'fedavg', but run run-1 was trained with"),
+        ([], "algorithm.name: got 'fedper', but run run-1 was trained with 'fedrep'"),  # the job's
+        (["algorithm.name=fedrep", "model.hidden=[64]"], "model.hidden: got [64], but run run-1"),
+        (["algorithm.name=fedrep", "split.local=[first:1]"], "split.local: got ['first:1'], but"),
+        (["algorithm.name=fedrep", "server.lr=0.5"], "server.lr: got 0.5, but run run-1 was"),
+        (["algorithm.name=fedrep", "algorithm.fedrep.head_epochs=3"], "algorithm.fedrep.head_e"),
+    ],
+)
+def test_a_federation_setting_the_user_gives_other_than_the_trained_runs_is_refused(
+    job, overrides, message
+):
+    trained = _trained(job, "algorithm.name=fedrep", "algorithm.fedrep.head_epochs=2")
+    with pytest.raises(ConfigError) as error:
+        joining_config(trained, job(JOB, "tracking.enabled=false", *overrides), "va")
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+    assert "the trained run decides" in str(error.value)
+
+
+def test_the_keys_the_user_wrote_are_compared_at_any_value(job):
+    """Given the keys written (config.written_keys), even one at its default is compared."""
+    trained = _trained(job, "model.hidden=[16,8]")
+    overrides = ["tracking.enabled=false", "model.hidden=[32]"]  # the default, written
+    mine = job(JOB, *overrides)
+    assert list(joining_config(trained, mine, "va").model.hidden) == [16, 8]
+    with pytest.raises(ConfigError, match=r"^model\.hidden: got \[32\], but run run-1 was"):
+        joining_config(trained, mine, "va", written_keys(None, overrides))
+
+
+@pytest.mark.parametrize(
+    ("job_file", "override", "message"),
+    [
+        (JOB, "seed=1", "seed: got 1, but run run-1 was trained with 0;"),
+        (JOB, "data.val_fraction=0.3", "data.val_fraction: got 0.3, but run run-1 was trained"),
+        (DIGITS, "data.num_silos=8", "data.num_silos: got 8, but run run-1 was trained with 10"),
+        (DIGITS, "data.partition=iid", "data.partition: got 'iid', but run run-1 was trained"),
+        (DIGITS, "data.alpha=0.1", "data.alpha: got 0.1, but run run-1 was trained with 0.5"),
+        (DIGITS, "data.classes_per_silo=3", "data.classes_per_silo: got 3, but run run-1 was"),
+    ],
+)
+def test_a_seed_or_data_split_other_than_the_trained_runs_is_refused(
+    job, job_file, override, message
+):
+    silo = "va" if job_file == JOB else "silo_7"
+    trained = _trained(job, job_file=job_file, late=silo)
+    with pytest.raises(ConfigError) as error:
+        joining_config(trained, job(job_file, "tracking.enabled=false", override), silo)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+    assert "only data.late_silos, data.max_train_rows, data.paths" in str(error.value)
+    own = job(job_file, "tracking.enabled=false", "data.max_train_rows=20")  # no late silos
+    cfg = joining_config(trained, own, silo)
+    assert cfg.data.max_train_rows == 20 and cfg.data.late_silos == []
 
 
 @pytest.mark.parametrize(

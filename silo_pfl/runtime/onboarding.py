@@ -8,6 +8,9 @@ is selected on its validation rows. Beside it, unless told otherwise, a second a
 same node trains the same silo alone (algorithm `local`) for the same rounds: the baseline a silo
 decides to join on. At the end the joining silo runs its exporters (its model is registered like
 a founder's, tagged joined=onboard); the baseline's model is only reported.
+
+An onboarding cannot be resumed: one that fails or is interrupted removes its directory and its
+baseline's (on this node), as a fresh federation run that fails before its first checkpoint does.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from silo_pfl.errors import FederationError
 from silo_pfl.messages import EvalMetrics, FitMetrics, SiloInfo, SiloOutcome, SplitInfo
 from silo_pfl.onboarding import onboard_report
 from silo_pfl.results import FederationResult, RoundSummary, SiloResult
-from silo_pfl.run_dir import RESULT_FILE, RunDir
+from silo_pfl.run_dir import ONBOARD_RUN, RESULT_FILE, RunDir, run_path
 from silo_pfl.runtime.actors import get, start_silo, stop
 from silo_pfl.runtime.exporting import attach_exporters, export
 from silo_pfl.runtime.placement import (
@@ -56,7 +59,9 @@ class Onboarding:
         self.cfg, self.trained, self.silo = cfg, trained, silo
         self.callbacks = list(callbacks)
         self.alone = alone  # the baseline's config, or None for no baseline
-        self.run_dir = RunDir.create(cfg)
+        self.run_dir = RunDir.create(cfg, ONBOARD_RUN)
+        alone_id = f"{self.run_dir.run_id}-{ALONE}"
+        self.alone_dir = RunDir(alone_id, run_path(cfg, alone_id))  # made by its silo, if any
 
     def _emit(self, hook: str, *args: Any) -> None:
         for callback in self.callbacks:
@@ -77,6 +82,16 @@ class Onboarding:
             )
 
     def run(self) -> FederationResult:
+        """Set up the joining silo (and its baseline), run the rounds, export, and return the
+        result; on any failure, Ctrl-C included, neither directory is left behind."""
+        try:
+            return self._run()
+        except BaseException:
+            self.alone_dir.discard()  # first, so that the parents the run's own made empty out
+            self.run_dir.discard()
+            raise
+
+    def _run(self) -> FederationResult:
         timeout = self.cfg.round.call_timeout_s
         run_id, name = self.run_dir.run_id, self.silo
         keep = ray.is_initialized()  # Ray outlives the run: its workers may serve the next one
@@ -88,9 +103,8 @@ class Onboarding:
             check_local_cpus(self.cfg, [[name]] * workers, ray.cluster_resources().get("CPU", 1))
             actors = {name: start_silo(self.cfg, to_dict(self.cfg), name, run_id, keep=keep)}
             if self.alone is not None:
-                alone_id = f"{run_id}-{ALONE}"
                 actors[ALONE] = start_silo(
-                    self.alone, to_dict(self.alone), name, alone_id, keep=keep
+                    self.alone, to_dict(self.alone), name, self.alone_dir.run_id, keep=keep
                 )
             try:
                 roles = list(actors)
