@@ -69,8 +69,10 @@ class Federation:
 
         The trained run (`from_run`, else the federation's latest finished run in the tracking
         store) decides the model, split and algorithm, and gives the global layers, which stay
-        frozen; this config supplies the silo's data and its local fitting (`rounds` rounds of
-        the algorithm's local procedure). The silo's model is selected on its validation rows,
+        frozen in the silo's own model (finetune and perfedavg adapt a copy when they evaluate,
+        as for the founders); this config supplies the silo's data and its local fitting
+        (`rounds` rounds of the algorithm's local procedure), and its seed and data split must be
+        the trained run's. The silo's model is selected on its validation rows,
         evaluated on its test rows and registered as `<federation>-<silo>`, tagged
         joined=onboard. With `alone`, the same silo also trains alone, as the baseline; the
         result's `onboard` entry compares it with that and with the founders.
