@@ -242,3 +242,24 @@ def test_the_python_api_checks_a_config_however_it_was_built(tmp_path):
         Federation(3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="overrides: got 'rounds=2', expected a list"):
         Federation(JOB, "rounds=2")  # type: ignore[arg-type]
+
+
+def test_a_mapping_may_hold_numpy_numbers(tmp_path):
+    """A config made in Python often holds numpy's scalars (from a sweep, say): before, they
+    were refused as 'not a supported primitive type'."""
+    import numpy as np
+
+    from silo_pfl import Federation
+
+    config = {
+        "name": "sweep",
+        "rounds": np.int64(2),
+        "output_dir": str(tmp_path),
+        "data": {"source": "heart_disease", "val_fraction": np.float64(0.2)},
+        "model": {"name": "mlp", "hidden": [np.int32(8)]},
+        "train": {"lr": np.float32(0.05)},
+        "tracking": {"enabled": False},
+    }
+    cfg = Federation(config).config
+    assert (cfg.rounds, cfg.model.hidden, cfg.data.val_fraction) == (2, [8], 0.2)
+    assert type(cfg.rounds) is int and cfg.train.lr == pytest.approx(0.05)
