@@ -41,6 +41,10 @@ def test_the_jobs_address_comes_from_the_flag_then_ray_s_variables(monkeypatch):
     assert jobs_address("http://127.0.0.1:9") == "http://127.0.0.1:9"
     with pytest.raises(ConfigError, match="expected the Jobs API"):
         jobs_address("auto")
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS")
+    monkeypatch.setenv("RAY_ADDRESS", "auto")  # as a driver on a cluster may have it
+    with pytest.raises(ConfigError, match="^RAY_ADDRESS: got 'auto', expected the Jobs API"):
+        jobs_address(None)
 
 
 def test_the_token_comes_from_the_variable_then_a_file(monkeypatch, tmp_path):

@@ -42,9 +42,17 @@ QUIET_LOGGERS = (
 )
 
 
+def address_key(address: str | None) -> str:
+    """Where the Jobs API address comes from: --address, else the first of ADDRESS_VARS set."""
+    if address:
+        return "--address"
+    return next((v for v in ADDRESS_VARS if os.environ.get(v)), "--address")
+
+
 def jobs_address(address: str | None) -> str:
     """--address, else $RAY_API_SERVER_ADDRESS, else $RAY_ADDRESS (as Ray's CLI), as http://."""
-    chosen = address or next((os.environ[v] for v in ADDRESS_VARS if os.environ.get(v)), None)
+    key = address_key(address)
+    chosen = address or os.environ.get(key)
     if not chosen:
         raise ConfigError(
             "--address: no Jobs API address; give --address http://HOST:8265 (the cluster's "
@@ -52,7 +60,7 @@ def jobs_address(address: str | None) -> str:
         )
     if chosen == "auto" or chosen.startswith("ray://"):
         raise ConfigError(
-            f"--address: got {chosen!r}, expected the Jobs API (dashboard) address, e.g. "
+            f"{key}: got {chosen!r}, expected the Jobs API (dashboard) address, e.g. "
             "http://127.0.0.1:8265"
         )
     return chosen if "://" in chosen else f"http://{chosen}"
@@ -151,7 +159,8 @@ class JobsClient:
     """A thin, checked wrapper of Ray's JobSubmissionClient with one-line errors."""
 
     def __init__(self, address: str | None, token_file: str | None = None) -> None:
-        self.address = jobs_address(address)
+        self.address, self.key = jobs_address(address), address_key(address)
+        self.given = address or os.environ.get(self.key, self.address)  # as the user wrote it
         token = auth_token(token_file)
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._client: Any = None
@@ -171,17 +180,17 @@ class JobsClient:
     @contextmanager
     def _errors(self) -> Iterator[None]:
         """Turn the SDK's multi-line errors into one FederationError naming the address."""
-        from ray.exceptions import AuthenticationError
+        from ray.exceptions import AuthenticationError, RpcError
 
         try:
             yield
         except AuthenticationError as exc:
             raise FederationError(
-                f"--address {self.address}: the cluster refused the request ({one_line(exc)}); set "
-                f"{TOKEN_VAR} or --token-file to the cluster's token"
+                f"{self.key} {self.given}: the cluster refused the request "
+                f"({one_line(exc)}); set {TOKEN_VAR} or --token-file to the cluster's token"
             ) from None
-        except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise FederationError(f"--address {self.address}: {one_line(exc)}") from None
+        except (ConnectionError, RuntimeError, ValueError, RpcError) as exc:
+            raise FederationError(f"{self.key} {self.given}: {one_line(exc)}") from None
 
     def submit(
         self,
