@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ class SiloInfo:
     # Its training rows per class (counts only, for the run report's partition figure); empty
     # under aggregation.secure, where no per-silo statistic leaves the silo.
     label_counts: tuple[int, ...] = ()
+    columns: str = ""  # SHA-256 of its raw columns' names, in order (`columns_digest`)
 
 
 @dataclass(frozen=True)
@@ -128,14 +130,28 @@ class SiloOutcome:
     extras: dict[str, float] = field(default_factory=dict)
 
 
+def columns_digest(columns: Sequence[str]) -> str:
+    """A SHA-256 of a silo's raw column names in their order: what silos compare, so that the
+    same shape with columns renamed or in another order is caught, without the names leaving
+    the silo."""
+    return hashlib.sha256("\x1f".join(columns).encode()).hexdigest()
+
+
 def model_shape(infos: Sequence[SiloInfo]) -> tuple[tuple[int, ...], int]:
-    """The input shape every silo shares, and the number of classes over all silos."""
+    """The input shape every silo shares, and the number of classes over all silos. The silos'
+    raw columns must be the same, by name and in order: the shared layers read them by place."""
     first = infos[0]
     for info in infos[1:]:
         if info.input_shape != first.input_shape:
             raise FederationError(
                 f"silo {info.silo}: inputs of shape {info.input_shape}, but silo {first.silo} "
                 f"has {first.input_shape}; every silo must share one feature layout"
+            )
+        if info.columns != first.columns:
+            raise FederationError(
+                f"silo {info.silo}: its data's columns differ from silo {first.silo}'s in name or "
+                "order; every silo's data needs the same columns, in the same order, as the "
+                "shared layers read each input by its place"
             )
     return first.input_shape, max(info.num_classes for info in infos)
 

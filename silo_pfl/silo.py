@@ -48,6 +48,7 @@ from silo_pfl.messages import (
     SiloOutcome,
     SiloUpdate,
     SplitInfo,
+    columns_digest,
     fields_of,
 )
 from silo_pfl.models import BodyHeadModel, build_model
@@ -179,6 +180,7 @@ class Silo:
             identity_key=identity.public_bytes(self._identity) if self._identity else b"",
             pid=os.getpid(),
             label_counts=() if self.cfg.aggregation.secure else label_counts(data),
+            columns=columns_digest(data.raw_columns),
         )
 
     def build(

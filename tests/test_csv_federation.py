@@ -132,3 +132,41 @@ def test_a_csv_silos_served_model_predicts_as_its_selected_model_on_raw_rows(csv
         predictions = predict(url, data.raw_columns, data.x_test_raw.tolist())
     assert predictions.shape == data.y_test.shape
     np.testing.assert_array_equal(predictions, local)
+
+
+@pytest.mark.parametrize("change", ["swapped", "renamed"])
+def test_silos_whose_columns_differ_in_name_or_order_are_refused(tmp_path, change):
+    """clinic_b's file with two columns swapped (values too), or one renamed: the same shape,
+    so before only the count of columns was compared, and the shared layers averaged different
+    features. Each silo sends a digest of its column names, never the names."""
+    from silo_pfl.config import to_dict
+    from silo_pfl.errors import FederationError
+    from silo_pfl.messages import model_shape
+    from silo_pfl.silo import Silo
+
+    paths = write_silo_files(tmp_path)
+    lines = paths["clinic_b"].read_text().splitlines()
+    rows = [line.split(",") for line in lines]
+    if change == "swapped":
+        rows = [[r[1], r[0], *r[2:]] for r in rows]
+    else:
+        rows[0][0] = "radius of something else"
+    paths["clinic_b"].write_text("\n".join(",".join(r) for r in rows) + "\n")
+    where = [f"data.paths.{silo}={path}" for silo, path in paths.items()]
+    cfg = load_config(
+        "jobs/heart_disease.yaml",
+        [
+            f"name={NAME}",
+            "data={source: csv, num_classes: 2, label_column: " + LABEL + "}",
+            *where,
+            f"output_dir={tmp_path / 'runs'}",
+            "tracking.enabled=false",
+        ],
+    )
+    infos = [Silo(to_dict(cfg), silo).setup() for silo in SILOS]
+    assert infos[0].columns == infos[2].columns != infos[1].columns
+    assert "radius" not in repr(infos[1])
+    with pytest.raises(
+        FederationError, match="^silo clinic_b: its data's columns differ from silo"
+    ):
+        model_shape(infos)

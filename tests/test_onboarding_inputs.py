@@ -101,6 +101,12 @@ def test_a_failed_or_interrupted_onboarding_leaves_no_directory(trained, tmp_pat
     code = main(["onboard", str(trained.job), "--silo", NEW, f"data.paths.{NEW}={narrow}"])
     _one_line(capsys.readouterr().err, f"silo {NEW}: inputs of shape (9,), but the federation")
     assert code == 1 and _dirs(trained) == before, "data of another shape than the model's"
+    swapped = _write_csv(tmp_path / "swapped.csv", NEW)  # its first two columns swapped
+    rows = [line.split(",") for line in swapped.read_text().splitlines()]
+    swapped.write_text("".join(",".join([r[1], r[0], *r[2:]]) + "\n" for r in rows))
+    code = main(["onboard", str(trained.job), "--silo", NEW, f"data.paths.{NEW}={swapped}"])
+    _one_line(capsys.readouterr().err, f"silo {NEW}: its data's columns differ from the founders'")
+    assert code == 1 and _dirs(trained) == before, "the model's shape, other columns"
     federation = Federation(load_config(trained.job), callbacks=[_CtrlC()])
     with pytest.raises(KeyboardInterrupt):
         federation.onboard(NEW)

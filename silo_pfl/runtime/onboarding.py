@@ -75,6 +75,11 @@ class Onboarding:
                 f"silo {info.silo}: inputs of shape {tuple(info.input_shape)}, but the federation "
                 f"of run {trained.run_id} was trained on {trained.input_shape}"
             )
+        if trained.columns and info.columns != trained.columns:
+            raise FederationError(
+                f"silo {info.silo}: its data's columns differ from the founders' of run "
+                f"{trained.run_id} in name or order; it needs the same columns, in the same order"
+            )
         if info.num_classes > trained.num_classes:
             raise FederationError(
                 f"silo {info.silo}: {info.num_classes} classes, but the federation of run "

@@ -202,7 +202,7 @@ class MlflowTracker(Callback):
             batch = params[start : start + MAX_PARAMS_PER_BATCH]
             self.client.log_batch(self.run_id, params=batch)
         if self.joined == registry.FOUNDER:
-            record = federation_record(resolved, *model_shape(silos))
+            record = federation_record(resolved, *model_shape(silos), silos[0].columns)
             self.client.log_text(self.run_id, record, FEDERATION_FILE)
         if self.partition is not None:
             record = json.dumps({"silos": self.partition}, indent=2)

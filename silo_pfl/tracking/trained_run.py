@@ -41,15 +41,23 @@ class TrainedRun:
     num_classes: int
     global_state: dict[str, np.ndarray]
     result: dict[str, Any]  # the run's results JSON: the founders' figures
+    columns: str = ""  # the founders' columns digest (messages.columns_digest); "": not recorded
 
     @property
     def founders(self) -> list[str]:
         return list(self.result.get("silos", {}))
 
 
-def federation_record(config: dict[str, Any], input_shape: tuple[int, ...], n: int) -> str:
+def federation_record(
+    config: dict[str, Any], input_shape: tuple[int, ...], n: int, columns: str
+) -> str:
     """The text of `federation.json`."""
-    record = {"config": config, "input_shape": list(input_shape), "num_classes": n}
+    record = {
+        "config": config,
+        "input_shape": list(input_shape),
+        "num_classes": n,
+        "columns": columns,
+    }
     return json.dumps(record, indent=2, default=str)
 
 
@@ -113,4 +121,5 @@ def load_trained_run(uri: str, federation: str, run_id: str | None = None) -> Tr
         num_classes=int(record["num_classes"]),
         global_state=global_state,
         result=result,
+        columns=str(record.get("columns", "")),  # a run logged before it was recorded: ""
     )
