@@ -30,13 +30,27 @@ class Preprocessing:
         return ((x - np.asarray(self.mean)) / np.asarray(self.std)).astype(np.float32)
 
 
-def fit_preprocessing(names: tuple[str, ...], features: np.ndarray, ddof: int = 0) -> Preprocessing:
+def fit_preprocessing(
+    names: tuple[str, ...], features: np.ndarray, ddof: int = 0, where: str = ""
+) -> Preprocessing:
     """Mean and std (with `ddof`) of a silo's training rows; a constant feature, or too few rows
-    for a std, keeps std 1."""
-    std = features.std(axis=0, ddof=ddof) if len(features) > ddof else np.zeros(features.shape[1])
+    for a std, keeps std 1. A column whose values are too large for them to be finite in float64
+    is a DataError naming it (`where`: the silo and its file), never a value."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        mean = features.mean(axis=0)
+        std = (
+            features.std(axis=0, ddof=ddof) if len(features) > ddof else np.zeros(features.shape[1])
+        )
+    wild = ~(np.isfinite(mean) & np.isfinite(std))
+    if wild.any():
+        column = names[int(np.argmax(wild))] if len(names) == len(wild) else int(np.argmax(wild))
+        raise DataError(
+            f"{where or 'data'}: column {column!r}: its values are too large to standardise (their "
+            "mean and spread overflow float64); rescale the column, e.g. to other units"
+        )
     return Preprocessing(
         feature_names=names,
-        mean=tuple(float(v) for v in features.mean(axis=0)),
+        mean=tuple(float(v) for v in mean),
         std=tuple(float(v) for v in np.where(std > 0, std, 1.0)),
     )
 

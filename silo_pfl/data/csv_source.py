@@ -227,7 +227,7 @@ def load(cfg: Params, silo: str, seed: int) -> SiloData:
             "train and test (data.test_fraction)"
         )
     train, test = holdout(y, cfg.test_fraction, numpy_rng(seed, "test", silo))
-    preprocessing = fit_preprocessing(names, x[train])
+    preprocessing = fit_preprocessing(names, x[train], where=f"silo {silo}, file {path}")
     raw_test = x[test]
     return assemble(
         silo,

@@ -131,6 +131,20 @@ def test_non_numeric_value_names_column_and_row(tmp_path):
     assert "abc" not in message  # an error names the cell, never quotes it
 
 
+@pytest.mark.parametrize("huge", ["every", "one"])
+def test_values_too_large_to_standardise_name_the_column(tmp_path, huge):
+    """1e306 in every row overflowed the mean (NaN features, then 'training diverged ... lower
+    train.lr'); one 1e300 cell overflowed the std, which turned the whole column into zeros."""
+    big = {"every": [1e306] * 20, "one": [1e300 if i == 7 else float(i) for i in range(20)]}
+    rows = [f"{value!r},{i % 2},{i}" for i, value in enumerate(big[huge])]
+    message = load_error(tmp_path, "a,label,b\n" + "\n".join(rows) + "\n")
+    assert message.endswith(
+        ": column 'a': its values are too large to standardise (their mean and spread overflow "
+        "float64); rescale the column, e.g. to other units"
+    )
+    assert "1e+30" not in message
+
+
 def test_empty_cell_is_rejected(tmp_path):
     message = load_error(tmp_path, "a,b,label\n1,2,0\n3,,1\n")
     assert "column 'b'" in message and "data row 2" in message
