@@ -68,6 +68,7 @@ from silo_pfl.training import (
     ExtraLoss,
     copy_into,
     evaluate_parts,
+    has_batchnorm,
     shared_tensors,
     to_tensors,
     train_epochs,
@@ -196,6 +197,13 @@ class Silo:
         if tuple(input_shape) != self.data.input_shape:
             raise ValueError(f"silo {self.name}: inputs {self.data.input_shape}, not {input_shape}")
         self.model = init_model(self.cfg, tuple(input_shape), num_classes)
+        if self.num_examples < 2 and has_batchnorm(self.model):
+            raise FederationError(
+                f"silo {self.name}: {self.num_examples} training row, but model "
+                f"{self.cfg.model.name} has BatchNorm, which needs at least 2 rows in a batch; "
+                "give the silo more rows (data.max_train_rows, data.val_fraction) or choose a "
+                "model without BatchNorm"
+            )
         self._loaded = None
         self.num_classes = num_classes
         self.split: Split = compute_split(self.model, split_rules(self.cfg))

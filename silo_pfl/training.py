@@ -54,7 +54,7 @@ def train_epochs(
     total, steps = 0.0, 0
     n = len(x)
     # A lone example cannot be batch-normalised in train mode; it is dropped from that epoch.
-    min_batch = 2 if n >= 2 and _has_batchnorm(model) else 1
+    min_batch = 2 if n >= 2 and has_batchnorm(model) else 1
     for _ in range(epochs):
         order = torch.randperm(n, generator=generator)
         for start in range(0, n, batch_size):
@@ -120,7 +120,8 @@ def evaluate_parts(
     return results
 
 
-def _has_batchnorm(model: nn.Module) -> bool:
+def has_batchnorm(model: nn.Module) -> bool:
+    """Whether `model` holds a BatchNorm layer, which cannot normalise a lone example."""
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 

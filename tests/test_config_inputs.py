@@ -263,3 +263,17 @@ def test_a_mapping_may_hold_numpy_numbers(tmp_path):
     cfg = Federation(config).config
     assert (cfg.rounds, cfg.model.hidden, cfg.data.val_fraction) == (2, [8], 0.2)
     assert type(cfg.rounds) is int and cfg.train.lr == pytest.approx(0.05)
+
+
+def test_one_training_row_under_batchnorm_is_one_line_at_build(tmp_path):
+    """Every round failed with torch's 'Expected more than 1 value per channel'."""
+    from silo_pfl.config import to_dict
+    from silo_pfl.errors import FederationError
+    from silo_pfl.silo import Silo
+
+    job = ROOT / "jobs" / "digits_feature_shift.yaml"  # cnn_small_bn
+    overrides = ["data.num_silos=2", "data.max_train_rows=1", f"output_dir={tmp_path}"]
+    silo = Silo(to_dict(load_config(job, [*QUIET, *overrides])), "silo_0")
+    info = silo.setup()
+    with pytest.raises(FederationError, match=r"^silo silo_0: 1 training row, but model cnn_sm"):
+        silo.build(info.input_shape, info.num_classes)
