@@ -11,7 +11,7 @@ from silo_pfl.config import FederationConfig, read_yaml, written_keys
 from silo_pfl.errors import ConfigError
 from silo_pfl.results import FederationResult
 from silo_pfl.runtime.orchestrator import Orchestrator
-from silo_pfl.settings import load_config, user_config
+from silo_pfl.settings import is_checked, load_config, user_config
 
 
 class Federation:
@@ -31,8 +31,10 @@ class Federation:
         if isinstance(config, (str, Path)):
             self.config = load_config(config, list(overrides))
             self.written = written_keys(read_yaml(Path(config)), list(overrides))
+        elif isinstance(config, FederationConfig) and not overrides and is_checked(config):
+            self.config = config  # as loaded, unchanged: checked, and its warnings said, once
         elif isinstance(config, (FederationConfig, Mapping)):
-            self.config = user_config(config, list(overrides))  # checked again, whoever built it
+            self.config = user_config(config, list(overrides))  # built or changed by hand
             if not isinstance(config, FederationConfig):
                 self.written = written_keys(config, list(overrides))
         else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import logging
 import math
 from pathlib import Path
@@ -65,7 +66,21 @@ def build_config(
     if probe:
         _check_split(cfg, algorithm)
     _check_silos(cfg)
+    setattr(cfg, CHECKED, _fingerprint(cfg))
     return cfg
+
+
+CHECKED = "_silo_pfl_checked"  # a checked config's fingerprint, as build_config left it
+
+
+def _fingerprint(cfg: FederationConfig) -> str:
+    return json.dumps(to_dict(cfg), sort_keys=True, default=str)
+
+
+def is_checked(cfg: FederationConfig) -> bool:
+    """Whether `cfg` is as build_config checked it, unchanged since (a field set afterwards, such
+    as cfg.rounds = 0, makes it unchecked)."""
+    return getattr(cfg, CHECKED, None) == _fingerprint(cfg)
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> FederationConfig:

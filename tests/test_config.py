@@ -313,6 +313,21 @@ def test_a_secagg_graph_other_than_its_k_says_is_named(caplog, overrides, line):
     assert [r.getMessage() for r in caplog.records if "secure_graph" in r.getMessage()] == [line]
 
 
+def test_a_loaded_config_handed_to_the_python_api_warns_once(caplog):
+    """`silo-pfl run` loads the config, then hands it to Federation, which checks a config
+    again only if it was changed since it was checked: the warnings came twice."""
+    from silo_pfl.federation import Federation
+
+    secagg = ["aggregation.secure=true", "aggregation.secure_graph.neighbors=3"]
+    with caplog.at_level("WARNING", logger="silo_pfl.settings"):
+        cfg = load_config("jobs/heart_disease.yaml", secagg)
+        Federation(cfg)
+    assert len([r for r in caplog.records if "full mesh" in r.getMessage()]) == 1
+    cfg.rounds = 0  # changed after its check: checked again
+    with pytest.raises(ConfigError, match="rounds: got 0"):
+        Federation(cfg)
+
+
 def test_the_protocol_refuses_a_threshold_that_is_no_majority_however_it_is_built():
     """A silo's process checks its whole config again (`Silo` loads it); the protocol's own
     parameters check the threshold too, so that no path to a silo's client (a plugin, a test,
