@@ -105,7 +105,7 @@ class RoundConfig:
 class SecureGraphConfig:
     """SecAgg+ (Bell et al., 2020): each silo pairs with `neighbors` others, not all."""
 
-    neighbors: int | None = None  # peers per silo on a random regular graph; None: every silo
+    neighbors: int | None = None  # peers per silo on a Harary graph (topology.py); None: all
 
 
 @dataclass
