@@ -113,9 +113,18 @@ def split_rules(cfg: FederationConfig) -> list[str]:
 
 def resolved_config(cfg: FederationConfig) -> dict[str, Any]:
     """Every key with the value in force: the defaults, the split rules (the algorithm's when the
-    job names none) and a section per silo. Run as a job, it gives the same run."""
+    job names none), the threshold and quorum, and a section per silo. Run as a job, it gives the
+    same run. metrics.enabled stays null where it is: on as the run joins a cluster, else off."""
+    from silo_pfl.secure.topology import default_threshold
+
     resolved = to_dict(cfg)
     resolved["split"]["local"] = split_rules(cfg)
+    silos = len(silo_names(cfg.data))
+    if cfg.aggregation.secure and cfg.aggregation.secure_threshold is None:
+        resolved["aggregation"]["secure_threshold"] = default_threshold(silos)
+    if cfg.round.min_silos is None:  # every silo; under secure aggregation, its threshold
+        threshold = resolved["aggregation"]["secure_threshold"]
+        resolved["round"]["min_silos"] = threshold if cfg.aggregation.secure else silos
     default = dataclasses.asdict(SiloConfig())
     named = resolved["silos"]
     resolved["silos"] = {n: named.get(n, default) for n in all_silo_names(cfg.data)}

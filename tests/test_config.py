@@ -217,6 +217,11 @@ def test_config_prints_every_key_with_its_default_and_runs_as_a_job(tmp_path):
     assert printed["algorithm"]["fedrep"]["head_epochs"] == 5  # the algorithm's own defaults
     assert printed["data"]["val_fraction"] == 0.2  # the data source's defaults
     assert printed["split"]["local"] == ["head"]  # the rules in force, not null
+    assert printed["round"]["min_silos"] == 4  # every silo, not null
+    secure = yaml.safe_load(
+        _config_command("jobs/heart_disease.yaml", "aggregation.secure=true").stdout
+    )
+    assert secure["aggregation"]["secure_threshold"] == secure["round"]["min_silos"] == 3
     assert set(printed["silos"]) == {"cleveland", "hungarian", "switzerland", "va"}
     assert printed["silos"]["va"] == {
         "tracking_uri": None,
