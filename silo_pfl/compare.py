@@ -19,20 +19,24 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
+import math
 import multiprocessing
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from silo_pfl.compare_runs import Cache, Record, Run, execute, init_worker, make_run
 from silo_pfl.compare_spec import JobSpec, RowSpec, Spec, load_spec, parse_spec
-from silo_pfl.errors import ConfigError, typed_line
+from silo_pfl.errors import ConfigError, Interrupted, typed_line
 
 __all__ = ["choose_candidate", "compare", "load_spec", "mean_val_accuracy", "parse_spec"]
 
@@ -54,8 +58,9 @@ class Unit:
     job: JobSpec
     row: RowSpec
     first: list[Run]  # one per candidate, on the job's first seed
-    chosen: int | None = None  # index into first; None until chosen (or if every one failed)
+    chosen: int | None = None  # index into first; None until chosen (or if none can be)
     decided: bool = False
+    error: str | None = None  # why no candidate was chosen when some ran (no validation figure)
     seeds: list[Run] = field(default_factory=list)  # the winner's runs, one per seed
 
     @property
@@ -79,22 +84,75 @@ def plan(spec: Spec) -> tuple[list[Unit], dict[str, dict[str, str]]]:
     return units, skipped
 
 
-def mean_val_accuracy(result: dict[str, Any]) -> float:
-    """The mean over silos of each silo's selected model's validation accuracy."""
-    values = [float(silo["val_accuracy"]) for silo in result["silos"].values()]
-    return sum(values) / len(values)
+def mean_val_accuracy(result: dict[str, Any]) -> float | None:
+    """The mean, over the silos that have one, of each silo's selected model's validation
+    accuracy; None if no silo has one. A silo without validation rows has NaN (null once
+    written as JSON, e.g. in the cache): it is left out, in memory and from the cache alike."""
+    values = [
+        float(v)
+        for silo in result["silos"].values()
+        if isinstance(v := silo.get("val_accuracy"), (int, float)) and math.isfinite(v)
+    ]
+    return sum(values) / len(values) if values else None
+
+
+NO_VALIDATION = (
+    "no validation figure to choose a candidate by (no silo has validation rows): "
+    "set data.val_fraction > 0, or list one candidate"
+)
 
 
 def choose_candidate(results: Sequence[dict[str, Any] | None]) -> int | None:
     """The index of the result with the best mean validation accuracy over silos (the first of
-    equals); failed runs (None) never win; None if every one failed. Test accuracy is not read."""
-    best: int | None = None
-    for index, result in enumerate(results):
-        if result is None:
-            continue
-        if best is None or mean_val_accuracy(result) > mean_val_accuracy(results[best]):  # type: ignore[arg-type]
-            best = index
-    return best
+    equals); None if none can be chosen. Failed runs (None) never win, nor does a run without a
+    validation figure (`mean_val_accuracy` None) over one with a figure. A lone run that
+    succeeded is chosen whatever its figure; several without any figure give None (a choice
+    would be blind: see `NO_VALIDATION`). Test accuracy is not read."""
+    ran = [index for index, result in enumerate(results) if result is not None]
+    scored = [(mean_val_accuracy(results[i]), i) for i in ran]  # type: ignore[arg-type]
+    best: tuple[float, int] | None = None
+    for value, index in scored:
+        if value is not None and (best is None or value > best[0]):
+            best = (value, index)
+    if best is not None:
+        return best[1]
+    return ran[0] if len(ran) == 1 else None
+
+
+def known_total(units: Sequence[Unit], todo: int) -> int | None:
+    """The number of runs to compute, when known before any runs: no undecided unit may queue
+    its winner on further seeds. Otherwise None (the progress shows no denominator)."""
+    if all(unit.decided or len(unit.job.seeds) == 1 for unit in units):
+        return todo
+    return None
+
+
+def progress_label(done: int, total: int | None) -> str:
+    """`[3/8]` with a total known up front, else `[3]`."""
+    return f"[{done}]" if total is None else f"[{done}/{total}]"
+
+
+def _format_val(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM (a CI timeout, `kill`) stops the comparison as Ctrl-C does: `Interrupted` is
+    raised, so that the workers are stopped (their runs, their Ray) before this process exits."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the clean-up must not be cut
+        raise Interrupted(signum)
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 @dataclass
@@ -113,7 +171,11 @@ class Outcome:
     @property
     def failures(self) -> list[str]:
         runs = [r for u in self.units for r in [*u.first, *u.seeds]]
-        seen: dict[str, str] = {}
+        seen: dict[str, str] = {
+            f"{u.job.label} {u.row.label}": f"{u.job.label} {u.row.label}: {u.error}"
+            for u in self.units
+            if u.error
+        }
         for run in runs:
             record = self.records.get(run.key)
             if record is not None and record.error and run.key not in seen:
@@ -183,7 +245,7 @@ def compare(
         for run in runs:
             if run.key in records or run.key in queued:
                 continue
-            hit = store.get(run.key)
+            hit = store.get(run.key) if run.cacheable else None
             if hit is not None:
                 records[run.key] = hit
                 counts["cached"] += 1
@@ -210,9 +272,13 @@ def compare(
             for unit in units:
                 if unit.decided or not all(r.key in records for r in unit.first):
                     continue
-                unit.chosen = choose_candidate([records[r.key].result for r in unit.first])
+                results = [records[r.key].result for r in unit.first]
+                unit.chosen = choose_candidate(results)
                 unit.decided = progress = True
                 if unit.chosen is None:
+                    if any(result is not None for result in results):
+                        unit.error = NO_VALIDATION
+                        log(f"{unit.job.label} {unit.row.label}: {NO_VALIDATION}")
                     continue
                 candidate = unit.first[unit.chosen].candidate
                 unit.seeds = [unit.first[unit.chosen]] + [
@@ -220,10 +286,13 @@ def compare(
                 ]
                 ensure(unit.seeds)
 
+    stack = contextlib.ExitStack()
     try:
+        stack.enter_context(sigterm_interrupts())
         for unit in units:
             ensure(unit.first)
         advance()
+        total = known_total(units, counts["todo"])
         while waiting:
             done, _ = cf.wait(waiting, return_when=cf.FIRST_COMPLETED)
             for future in done:
@@ -236,30 +305,35 @@ def compare(
                 counts["computed"] += 1
                 if "error" in answer:
                     records[run.key] = Record(None, answer["error"], commit=commit)
-                    done_of = f"[{counts['computed']}/{counts['todo']}]"
+                    done_of = progress_label(counts["computed"], total)
                     log(f"{done_of} {run.describe()}: FAILED: {answer['error']}")
                     continue
                 record = Record(answer["result"], None, False, answer["elapsed_seconds"], commit)
                 records[run.key] = record
-                store.put(run, record)
+                if run.cacheable:
+                    store.put(run, record)
                 result = answer["result"]
                 log(
-                    f"[{counts['computed']}/{counts['todo']}] {run.describe()}: test "
-                    f"{result['mean_test_accuracy']:.4f} val {mean_val_accuracy(result):.4f} "
+                    f"{progress_label(counts['computed'], total)} {run.describe()}: test "
+                    f"{result['mean_test_accuracy']:.4f} "
+                    f"val {_format_val(mean_val_accuracy(result))} "
                     f"({result['wall_seconds']:.1f} s)"
                 )
             advance()
     finally:
-        if pool is not None and waiting:  # interrupted (or failed): stop the runs under way
-            _stop_workers(pool)
-        elif pool is not None:
-            pool.shutdown()
+        try:
+            if pool is not None and waiting:  # interrupted (or failed): stop the runs under way
+                _stop_workers(pool)
+            elif pool is not None:
+                pool.shutdown()
+        finally:
+            stack.close()
     if dry_run:
         undecided = sum(1 for u in units if not u.decided)
         rest = sum(len(u.job.seeds) - 1 for u in units if not u.decided)
         log(
             f"{counts['todo']} runs to compute, {counts['cached']} from the cache"
-            + (f"; then up to {rest} more once {undecided} choices are made" if undecided else "")
+            + (f"; then up to {rest} more once {undecided} choices are made" if rest else "")
         )
     return Outcome(
         spec,

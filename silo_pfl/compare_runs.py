@@ -19,7 +19,7 @@ from silo_pfl.compare_spec import JobSpec, RowSpec
 from silo_pfl.errors import ConfigError, typed_line
 from silo_pfl.paths import check_dir_path
 
-CACHE_VERSION = 1
+CACHE_VERSION = 1  # a CSV job's key also holds its files' SHA-256 (`data_files`)
 # Config keys that cannot change a run's results: where it writes, MLflow, which Ray, where
 # actors are placed, how long a wait may last. Everything else is in the cache key.
 IGNORED_KEYS = (
@@ -46,6 +46,9 @@ class Run:
     overrides: tuple[str, ...]
     key: str
     hashed: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # False when a data file the key should hold cannot be read here: never read from nor
+    # written to the cache (the run is made, and then says why it cannot read the file).
+    cacheable: bool = True
 
     @property
     def command(self) -> str:
@@ -93,7 +96,42 @@ def hashed_config(cfg: Any) -> dict[str, Any]:
         node.pop(last, None)
     name = data["algorithm"]["name"]
     data["algorithm"] = {"name": name, name: data["algorithm"].get(name)}
+    files = data_files(data.get("data", {}))
+    if files:
+        data["data_files"] = files
     return data
+
+
+_DIGESTS: dict[tuple[str, int, int], str] = {}
+
+
+def data_files(data: dict[str, Any]) -> dict[str, str | None]:
+    """Per silo of a CSV job (`data.paths`), the SHA-256 of its file's bytes, so that an edited
+    file is a new run; None for a file that cannot be read here (see `Run.cacheable`). The path
+    is expanded as the silo's node does (`~`, `$VARS`); the comparison's runs are local."""
+    if data.get("source") != "csv" or not isinstance(data.get("paths"), dict):
+        return {}
+    found: dict[str, str | None] = {}
+    for silo, path in data["paths"].items():
+        found[str(silo)] = file_digest(os.path.expandvars(os.path.expanduser(str(path))))
+    return found
+
+
+def file_digest(path: str) -> str | None:
+    """The SHA-256 of a file's bytes (remembered while its size and mtime stay the same);
+    None if it is not a readable file."""
+    try:
+        stat = os.stat(path)
+        memo = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+        if memo not in _DIGESTS:
+            digest = hashlib.sha256()
+            with open(path, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    digest.update(block)
+            _DIGESTS[memo] = digest.hexdigest()
+        return _DIGESTS[memo]
+    except OSError:
+        return None
 
 
 def cache_key(hashed: dict[str, Any]) -> str:
@@ -130,6 +168,7 @@ def make_run(job: JobSpec, row: RowSpec, candidate: tuple[str, ...], seed: int) 
         tuple(overrides),
         cache_key(hashed),
         hashed,
+        cacheable=None not in hashed.get("data_files", {}).values(),
     )
 
 
@@ -200,6 +239,15 @@ def init_worker(num_cpus: int) -> None:
     _WORKER_RAY["num_cpus"] = num_cpus
 
 
+def _interrupt_run(signum: int, frame: Any) -> None:
+    """SIGTERM during a run: `Interrupted`, so that the run releases its actors and its
+    temporary run directory (checkpoints) is deleted before the worker exits."""
+    from silo_pfl.errors import Interrupted
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the clean-up must not be cut short
+    raise Interrupted(signum)
+
+
 def _terminated(signum: int, frame: Any) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _exit_worker(128 + signum)
@@ -257,11 +305,16 @@ def execute(config: str, overrides: Sequence[str]) -> dict[str, Any]:
         from silo_pfl.settings import load_config
 
         _ensure_ray()
-        with tempfile.TemporaryDirectory(prefix="silo_pfl_compare_") as tmp:
-            cfg = load_config(config, [*overrides, f"output_dir={tmp}"])
-            result = Federation(cfg).run().to_dict()
+        signal.signal(signal.SIGTERM, _interrupt_run)
+        try:
+            with tempfile.TemporaryDirectory(prefix="silo_pfl_compare_") as tmp:
+                cfg = load_config(config, [*overrides, f"output_dir={tmp}"])
+                result = Federation(cfg).run().to_dict()
+        finally:
+            signal.signal(signal.SIGTERM, _terminated)
     except (KeyboardInterrupt, SystemExit):  # SIGTERM from the parent: during the run (its
-        _exit_worker(130)  # actors are gone by now) or during ray.init (Ray's own handler)
+        _exit_worker(130)  # actors are gone and its run directory deleted by now) or during
+        # ray.init (Ray's own handler)
     except Exception as exc:
         return {"error": typed_line(exc)}
     for path_key in ("run_dir", "global_state_path"):

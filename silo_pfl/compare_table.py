@@ -103,7 +103,7 @@ def _row(unit: Unit, records: dict[str, Record], base: dict[int, dict[str, Any]]
         "note": unit.row.note,
     }
     if unit.chosen is None:
-        row["error"] = "every candidate failed: " + "; ".join(
+        row["error"] = unit.error or "every candidate failed: " + "; ".join(
             str(c["error"]) for c in candidates if c["error"]
         )
         return row
@@ -137,7 +137,9 @@ def _row(unit: Unit, records: dict[str, Record], base: dict[int, dict[str, Any]]
     row["failed_seeds"] = {s: v["error"] for s, v in per_seed.items() if "error" in v}
     for figure in ("mean_test_accuracy", "worst_test_accuracy", "std_test_accuracy"):
         row[figure] = _mean_std([v[figure] for v in ok])
-    row["mean_val_accuracy"] = _mean_std([v["mean_val_accuracy"] for v in ok])["mean"]
+    row["mean_val_accuracy"] = _mean_std(
+        [v["mean_val_accuracy"] for v in ok if v["mean_val_accuracy"] is not None]
+    )["mean"]
     row["bytes_sent_per_round"] = (
         float(np.mean([np.mean(list(v["bytes_sent_per_round"].values())) for v in ok]))
         if ok
@@ -155,11 +157,16 @@ def gains(
     row: dict[int, dict[str, float]], base: dict[int, dict[str, float]]
 ) -> dict[str, Any] | None:
     """Each silo's test accuracy minus the baseline's at the same seed, in points, averaged over
-    the seeds both have; the mean over silos and the worst silo. None without a common seed."""
+    the seeds both have; the mean over silos and the worst silo. Only the silos both have at
+    every such seed count (a row may federate other silos: other `data.paths`, `num_silos`);
+    the others are listed in `silos_not_compared`. None without a common seed or silo."""
     seeds = sorted(set(row) & set(base))
     if not seeds:
         return None
-    silos = list(row[seeds[0]])
+    silos = [s for s in row[seeds[0]] if all(s in row[x] and s in base[x] for x in seeds)]
+    every = {s for x in seeds for s in (*row[x], *base[x])}
+    if not silos:
+        return None
     per_silo = {
         s: float(np.mean([100 * (row[seed][s] - base[seed][s]) for seed in seeds])) for s in silos
     }
@@ -170,6 +177,7 @@ def gains(
         "mean_points": float(np.mean(list(per_silo.values()))),
         "worst_silo": worst,
         "worst_silo_points": per_silo[worst],
+        "silos_not_compared": sorted(every - set(silos)),
     }
 
 
@@ -248,7 +256,7 @@ def _job_table(label: str, job: dict[str, Any]) -> list[str]:
                 _pm(row["worst_test_accuracy"]),
                 _pm(row["std_test_accuracy"]),
                 *_gain_cells(row.get("gain_over_baseline"), name == job["baseline"]),
-                f"{row['mean_val_accuracy']:.4f}",
+                _val(row["mean_val_accuracy"]),
                 f"{row['bytes_sent_per_round']:,.0f}",
                 f"{row['wall_seconds']:.1f}",
             ]
@@ -283,9 +291,14 @@ def _hyper(row: dict[str, Any]) -> str:
     parts = []
     for c in candidates:
         name = " ".join(_short(o) for o in c["overrides"]) or "the job's"
-        val = "failed" if c["mean_val_accuracy"] is None else f"val {c['mean_val_accuracy']:.4f}"
+        val = "failed" if c["error"] else f"val {_val(c['mean_val_accuracy'])}"
         parts.append(f"**{name}** ({val})" if c["chosen"] else f"{name} ({val})")
     return (fixed + "; " if fixed else "") + "chosen of: " + ", ".join(parts)
+
+
+def _val(value: float | None) -> str:
+    """A mean validation accuracy; n/a when no silo had validation rows."""
+    return "n/a" if value is None else f"{value:.4f}"
 
 
 def _short(override: str) -> str:
@@ -309,8 +322,10 @@ def _gain_cells(gain: dict[str, Any] | None, is_base: bool) -> list[str]:
         return ["", ""]
     if is_base:
         return ["(baseline)", ""]
+    left_out = gain.get("silos_not_compared") or []
+    over = f" (not: {', '.join(left_out)})" if left_out else ""
     return [
-        f"{gain['mean_points']:+.1f}",
+        f"{gain['mean_points']:+.1f}{over}",
         f"{gain['worst_silo_points']:+.1f} ({gain['worst_silo']})",
     ]
 
