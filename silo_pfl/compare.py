@@ -24,19 +24,18 @@ import math
 import multiprocessing
 import os
 import shlex
-import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from silo_pfl.compare_runs import Cache, Record, Run, execute, init_worker, make_run
 from silo_pfl.compare_spec import JobSpec, RowSpec, Spec, load_spec, parse_spec
-from silo_pfl.errors import ConfigError, Interrupted, typed_line
+from silo_pfl.errors import ConfigError, typed_line
+from silo_pfl.stop_signals import sigterm_interrupts
 
 __all__ = ["choose_candidate", "compare", "load_spec", "mean_val_accuracy", "parse_spec"]
 
@@ -134,25 +133,6 @@ def progress_label(done: int, total: int | None) -> str:
 
 def _format_val(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
-
-
-@contextlib.contextmanager
-def sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM (a CI timeout, `kill`) stops the comparison as Ctrl-C does: `Interrupted` is
-    raised, so that the workers are stopped (their runs, their Ray) before this process exits."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the clean-up must not be cut
-        raise Interrupted(signum)
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from typing import Any
 from silo_pfl.compare_spec import JobSpec, RowSpec
 from silo_pfl.errors import ConfigError, typed_line
 from silo_pfl.paths import check_dir_path
+from silo_pfl.stop_signals import interrupt
 
 CACHE_VERSION = 1  # a CSV job's key also holds its files' SHA-256 (`data_files`)
 # Config keys that cannot change a run's results: where it writes, MLflow, which Ray, where
@@ -239,15 +240,6 @@ def init_worker(num_cpus: int) -> None:
     _WORKER_RAY["num_cpus"] = num_cpus
 
 
-def _interrupt_run(signum: int, frame: Any) -> None:
-    """SIGTERM during a run: `Interrupted`, so that the run releases its actors and its
-    temporary run directory (checkpoints) is deleted before the worker exits."""
-    from silo_pfl.errors import Interrupted
-
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the clean-up must not be cut short
-    raise Interrupted(signum)
-
-
 def _terminated(signum: int, frame: Any) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _exit_worker(128 + signum)
@@ -305,7 +297,9 @@ def execute(config: str, overrides: Sequence[str]) -> dict[str, Any]:
         from silo_pfl.settings import load_config
 
         _ensure_ray()
-        signal.signal(signal.SIGTERM, _interrupt_run)
+        # SIGTERM during the run: Interrupted, so that the run releases its actors and its
+        # temporary run directory (checkpoints) is deleted before the worker exits
+        signal.signal(signal.SIGTERM, interrupt)
         try:
             with tempfile.TemporaryDirectory(prefix="silo_pfl_compare_") as tmp:
                 cfg = load_config(config, [*overrides, f"output_dir={tmp}"])

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +19,7 @@ from silo_pfl.errors import FederationError, Interrupted, one_line
 from silo_pfl.runtime.discovery import write_discovery_file
 from silo_pfl.runtime.metrics import export_interval, ray_address
 from silo_pfl.runtime.ray_token import ensure_local_token
+from silo_pfl.stop_signals import signals_held, sigterm_interrupts
 
 
 @contextmanager
@@ -46,7 +45,7 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
         if address is None:
             ensure_local_token()
             with (
-                _signals_held() as held,
+                signals_held() as held,
                 _export_interval(metrics_interval_s),
                 _quiet_token_notice(),
             ):
@@ -74,7 +73,7 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
             f"ray.address: cannot start or reach Ray at {where}: {one_line(exc)}{hint}"
         ) from None
     try:
-        with _sigterm_interrupts():
+        with sigterm_interrupts():
             yield
     finally:
         if address is None:
@@ -329,46 +328,3 @@ def _export_interval(seconds: float | None) -> Iterator[None]:
         yield
     finally:
         del os.environ[name]
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    """Raise Interrupted (a KeyboardInterrupt) once; a second SIGTERM cannot cut the clean-up
-    short."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise Interrupted(signum)
-
-
-@contextmanager
-def _signals_held() -> Iterator[list[int]]:
-    """Ctrl-C and SIGTERM while a local Ray starts take effect once it has: `ray.init`
-    interrupted half-way leaves processes (its GCS, its agents) that no shutdown can reach, for a
-    minute or more. Yields the signals that came meanwhile."""
-    held: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield held
-        return
-
-    def hold(signum: int, frame: Any) -> None:
-        held.append(signum)
-
-    previous = {sig: signal.signal(sig, hold) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield held
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-
-
-@contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """While the run uses Ray, SIGTERM (what `ray job stop` and `silo-pfl stop` send) stops it as
-    Ctrl-C does: actors released, the MLflow run KILLED. Ray's own driver handler would abort."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)

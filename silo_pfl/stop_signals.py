@@ -1,0 +1,55 @@
+"""SIGTERM as Ctrl-C: what `ray job stop`, `silo-pfl stop`, a CI's timeout or `kill` send stops
+the work as Ctrl-C does, raising `errors.Interrupted`, so that the clean-up runs (actors released,
+workers and their Ray stopped, temporary directories deleted). And signals held while a local Ray
+starts, which an interruption there would leave half-started."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from silo_pfl.errors import Interrupted
+
+
+def interrupt(signum: int, frame: Any) -> None:
+    """A SIGTERM handler: raise Interrupted once; a second SIGTERM cannot cut the clean-up short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+@contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """While inside, SIGTERM raises Interrupted (in the main thread; elsewhere, nothing
+    changes); the previous handler is put back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+@contextmanager
+def signals_held() -> Iterator[list[int]]:
+    """Ctrl-C and SIGTERM take effect after the block: `ray.init` interrupted half-way leaves
+    processes (its GCS, its agents) that no shutdown can reach, for a minute or more. Yields the
+    signals that came meanwhile."""
+    held: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+
+    def hold(signum: int, frame: Any) -> None:
+        held.append(signum)
+
+    previous = {sig: signal.signal(sig, hold) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield held
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
