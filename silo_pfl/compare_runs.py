@@ -112,9 +112,15 @@ def data_files(data: dict[str, Any]) -> dict[str, str | None]:
     is expanded as the silo's node does (`~`, `$VARS`); the comparison's runs are local."""
     if data.get("source") != "csv" or not isinstance(data.get("paths"), dict):
         return {}
+    from silo_pfl.data.csv_source import node_path
+    from silo_pfl.errors import DataError
+
     found: dict[str, str | None] = {}
     for silo, path in data["paths"].items():
-        found[str(silo)] = file_digest(os.path.expandvars(os.path.expanduser(str(path))))
+        try:
+            found[str(silo)] = file_digest(str(node_path(str(silo), path)))
+        except DataError:  # a $VAR not set here: not a file this process can read
+            found[str(silo)] = None
     return found
 
 

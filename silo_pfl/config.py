@@ -255,18 +255,16 @@ class FederationConfig:
 def _parse_overrides(overrides: list[str]) -> DictConfig:
     import yaml  # OmegaConf's own YAML library, which reads each value
 
-    for item in overrides:
-        key = item.split("=", 1)[0]
-        if "=" not in item or not key or any(not part for part in key.split(".")):
-            raise ConfigError(f"override '{item}': expected key=value, e.g. rounds=5")
     parsed = OmegaConf.create()
     for item in overrides:
+        key = item.split("=", 1)[0]
+        if "=" not in item or not all(key.split(".")):
+            raise ConfigError(f"override '{item}': expected key=value, e.g. rounds=5")
         try:
             parsed.merge_with(OmegaConf.from_dotlist([item]))
         except OmegaConfBaseException as exc:
             raise omegaconf_error(exc) from None
         except yaml.YAMLError:
-            key = item.split("=", 1)[0]
             raise ConfigError(
                 f"override '{item}': {key}: its value is not valid YAML (an unclosed [ or {{?); "
                 "expected e.g. [32, 16] or a quoted string"

@@ -66,16 +66,34 @@ def jobs_address(address: str | None) -> str:
     return chosen if "://" in chosen else f"http://{chosen}"
 
 
-def auth_token(token_file: str | None = None) -> str | None:
-    """$RAY_AUTH_TOKEN, else the file (--token-file, $RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token)."""
+DEFAULT_TOKEN_FILE = "~/.ray/auth_token"
+
+
+def token_source(token_file: str | None = None) -> tuple[str, Path | None]:
+    """Where this client's token comes from, as Ray's clients look, named as a user would name
+    it ($RAY_AUTH_TOKEN, --token-file F, $RAY_AUTH_TOKEN_PATH=F, else the default file), and its
+    file (None for the variable)."""
     if os.environ.get(TOKEN_VAR):
+        return TOKEN_VAR, None
+    if token_file:
+        return f"--token-file {token_file}", Path(token_file).expanduser()
+    if os.environ.get(TOKEN_PATH_VAR):
+        named = os.environ[TOKEN_PATH_VAR]
+        return f"{TOKEN_PATH_VAR}={named}", Path(named).expanduser()
+    return DEFAULT_TOKEN_FILE, Path(DEFAULT_TOKEN_FILE).expanduser()
+
+
+def auth_token(token_file: str | None = None) -> str | None:
+    """The token where `token_source` says; a file named on purpose must be there, the default
+    one need not."""
+    source, path = token_source(token_file)
+    if path is None:
         return os.environ[TOKEN_VAR].strip()
-    named = token_file or os.environ.get(TOKEN_PATH_VAR)
-    path = Path(named).expanduser() if named else Path.home() / ".ray" / "auth_token"
-    if named and not path.is_file():
-        key = "--token-file" if token_file else TOKEN_PATH_VAR
-        raise ConfigError(f"{key} {path}: not found")
-    return path.read_text().strip() if path.is_file() else None
+    if not path.is_file():
+        if source != DEFAULT_TOKEN_FILE:
+            raise ConfigError(f"{source}: not found")
+        return None
+    return path.read_text().strip()
 
 
 def check_tracking_store(config: Path, overrides: Sequence[str], tracking_enabled: bool) -> None:

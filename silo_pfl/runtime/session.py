@@ -144,7 +144,7 @@ def check_token(address: str, key: str = "ray.address") -> None:
         return
     import grpc
 
-    from silo_pfl.runtime.jobs import auth_token
+    from silo_pfl.runtime.jobs import auth_token, token_source
 
     token = auth_token()
     metadata = [("authorization", f"Bearer {token}")] if token else []
@@ -164,7 +164,7 @@ def check_token(address: str, key: str = "ray.address") -> None:
             "RAY_AUTH_TOKEN or ~/.ray/auth_token (RAY_AUTH_MODE=token)"
         )
     raise FederationError(
-        f"{key}: the cluster at {address} refused the token ({_token_source()}); give the "
+        f"{key}: the cluster at {address} refused the token ({token_source()[0]}); give the "
         "cluster's own token in RAY_AUTH_TOKEN or ~/.ray/auth_token"
     )
 
@@ -175,15 +175,6 @@ def _host_port(address: str) -> tuple[str, int] | None:
     if not sep or not host or not port.isdigit():
         return None
     return host.strip("[]"), int(port)
-
-
-def _token_source() -> str:
-    """Where this client's token came from, as auth_token looks for it."""
-    if os.environ.get("RAY_AUTH_TOKEN"):
-        return "RAY_AUTH_TOKEN"
-    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
-        return f"RAY_AUTH_TOKEN_PATH={os.environ['RAY_AUTH_TOKEN_PATH']}"
-    return "~/.ray/auth_token"
 
 
 def _tls() -> bool:
