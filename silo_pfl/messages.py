@@ -33,7 +33,9 @@ class SiloInfo:
 
 @dataclass(frozen=True)
 class RejoinInfo:
-    """A restarted or resumed silo: the round it restored and a digest of its local keys."""
+    """A restarted or resumed silo: the round it goes on from (the commit it restored, or the
+    round whose aggregated update's state it took back and committed) and a digest of its
+    local keys."""
 
     silo: str
     round: int

@@ -233,14 +233,23 @@ class Silo:
         identity_keys: dict[str, bytes],
         round_: int,
         exporters: dict[str, SiloExporter] | None = None,
+        aggregated: tuple[int, int] | None = None,
     ) -> RejoinInfo:
         """After a restart: set up again from this silo's own directory, restore bit for bit
-        the state it committed in `round_`, and take its exporters back."""
+        the state it committed in `round_`, and take its exporters back. `aggregated`: the
+        (round, attempt) after `round_` whose update the server aggregated before this silo
+        could commit it. Where the server mirrors the algorithm's state, that fit's state is
+        taken back and committed as that round's, unevaluated; RejoinInfo names the round."""
         info = self.setup(resume=True)
         self.build(input_shape, num_classes, identity_keys)
         digest = self.restore(round_)
+        if aggregated is not None and self.algorithm.server_mirrors_state:
+            sent_round, attempt = aggregated
+            state = self.store.load_sent(sent_round, attempt)
+            self.algorithm.load_local_state(self, as_tensors(state))
+            self._checkpoint(sent_round)
         self.attach(exporters or {})
-        return RejoinInfo(self.name, round_, digest, info.pid)
+        return RejoinInfo(self.name, self.committed, digest, info.pid)
 
     def _checkpoint(
         self, round_: int, model: dict[str, np.ndarray] | None = None, own: bool = False
@@ -418,6 +427,8 @@ class Silo:
         extras = self.algorithm.update_extras(self, reference)
         payload = self.split.outgoing(delta, extras)
         self.algorithm.after_fit(self, reference, round_)
+        if self.algorithm.server_mirrors_state:
+            self.store.save_sent(round_, attempt, as_arrays(self.algorithm.local_state()))
         num_examples = self.num_examples
         masking = 0.0
         if self._secure is None:

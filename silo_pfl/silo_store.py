@@ -10,6 +10,9 @@
   its SHA-256 goes into the silo's next checkpoint.
 - MODELS: read only, each committed round's model in a file of its own, as earlier versions
   wrote them.
+- SENT: the algorithm's state as a fit left it, for the algorithms whose server mirrors it
+  (`Algorithm.server_mirrors_state`), written before the update leaves the silo: a silo that
+  dies after its update was aggregated, before it committed the round, takes it back.
 
 What goes into a checkpoint, and when, is the silo's; where it goes and how it is read back is
 this module's.
@@ -31,6 +34,7 @@ GLOBAL_PART = "checkpoints-global"
 GLOBAL_PART_BYTES = 1 << 20
 MODELS = "models"
 SELECTED = "selected"
+SENT = "sent"
 
 
 class SiloStore:
@@ -101,6 +105,20 @@ class SiloStore:
             return checkpoint.load(older, round_)
         model = self.model_of(round_, self.load(round_))
         return model if model is not None else checkpoint.load(older, round_)
+
+    def save_sent(self, round_: int, attempt: int, state: dict[str, np.ndarray]) -> None:
+        """Keep the algorithm's `state` as the fit of `round_`, attempt `attempt`, left it."""
+        checkpoint.save_arrays(self.dir / SENT, round_, {"attempt": attempt, "state": state})
+
+    def load_sent(self, round_: int, attempt: int) -> dict[str, np.ndarray]:
+        """The state `save_sent` kept for `round_`; raises if it was another attempt's."""
+        sent = checkpoint.load(self.dir / SENT, round_)
+        if sent["attempt"] != attempt:
+            raise checkpoint.CheckpointError(
+                f"{self.dir / SENT}: round {round_} holds attempt {sent['attempt']}, "
+                f"not {attempt}, whose update was aggregated"
+            )
+        return sent["state"]
 
     def publish(self, round_: int, state: dict[str, Any]) -> str:
         """Write round `round_`'s model as the selected one, in torch's format; its SHA-256."""

@@ -1,7 +1,8 @@
 """A plugin for the fault tests (config `plugins: [fault_plugins]`): FedPer whose one silo's
 training turns to NaN in one round, as a silo with corrupt data or a bad update would, whose fit
-raises in one round, or whose process dies or stops in the middle of its training in one round.
-The faults strike from inside the fit, so they land there however fast the machine is."""
+raises in one round, or whose process dies or stops in the middle of its training in one round;
+and SCAFFOLD whose one silo dies as it evaluates a round its update was aggregated in. The faults
+strike from inside the silo's own calls, so they land there however fast the machine is."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from torch import nn
 from silo_pfl.algorithms import register
 from silo_pfl.algorithms.base import SiloTrainer
 from silo_pfl.algorithms.fedper import FedPer, FedPerParams
+from silo_pfl.algorithms.scaffold import Scaffold
 
 
 @dataclass
@@ -180,3 +182,31 @@ class SlowRounds(FedPer):
         super().begin_round(silo, reference, broadcast)
         if getattr(silo, "committed", 0) < self.params.until:
             time.sleep(self.params.seconds)
+
+
+@dataclass
+class ScaffoldSignalParams:
+    """As SignalParams, for SCAFFOLD (which takes no parameters of its own)."""
+
+    silo: str = ""
+    round: int = 3
+    marker: str = ""
+
+
+@register
+class ScaffoldDiesInEvaluation(Scaffold):
+    """SCAFFOLD, except that `silo`'s process is killed (SIGKILL) as it evaluates round `round`:
+    after its update was aggregated, before it commits the round; once (while `marker` is
+    absent)."""
+
+    name = "scaffold_dies_in_evaluation"
+    Params = ScaffoldSignalParams
+
+    def personalized_model(self, silo: SiloTrainer, round_: int) -> nn.Module:
+        params = self.params
+        if silo.name == params.silo and round_ == params.round:
+            marker = Path(params.marker)
+            if not marker.exists():
+                marker.write_text(str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().personalized_model(silo, round_)

@@ -156,6 +156,37 @@ def test_a_silo_killed_mid_round_restarts_from_its_checkpoint(
     assert va.data.tags["round_3_restored"] == killer.digests["va"][2]
 
 
+def test_scaffolds_silo_killed_after_its_update_was_aggregated_keeps_c_the_mean(tmp_path):
+    """va's process is killed as it evaluates round 3, after the server added its Delta c_i. It
+    rejoins with the c_i that update carried, committed as round 3, so at the end the server's
+    c is still the mean of the four silos' c_i. Before, va went back to round 2's c_i."""
+    fault = "scaffold_dies_in_evaluation"
+    options = [f"algorithm.{fault}.{k}={v}" for k, v in (("silo", "va"), ("round", 3))]
+    marker = tmp_path / "died.pid"
+    result = _run(
+        tmp_path,
+        "runs",
+        "plugins=[tests.fault_plugins]",
+        f"algorithm.name={fault}",
+        *options,
+        f"algorithm.{fault}.marker={marker}",
+        "train.optimizer=sgd",
+        "tracking.enabled=false",
+    )
+    assert marker.exists() and result.silos["va"].restarts == 1
+    assert result.history[3].restarted["va"]["round"] == 3
+    run_dir = Path(result.to_dict()["run_dir"])
+    server = checkpoint.load(run_dir / "server", ROUNDS)["strategy"]["c"]
+    silos = []
+    for silo in result.silos:
+        folder = run_dir / "silos" / silo / CHECKPOINTS
+        saved = checkpoint.load(folder, checkpoint.rounds(folder)[-1])["algorithm"]
+        silos.append({k.removeprefix("scaffold.c."): v for k, v in saved.items()})
+    for key, value in server.items():
+        mean = np.mean([np.asarray(s[key], np.float64) for s in silos], axis=0)
+        np.testing.assert_allclose(value, mean, rtol=0, atol=1e-6)
+
+
 def test_a_hung_silo_is_left_out_by_the_deadline_and_rejoins(tmp_path, mlflow_store, caplog):
     timeout = 3.0
 

@@ -65,6 +65,34 @@ def test_scaffolds_control_variate_stays_the_mean_when_few_silos_take_part(job, 
         _assert_c_is_the_mean_of_the_silos(server, silos)
 
 
+@pytest.mark.parametrize(("algorithm", "takes_back"), [("scaffold", True), ("fedper", False)])
+def test_a_silo_that_dies_after_its_update_was_aggregated_rejoins_with_the_state_it_sent(
+    job, algorithm, takes_back
+):
+    """va's round-2 update is aggregated, then its process dies before it commits round 2. The
+    server has added its Delta c_i, so the restarted va takes back the c_i its fit sent (kept
+    before the update left) and commits round 2 with it: c stays the mean of the four c_i.
+    Before, va rejoined with round 1's c_i and c stayed off that mean for good. An algorithm
+    whose server mirrors none of its state (fedper) restores its last commit, as before."""
+    overrides = (f"algorithm.name={algorithm}", "round.min_silos=4")
+    silos, server = federation(job, algorithm, silos=HOSPITALS)
+    play_round(silos, server, 1, commit=True)
+    updates = [u for u, _ in fit_all(silos, server, 2)]
+    assert aggregate(silos, server, updates).aggregated
+    for silo in silos[:-1]:
+        silo.evaluate(server.global_state(), 2)
+        silo.commit(2, keep=True)
+    restarted = Silo(to_dict(job("jobs/heart_disease.yaml", *overrides)), "va")
+    data = silos[-1].data
+    rejoined = restarted.rejoin(data.input_shape, data.num_classes, {}, 1, None, (2, 1))
+    assert rejoined.round == (2 if takes_back else 1)
+    silos[-1] = restarted
+    for round_ in (3, 4):
+        play_round(silos, server, round_, commit=True)
+        if takes_back:
+            _assert_c_is_the_mean_of_the_silos(server, silos)
+
+
 @pytest.mark.parametrize("momentum", [0.0, 0.5, 0.9])
 def test_scaffolds_steps_moved_is_how_far_sgd_moves_under_a_steady_gradient(momentum):
     """The c_i update divides the drift by what K steps of the package's SGD (a fresh momentum

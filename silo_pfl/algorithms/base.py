@@ -100,6 +100,9 @@ class Algorithm:
     Strategy: ClassVar[type[ServerStrategy]] = ServerStrategy
     # The server optimizer this algorithm stands for (fedadam: adam); None: server.optimizer's.
     server_optimizer: ClassVar[str | None] = None
+    # The server's state mirrors `local_state` as a fit leaves it (SCAFFOLD's c is the mean of
+    # the silos' c_i): once the update is aggregated, that state must outlive the silo's process.
+    server_mirrors_state: ClassVar[bool] = False
 
     def __init__(self, params: object, train: TrainConfig) -> None:
         self.params = params

@@ -11,6 +11,9 @@ weighted by the rows n_i turns back into the plain sum.
 With momentum m, K steps from a fresh buffer move lr * sum_{j=1..K} (1 - m^j) / (1 - m) per unit
 of a steady gradient, so that takes the place of K * lr (`steps_moved`). Control variates of
 buffers (BatchNorm statistics) stay zero.
+
+The server has added Delta c_i once the update is aggregated, so c_i+ must outlive the silo's
+process from then on, even if it dies before it commits the round (`server_mirrors_state`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class Scaffold(Algorithm):
 
     name = "scaffold"
     Strategy = ControlVariates
+    server_mirrors_state = True
 
     def __init__(self, params, train) -> None:
         super().__init__(params, train)

@@ -58,9 +58,14 @@ class Party:
     name: str
     actor: Any
     committed: int = 0
+    aggregated: tuple[int, int] | None = None  # the last (round, attempt) its update was in
     selected: int | None = None  # the round whose model selection chose for it (None: none yet)
     restarts: int = 0
     died: bool = False  # its process died: rejoin it before its next round
+
+    def uncommitted(self) -> tuple[int, int] | None:
+        """The (round, attempt) whose update was aggregated after its last commit, if any."""
+        return self.aggregated if self.aggregated and self.aggregated[0] > self.committed else None
 
 
 @dataclass
@@ -230,6 +235,7 @@ class RoundRunner:
                     args.identity_keys,
                     self.parties[n].committed,
                     args.exporters.get(n, {}),
+                    self.parties[n].uncommitted(),
                 )
                 for n in waiting
             }
@@ -237,9 +243,10 @@ class RoundRunner:
             for name, info in infos.items():
                 party = self.parties[name]
                 party.died, party.restarts = False, party.restarts + 1
+                party.committed = info.round
                 rejoined[name] = info
                 log.warning(
-                    "round %d: silo %s restarted (pid %d) and restored round %d",
+                    "round %d: silo %s restarted (pid %d) and goes on from its round %d",
                     round_,
                     name,
                     info.pid,
@@ -317,6 +324,8 @@ class RoundRunner:
         self._mark_dead(died)
         if not report.aggregated:
             return report.reason + _reasons(absent)
+        for name in report.accepted:
+            self.parties[name].aggregated = (round_, attempt)
         accepted = {n: eval_refs[n][0] for n in report.accepted}
         evals, late, died = gather(accepted, self.timeout)
         why = "its update was aggregated, but its evaluation and commit"
