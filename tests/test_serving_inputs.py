@@ -151,6 +151,11 @@ def test_too_few_columns_say_how_many_are_expected_and_the_first_missing(registe
             "heart_disease raw rows: column cp has 9 (row 0), expected one of 1, 2, 3, 4",
         ),
         (
+            RAW_COLUMNS,
+            [ROW[0], 7, *ROW[2:]],
+            "heart_disease raw rows: column sex has 7 (row 0), expected one of 0, 1",
+        ),
+        (
             RAW_COLUMNS[:3],
             ROW[:3],
             "input lacks 7 of the model's 10 raw columns: trestbps, chol, fbs and 4 more; "
@@ -158,7 +163,7 @@ def test_too_few_columns_say_how_many_are_expected_and_the_first_missing(registe
             "oldpeak",
         ),
     ],
-    ids=["null", "string", "unknown-code", "missing-columns"],
+    ids=["null", "string", "unknown-code", "binary-code", "missing-columns"],
 )
 def test_the_served_models_400_says_what_is_wrong_in_its_message(heart_url, columns, row, message):
     """Not MLflow's "Encountered an unexpected error ..." with the reason in stack_trace."""

@@ -48,6 +48,7 @@ RAW_COLUMNS = (
     "oldpeak",
 )
 CATEGORIES = {"cp": (1, 2, 3, 4), "restecg": (0, 1, 2)}
+BINARY = ("sex", "fbs", "exang")  # 0/1 codes, fed to the model as they are
 NUMERIC_COLUMNS = tuple(name for name in RAW_COLUMNS if name not in CATEGORIES)
 FEATURE_NAMES = NUMERIC_COLUMNS + tuple(
     f"{name}_{level}" for name, levels in CATEGORIES.items() for level in levels[1:]
@@ -109,18 +110,20 @@ def encode_raw(rows: np.ndarray) -> np.ndarray:
             f"heart_disease raw rows: got shape {rows.shape}, expected (n, {len(RAW_COLUMNS)}) "
             f"with columns {', '.join(RAW_COLUMNS)}"
         )
-    numeric = rows[:, [RAW_COLUMNS.index(name) for name in NUMERIC_COLUMNS]]
-    dummies = [numeric]
-    for name, levels in CATEGORIES.items():
-        codes = rows[:, RAW_COLUMNS.index(name)]
-        unknown = ~np.isin(codes, levels)
+    codes = {**CATEGORIES, **{name: (0, 1) for name in BINARY}}
+    for name, levels in codes.items():
+        column = rows[:, RAW_COLUMNS.index(name)]
+        unknown = ~np.isin(column, levels)
         if unknown.any():
             row = int(np.argmax(unknown))
             raise DataError(
-                f"heart_disease raw rows: column {name} has {codes[row]:g} (row {row}), expected "
+                f"heart_disease raw rows: column {name} has {column[row]:g} (row {row}), expected "
                 f"one of {', '.join(map(str, levels))}"
             )
-        dummies.append(codes[:, None] == np.asarray(levels[1:], dtype=np.float64)[None, :])
+    dummies = [rows[:, [RAW_COLUMNS.index(name) for name in NUMERIC_COLUMNS]]]
+    for name, levels in CATEGORIES.items():
+        column = rows[:, RAW_COLUMNS.index(name)]
+        dummies.append(column[:, None] == np.asarray(levels[1:], dtype=np.float64)[None, :])
     return np.hstack(dummies).astype(np.float64)
 
 
