@@ -49,12 +49,12 @@ def joining_config(
     names = all_silo_names(cfg.data)
     if silo not in names:
         raise ConfigError(
-            f"--silo {silo}: not a silo of data.source={cfg.data.source}; its silos are "
+            f"silo {silo}: not a silo of data.source={cfg.data.source}; its silos are "
             f"{', '.join(names)}"
         )
     if silo in trained.founders:
         raise ConfigError(
-            f"--silo {silo}: a founding silo of run {trained.run_id}; onboarding is for a silo "
+            f"silo {silo}: a founding silo of run {trained.run_id}; onboarding is for a silo "
             "the federation did not train with (see data.late_silos)"
         )
     _check_data_split(trained, cfg)

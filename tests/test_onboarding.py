@@ -97,7 +97,7 @@ def test_a_silo_the_federation_never_saw_joins_registers_and_serves(tmp_path, ml
     _one_line_error(
         main(["onboard", SKEW, "--silo", "silo_0", runs, *DATA]),
         capsys.readouterr().err,
-        "--silo silo_0: a founding silo of run",
+        "silo silo_0: a founding silo of run",
     )
     code = main(["onboard", SKEW, "--silo", NEW, "--from", "0123abcd", runs, *DATA])
     _one_line_error(code, capsys.readouterr().err, "--from 0123abcd: no such run")

@@ -114,8 +114,8 @@ def test_a_seed_or_data_split_other_than_the_trained_runs_is_refused(
 @pytest.mark.parametrize(
     ("silo", "message"),
     [
-        ("cleveland", "--silo cleveland: a founding silo of run run-1"),
-        ("mayo", "--silo mayo: not a silo of data.source=heart_disease"),
+        ("cleveland", "silo cleveland: a founding silo of run run-1"),
+        ("mayo", "silo mayo: not a silo of data.source=heart_disease"),
     ],
 )
 def test_a_founder_or_an_unknown_silo_cannot_join(job, silo, message):
