@@ -53,8 +53,8 @@ def _cluster_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--token-file",
-        help="the cluster's token; default $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH, "
-        "~/.ray/auth_token",
+        help="the cluster's token (wins over the variables); default $RAY_AUTH_TOKEN, "
+        "$RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token",
     )
     _debug(parser)
 

@@ -58,10 +58,13 @@ def test_the_token_comes_from_the_variable_then_a_file(monkeypatch, tmp_path):
     (tmp_path / "t").write_text("from-file")
     assert auth_token(str(tmp_path / "t")) == "from-file"
     monkeypatch.setenv("RAY_AUTH_TOKEN", "from-env")
-    assert auth_token(str(tmp_path / "t")) == "from-env"
+    assert auth_token() == "from-env"
+    assert auth_token(str(tmp_path / "t")) == "from-file", "a file given on purpose wins"
     monkeypatch.delenv("RAY_AUTH_TOKEN")
     with pytest.raises(ConfigError, match="--token-file .*missing: not found"):
         auth_token(str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match=f"^--token-file {tmp_path}: not a file$"):
+        auth_token(str(tmp_path))
 
 
 @pytest.mark.parametrize(

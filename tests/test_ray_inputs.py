@@ -175,3 +175,39 @@ def test_a_token_the_cluster_refuses_is_named_at_once(ray_local, tmp_path):
         "the cluster's own token in RAY_AUTH_TOKEN or ~/.ray/auth_token\n"
     )
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_cluster_joined_without_ray_auth_mode_says_it_needs_it_at_once(ray_local, tmp_path):
+    """Without RAY_AUTH_MODE=token Ray sends no token, and retries for 20 s before a generic
+    'Failed to connect'; the probe names the missing setting at once, in one line."""
+    address = ray_local._private.worker._global_node.gcs_address
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    argv = [sys.executable, "-m", "silo_pfl", "run", JOB, "rounds=1", "tracking.enabled=false"]
+    argv += [f"output_dir={tmp_path / 'runs'}", f"ray.address={address}"]
+    began = time.monotonic()
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert done.returncode == 1 and time.monotonic() - began < 15, done.stderr
+    assert done.stderr == (
+        f"error: ray.address: the cluster at {address} uses token authentication; set "
+        "RAY_AUTH_MODE=token, with its token in RAY_AUTH_TOKEN or ~/.ray/auth_token\n"
+    )
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_connection_error_from_ray_init_is_one_line(monkeypatch):
+    """ConnectionError is an OSError: it must not fall through the socket-path check and leave
+    the run with a bare 'ConnectionError: ...'. (ray.init is made to fail as it does when the
+    cluster goes away between the probes and the join.)"""
+    from silo_pfl.config import RayConfig
+
+    def refuse(**_: object) -> None:
+        raise ConnectionError("Failed to connect to Ray cluster")
+
+    monkeypatch.setattr(session.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(session.ray, "init", refuse)
+    with pytest.raises(FederationError) as info, session.ray_session(RayConfig()):
+        pass
+    assert str(info.value) == (
+        "ray.address: cannot start or reach Ray at a local instance: Failed to connect to Ray "
+        "cluster"
+    )

@@ -228,8 +228,25 @@ def test_a_submission_without_the_token_is_refused_in_one_line(cluster, tmp_path
     assert done.returncode == 1
     assert "Traceback" not in done.stderr
     (line,) = done.stderr.strip().splitlines()
-    assert line.startswith(f"error: --address {cluster.info['dashboard']}: the cluster refused")
+    assert line.startswith(
+        f"error: --address {cluster.info['dashboard']}: the cluster refused the request, sent "
+        "with no token ("
+    )
     assert "RAY_AUTH_TOKEN" in line
+    # A token file given on purpose wins over another cluster's token in the environment.
+    (tmp_path / "token").write_text(cluster.env["RAY_AUTH_TOKEN"])
+    listed = _cli({**env, "RAY_AUTH_TOKEN": "another-clusters"}, "jobs", *address)
+    assert listed.returncode == 1 and "refused the request, sent with RAY_AUTH_TOKEN (" in (
+        listed.stderr
+    ), listed.stderr
+    listed = _cli(
+        {**env, "RAY_AUTH_TOKEN": "another-clusters"},
+        "jobs",
+        *address,
+        "--token-file",
+        str(tmp_path / "token"),
+    )
+    assert listed.returncode == 0 and listed.stdout.startswith("job id"), listed.stderr
 
 
 def test_a_silo_pinned_to_a_label_no_node_has_fails_within_30_seconds(cluster, tmp_path):

@@ -70,13 +70,13 @@ DEFAULT_TOKEN_FILE = "~/.ray/auth_token"
 
 
 def token_source(token_file: str | None = None) -> tuple[str, Path | None]:
-    """Where this client's token comes from, as Ray's clients look, named as a user would name
-    it ($RAY_AUTH_TOKEN, --token-file F, $RAY_AUTH_TOKEN_PATH=F, else the default file), and its
-    file (None for the variable)."""
-    if os.environ.get(TOKEN_VAR):
-        return TOKEN_VAR, None
+    """Where this client's token comes from, named as a user would name it: --token-file F
+    given on purpose, else as Ray's clients look ($RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH=F, the
+    default file); and its file (None for the variable)."""
     if token_file:
         return f"--token-file {token_file}", Path(token_file).expanduser()
+    if os.environ.get(TOKEN_VAR):
+        return TOKEN_VAR, None
     if os.environ.get(TOKEN_PATH_VAR):
         named = os.environ[TOKEN_PATH_VAR]
         return f"{TOKEN_PATH_VAR}={named}", Path(named).expanduser()
@@ -90,9 +90,9 @@ def auth_token(token_file: str | None = None) -> str | None:
     if path is None:
         return os.environ[TOKEN_VAR].strip()
     if not path.is_file():
-        if source != DEFAULT_TOKEN_FILE:
-            raise ConfigError(f"{source}: not found")
-        return None
+        if source == DEFAULT_TOKEN_FILE and not path.exists():
+            return None
+        raise ConfigError(f"{source}: {'not a file' if path.exists() else 'not found'}")
     return path.read_text().strip()
 
 
@@ -180,6 +180,7 @@ class JobsClient:
         self.address, self.key = jobs_address(address), address_key(address)
         self.given = address or os.environ.get(self.key, self.address)  # as the user wrote it
         token = auth_token(token_file)
+        self.token_source = token_source(token_file)[0] if token else "no token"
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._client: Any = None
 
@@ -204,8 +205,9 @@ class JobsClient:
             yield
         except AuthenticationError as exc:
             raise FederationError(
-                f"{self.key} {self.given}: the cluster refused the request "
-                f"({one_line(exc)}); set {TOKEN_VAR} or --token-file to the cluster's token"
+                f"{self.key} {self.given}: the cluster refused the request, sent with "
+                f"{self.token_source} ({one_line(exc)}); give the cluster's token with "
+                f"--token-file or {TOKEN_VAR}"
             ) from None
         except (ConnectionError, RuntimeError, ValueError, RpcError) as exc:
             raise FederationError(f"{self.key} {self.given}: {one_line(exc)}") from None

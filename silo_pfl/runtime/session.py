@@ -58,20 +58,13 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
         else:
             ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     except OSError as exc:
-        if SOCKET_PATH_TOO_LONG not in str(exc):
+        if SOCKET_PATH_TOO_LONG in str(exc):
+            raise FederationError(_socket_dir_too_long(str(exc))) from None
+        if not isinstance(exc, ConnectionError):
             raise
-        raise FederationError(_socket_dir_too_long(str(exc))) from None
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        where = address or "a local instance"
-        hint = ""
-        if address is not None and os.environ.get("RAY_AUTH_MODE") != "token":
-            hint = (
-                " (a cluster with token authentication needs RAY_AUTH_MODE=token, and its token "
-                "in RAY_AUTH_TOKEN or ~/.ray/auth_token)"
-            )
-        raise FederationError(
-            f"ray.address: cannot start or reach Ray at {where}: {one_line(exc)}{hint}"
-        ) from None
+        raise _unreachable(exc, address) from None
+    except (RuntimeError, ValueError) as exc:
+        raise _unreachable(exc, address) from None
     try:
         with sigterm_interrupts():
             yield
@@ -80,6 +73,21 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
             shutdown_local()
         else:
             ray.shutdown()
+
+
+def _unreachable(exc: Exception, address: str | None) -> FederationError:
+    """Ray could not start, or reach the cluster at `address`: one line, with the token hint
+    where a cluster was joined without RAY_AUTH_MODE=token."""
+    where = address or "a local instance"
+    hint = ""
+    if address is not None and os.environ.get("RAY_AUTH_MODE") != "token":
+        hint = (
+            " (a cluster with token authentication needs RAY_AUTH_MODE=token, and its token "
+            "in RAY_AUTH_TOKEN or ~/.ray/auth_token)"
+        )
+    return FederationError(
+        f"ray.address: cannot start or reach Ray at {where}: {one_line(exc)}{hint}"
+    )
 
 
 REACH_SECONDS = 10.0  # how long a cluster's address may take to accept a connection
@@ -132,12 +140,12 @@ CLUSTER_ID_METHOD = "/ray.rpc.NodeInfoGcsService/GetClusterId"
 
 
 def check_token(address: str, key: str = "ray.address") -> None:
-    """With token authentication on (RAY_AUTH_MODE=token), the cluster's GCS at `address`
-    (`host:port`) accepts this client's token: one gRPC call carrying it, as Ray's clients send
-    it. A refusal is a one-line FederationError naming where the token came from; Ray itself
-    retries for 20 s and then names only the address. Any other outcome is left to Ray, and so
-    is a cluster with TLS (RAY_USE_TLS)."""
-    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token" or _tls():
+    """The cluster's GCS at `address` (`host:port`) accepts this client: one gRPC call carrying
+    the token as Ray's clients send it, which is only with RAY_AUTH_MODE=token. A refusal is a
+    one-line FederationError: without RAY_AUTH_MODE=token, that it needs it; with it, where the
+    refused token came from. Ray itself retries for 20 s and then names only the address. Any
+    other outcome is left to Ray, and so is a cluster with TLS (RAY_USE_TLS)."""
+    if _tls():
         return
     target = address.split("://", 1)[-1]
     if _host_port(target) is None:
@@ -146,7 +154,8 @@ def check_token(address: str, key: str = "ray.address") -> None:
 
     from silo_pfl.runtime.jobs import auth_token, token_source
 
-    token = auth_token()
+    mode = os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
+    token = auth_token() if mode else None
     metadata = [("authorization", f"Bearer {token}")] if token else []
     try:
         with grpc.insecure_channel(target) as channel:
@@ -158,6 +167,11 @@ def check_token(address: str, key: str = "ray.address") -> None:
             return
     else:
         return
+    if not mode:
+        raise FederationError(
+            f"{key}: the cluster at {address} uses token authentication; set RAY_AUTH_MODE=token, "
+            "with its token in RAY_AUTH_TOKEN or ~/.ray/auth_token"
+        )
     if token is None:
         raise FederationError(
             f"{key}: the cluster at {address} needs its token, and none is set; give it in "
