@@ -483,6 +483,17 @@ _LABEL_NAME = re.compile(r"^[a-zA-Z0-9]([a-zA-Z0-9_.-]{0,61}[a-zA-Z0-9])?$")
 _LABEL_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
+SILO_LABEL = "silo"  # per_node: silo X runs on the node labelled silo=X
+
+
+def silo_selector(cfg: FederationConfig, silo: str) -> dict[str, str] | None:
+    """The labels silo `silo`'s node must carry, or None for any node."""
+    own = cfg.silos.get(silo)
+    if own is not None and own.node_label:
+        return dict(own.node_label)
+    return {SILO_LABEL: silo} if cfg.ray.placement == "per_node" else None
+
+
 def check_node_label(labels: dict[str, str] | None, key: str) -> None:
     """A node label selector is a non-empty mapping of valid label keys to valid values."""
     if labels is None:

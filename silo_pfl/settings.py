@@ -24,6 +24,7 @@ from silo_pfl.config import (
     check_node_label,
     merge_config,
     read_yaml,
+    silo_selector,
     to_dict,
     written_keys,
 )
@@ -219,6 +220,26 @@ def _check_model(cfg: FederationConfig) -> None:
     check_hidden(cfg.model.name, cfg.model.hidden)
 
 
+def _check_nodes_apart(cfg: FederationConfig, names: list[str]) -> None:
+    """Under ray.placement=per_node no two silos ask for the same node labels: the second would
+    read the first one's data on that node and register a model of it under its own name."""
+    if cfg.ray.placement != "per_node":
+        return
+    taken: dict[tuple[tuple[str, str], ...], str] = {}
+    for silo in names:
+        selector = silo_selector(cfg, silo) or {}
+        labels = tuple(sorted(selector.items()))
+        if labels in taken:
+            named = silo if cfg.silos.get(silo) and cfg.silos[silo].node_label else taken[labels]
+            other = taken[labels] if named == silo else silo
+            shown = ",".join(f"{k}={v}" for k, v in labels)
+            raise ConfigError(
+                f"silos.{named}.node_label: {shown} is also silo {other}'s node; under "
+                "ray.placement=per_node each silo needs a node of its own"
+            )
+        taken[labels] = silo
+
+
 def _check_secure(cfg: FederationConfig, names: list[str]) -> None:
     """Secure aggregation needs two silos, a majority threshold, a quorum no smaller, and either
     every silo's identity key or none."""
@@ -325,4 +346,5 @@ def _check_silos(cfg: FederationConfig) -> None:
             settings.tracking_uri = check_uri(settings.tracking_uri, f"silos.{silo}.tracking_uri")
         check_node_label(settings.node_label, f"silos.{silo}.node_label")
     check_node_label(cfg.server.node_label, "server.node_label")
+    _check_nodes_apart(cfg, every)
     cfg.tracking.uri = resolve_uri(cfg.tracking.uri, "tracking.uri")

@@ -132,6 +132,19 @@ def test_every_job_loads():
         (["server.node_label.-silo=x"], "server.node_label: label key '-silo' is not valid"),
         (["server.node_labels.silo=x"], "server.node_labels: unknown key; allowed: node_label"),
         (["ray.placement=everywhere"], "ray.placement: got 'everywhere', expected one of any"),
+        (
+            ["ray.placement=per_node", "silos.va.node_label.silo=cleveland"],
+            "silos.va.node_label: silo=cleveland is also silo cleveland's node; under "
+            "ray.placement=per_node each silo needs a node of its own",
+        ),
+        (
+            [
+                "ray.placement=per_node",
+                "silos.va.node_label.site=x",
+                "silos.hungarian.node_label.site=x",
+            ],
+            "silos.va.node_label: site=x is also silo hungarian's node",
+        ),
     ],
 )
 def test_bad_values_name_the_key(overrides, expected):

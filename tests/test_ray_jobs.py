@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from serving import predict, served
 
 from silo_pfl.data import csv_source
@@ -267,6 +268,28 @@ def test_a_silo_pinned_to_a_label_no_node_has_fails_within_30_seconds(cluster, t
     assert "Traceback" not in done.stderr
     line = done.stderr.strip().splitlines()[-1]
     assert "silo cleveland" in line and "silo=nowhere" in line, line
+
+
+def test_two_silos_on_one_node_under_per_node_fail_before_training(cluster, tmp_path):
+    """hungarian pinned by a label cleveland's node carries too (its node id): the second silo
+    would read cleveland's data and register a model of it as hungarian's. One line names both
+    silos once their set-up shows one node, before any round; nothing is registered."""
+    job = yaml.safe_load((ROOT / JOB).read_text())
+    job["silos"] = {
+        "hungarian": {"node_label": {"ray.io/node-id": cluster.info["nodes"]["cleveland"]}}
+    }
+    path = tmp_path / "one_node.yaml"
+    path.write_text(yaml.safe_dump(job))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    address = f"ray.address={cluster.info['address']}"
+    done = _cli(
+        cluster.env, "run", str(path), address, f"tracking.uri={uri}", f"output_dir={tmp_path}"
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: silos cleveland and hungarian: both run on node "), line
+    assert "each silo needs a node of its own" in line and "round 1" not in done.stdout
+    assert not _client(uri).search_registered_models()
 
 
 def test_the_data_path_exists_only_on_the_silos_own_node(tmp_path):

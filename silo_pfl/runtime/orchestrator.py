@@ -32,6 +32,7 @@ from silo_pfl.runtime.placement import (
     LABEL_WAIT_SECONDS,
     check_labels,
     check_local_cpus,
+    check_own_nodes,
     server_selector,
     silo_selector,
 )
@@ -136,6 +137,7 @@ class Orchestrator:
                 actors.update(start_silos(self.cfg, config, groups, run_id, tags, keep))
                 resuming = bool(self.resume)
                 infos = self._each(actors, names, "setup", "silo set-up", resuming)
+                check_own_nodes(self.cfg, {i.silo: i.node_id for i in infos})
                 input_shape, num_classes = model_shape(infos)
                 built = server.build.remote(server_start(self.cfg, input_shape, num_classes))
                 identity_keys = relayed(self.cfg, {i.silo: i.identity_key for i in infos})

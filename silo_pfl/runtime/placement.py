@@ -13,22 +13,13 @@ from typing import Any
 
 import ray
 
-from silo_pfl.config import FederationConfig
+from silo_pfl.config import FederationConfig, silo_selector
 from silo_pfl.errors import FederationError
 from silo_pfl.runtime.metrics import ray_address
 
-SILO_LABEL = "silo"  # per_node: silo X runs on the node labelled silo=X
 HEAD_RESOURCE = "node:__internal_head__"  # offered by the head node only
 # A node may still be joining when the run starts: wait this long for a label before failing.
 LABEL_WAIT_SECONDS = 5.0
-
-
-def silo_selector(cfg: FederationConfig, silo: str) -> dict[str, str] | None:
-    """The labels silo `silo`'s node must carry, or None for any node."""
-    own = cfg.silos.get(silo)
-    if own is not None and own.node_label:
-        return dict(own.node_label)
-    return {SILO_LABEL: silo} if cfg.ray.placement == "per_node" else None
 
 
 def server_selector(cfg: FederationConfig) -> dict[str, str] | None:
@@ -88,6 +79,24 @@ def homeless(selectors: Mapping[str, Mapping[str, str] | None]) -> dict[str, str
         for role, sel in pending.items()
         if not any(_carries(n, sel) for n in nodes)
     }
+
+
+def check_own_nodes(cfg: FederationConfig, nodes: Mapping[str, str]) -> None:
+    """Under ray.placement=per_node every silo ran on a node of its own (`nodes`: silo -> the
+    node its set-up ran on). Two silos whose labels one node carries would both read that
+    node's data; a one-line FederationError names them, before anything trains."""
+    if cfg.ray.placement != "per_node":
+        return
+    first: dict[str, str] = {}
+    for silo, node in nodes.items():
+        if node in first:
+            raise FederationError(
+                f"silos {first[node]} and {silo}: both run on node {node[:12]}, whose labels "
+                f"match {_describe(silo_selector(cfg, first[node]) or {})} and "
+                f"{_describe(silo_selector(cfg, silo) or {})}; under ray.placement=per_node each "
+                "silo needs a node of its own, so give each silo a label only its node carries"
+            )
+        first[node] = silo
 
 
 def check_local_cpus(cfg: FederationConfig, groups: Sequence[Sequence[str]], cpus: float) -> None:
