@@ -228,6 +228,16 @@ def test_prometheus_scrapes_every_metric_of_a_run_with_its_tags(tmp_path, ray_tm
     }
     assert left_out == {("silo_1", "withheld"): 1.0}
 
+    # The run's last scrape, taken while the run lingered, holds each silo's last figures.
+    samples = _query(prometheus.url, f'{{run_id="{run_id}"}}[15m]')
+    last = max(float(t) for series in samples for t, _ in series["values"])
+    final = result["history"][-1]["silos"]
+    for name, field in (("val", "val_accuracy"), ("test", "test_accuracy")):
+        at_end = _query(
+            prometheus.url, f'ray_silo_pfl_silo_{name}_accuracy{{run_id="{run_id}"}}', last
+        )
+        got = {s["metric"]["silo"]: float(s["value"][1]) for s in at_end}
+        assert got == pytest.approx({n: final[n][field] for n in SILOS}), (name, got)
     _every_panel_has_data(prometheus.url, run_id, began)
     _left_out_sum_reads_zero_when_none(prometheus.url, run_id)
 

@@ -297,8 +297,10 @@ class DriverMetrics:
         self._wait(export_interval_s())
 
     def linger(self) -> None:
-        """Before the driver leaves Ray: its own last figures exported and, on a local Ray, the
-        first scrape that starts after that has ended, or metrics.linger_s has passed.
+        """Before the actors stop and the driver leaves Ray: its own last figures exported and,
+        on a local Ray, the first scrape that starts after that has ended, or metrics.linger_s
+        has passed. The actors hold their gauges until then: Ray's agent drops a gauge two
+        export intervals after its process ends, sooner than a 5 s scrape comes.
 
         Nothing waits when nothing scrapes: no connection to the endpoint was seen during the
         run (the kernel lists a closed one for a minute), watched from Ray's start for at least

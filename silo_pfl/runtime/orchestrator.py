@@ -197,10 +197,10 @@ class Orchestrator:
                 )
                 self._emit("on_end", result)
                 metrics.settle()
+                metrics.linger()  # the actors hold their last gauges until that scrape
                 ended = True
             finally:
                 stop(list(actors.values()), keep and ended)
-            metrics.linger()
         self._emit("on_closed")
         result.write_json(self.run_dir.path / RESULT_FILE)
         return result
