@@ -7,6 +7,7 @@ import argparse
 import gc
 import os
 import shlex
+import signal
 import sys
 import tempfile
 import traceback
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from silo_pfl.compare import add_arguments as compare_arguments
-from silo_pfl.errors import ConfigError, Interrupted, SiloPflError
+from silo_pfl.errors import ConfigError, SiloPflError, interruption
 
 if TYPE_CHECKING:
     from silo_pfl.callbacks import Callback
@@ -428,8 +429,10 @@ def _stdout_gone() -> int:
     return EXIT_BROKEN_PIPE
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the process exit code."""
+def main(argv: Sequence[str] | None = None, process_exits: bool = False) -> int:
+    """Entry point; returns the process exit code. `process_exits`: the process ends after this
+    (the console command), so once interrupted it ignores further Ctrl-C and SIGTERM, which
+    would otherwise end it by the signal, its last line said or not."""
     try:
         args = _parse(argv)
     except SystemExit as exc:  # --help (0), or a usage error already said in one line (2)
@@ -444,9 +447,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR if isinstance(exc, ConfigError) else EXIT_FAILURE
     except KeyboardInterrupt as exc:
+        if process_exits:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
         if args.debug:
             traceback.print_exc()
-        stopped = exc if isinstance(exc, Interrupted) else Interrupted()
+        stopped = interruption(exc)
         print(f"error: {stopped}", file=sys.stderr)
         return stopped.exit_code
     except Exception as exc:
@@ -464,7 +470,7 @@ def console() -> None:
     left in memory is frozen first (gc.freeze), so that the interpreter's last collections at
     exit do not walk it: with torch, Ray and MLflow loaded that saves about a second per command
     (docs/BENCHMARKS.md). Finalizers and atexit handlers run as usual."""
-    code = main()
+    code = main(process_exits=True)
     try:  # what is still buffered, now rather than in the interpreter's flush at exit
         sys.stdout.flush()
     except BrokenPipeError:

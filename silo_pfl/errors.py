@@ -44,6 +44,17 @@ class Interrupted(KeyboardInterrupt):
         return f"{said}; run {self.run_id} resumes from {where} with --resume {self.run_id}"
 
 
+def interruption(exc: KeyboardInterrupt) -> Interrupted:
+    """What stopped the run: the first Interrupted that names a run, where a second Ctrl-C
+    during the clean-up raised another KeyboardInterrupt over it; else `exc` as Interrupted."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, Interrupted) and seen.run_id is not None:
+            return seen
+        seen = seen.__context__
+    return exc if isinstance(exc, Interrupted) else Interrupted()
+
+
 def one_line(exc: BaseException) -> str:
     """The first line of an exception's message, or its type."""
     text = str(exc).strip()

@@ -135,3 +135,36 @@ def test_ctrl_c_while_ray_starts_leaves_no_ray_process(tmp_path):
         if _in_session(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130
+
+
+def test_ctrl_c_pressed_again_during_the_clean_up_keeps_the_resume_line(tmp_path):
+    """Ctrl-C three times, 0.3 s apart, to the whole process group, as an impatient user does:
+    the later ones come while the run cleans up. The last line still names the run and round
+    to resume, and the exit is 130; before, the second replaced the first and the line said
+    only 'interrupted', exit 1."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    command = [
+        *("run", "jobs/heart_disease.yaml", "rounds=60", "tracking.enabled=false"),
+        *("ray.num_cpus=2", f"output_dir={tmp_path / 'runs'}"),
+    ]
+    as_a_terminal = {"preexec_fn": lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)}
+    proc = start_driver(command, env, **as_a_terminal)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("round 10/60"):
+                break
+        else:
+            pytest.fail(f"the run ended before round 10: {proc.communicate()[1]}")
+        for _ in range(3):
+            os.killpg(proc.pid, signal.SIGINT)
+            time.sleep(0.3)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    last = err.strip().splitlines()[-1]
+    said = re.fullmatch(
+        r"error: interrupted; run (\S+) resumes from its round (\d+) with --resume \1", last
+    )
+    assert said and proc.returncode == 130, (proc.returncode, err[-2000:])

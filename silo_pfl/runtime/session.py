@@ -69,10 +69,11 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
         with sigterm_interrupts():
             yield
     finally:
-        if address is None:
-            shutdown_local()
-        else:
-            ray.shutdown()
+        with signals_held():  # a second Ctrl-C cannot leave Ray half stopped
+            if address is None:
+                shutdown_local()
+            else:
+                ray.shutdown()
 
 
 def _unreachable(exc: Exception, address: str | None) -> FederationError:
