@@ -243,10 +243,14 @@ def load_shared(directory: Path, round_: int, digest: str) -> Any:
     return load(directory, round_, digest)
 
 
-def load_latest(directory: Path, skipped: list[str] | None = None) -> tuple[int, Any] | None:
-    """The newest good checkpoint; a newer partial or corrupted one is logged, its line added
-    to `skipped` if given, and skipped."""
+def load_latest(
+    directory: Path, skipped: list[str] | None = None, before: int | None = None
+) -> tuple[int, Any] | None:
+    """The newest good checkpoint (of a round before `before`, if given); a newer partial or
+    corrupted one is logged, its line added to `skipped` if given, and skipped."""
     for round_ in reversed(rounds(directory)):
+        if before is not None and round_ >= before:
+            continue
         try:
             return round_, load(directory, round_)
         except CheckpointError as exc:

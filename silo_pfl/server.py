@@ -299,14 +299,16 @@ class Server:
             }
             checkpoint.save_arrays(self.dir, round_, saved)
 
-    def resume(self) -> dict[str, Any]:
-        """Load the newest good checkpoint; return the driver's part of it, with the history of
-        the rounds it covers and a line for each newer checkpoint skipped as partial or
-        corrupted ("skipped")."""
+    def resume(self, before: int | None = None) -> dict[str, Any]:
+        """Load the newest good checkpoint (of a round before `before`, if given: a silo's of
+        a newer round is damaged); return the driver's part of it, with the history of the
+        rounds it covers and a line for each newer checkpoint skipped as partial or corrupted
+        ("skipped")."""
         skipped: list[str] = []
-        found = checkpoint.load_latest(self.dir, skipped)
+        found = checkpoint.load_latest(self.dir, skipped, before)
         if found is None:
-            raise checkpoint.CheckpointError(f"server: no good checkpoint in {self.dir}")
+            older = "" if before is None else f" before round {before}"
+            raise checkpoint.CheckpointError(f"server: no good checkpoint{older} in {self.dir}")
         round_, saved = found
         loaded = _arrays(saved["global"])
         if set(loaded) != set(self.state) or any(

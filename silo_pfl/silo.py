@@ -298,6 +298,15 @@ class Silo:
         self.committed, self._dirty = round_, False
         return local_digest(self.model.state_dict(), self.split.local_keys)
 
+    def check_checkpoint(self, round_: int) -> str:
+        """Why the checkpoint of `round_` cannot be restored (partial, corrupted, missing), in
+        one line; "" if it can."""
+        try:
+            self.store.load(round_)
+        except checkpoint.CheckpointError as exc:
+            return str(exc)
+        return ""
+
     def _load_global(self, global_state: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Overwrite the global keys of the model (copied once, into its parameters and
         buffers); the local keys are untouched. Returns the received arrays as tensors over

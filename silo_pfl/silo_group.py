@@ -29,6 +29,7 @@ API = frozenset(
         "commit_unevaluated",
         "select",
         "restore",
+        "check_checkpoint",
         "rejoin",
         "outcome",
         "attach",

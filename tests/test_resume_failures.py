@@ -39,15 +39,44 @@ def test_a_failed_resume_changes_nothing_and_a_partial_checkpoint_is_named(
     parent = json.loads((finished / RESULT_FILE).read_text())["mlflow"]["run_id"]
     assert client.get_run(parent).info.status == "FINISHED"
 
-    # The server restores round 2, the driver its MLflow runs; silo va cannot restore.
-    damaged = finished / "silos" / "va" / "checkpoints" / "round-000002.ckpt"
-    damaged.write_bytes(b"garbage")
+    # Every checkpoint of silo va (rounds 0 to 2) is damaged: no round can be resumed.
+    checkpoints = finished / "silos" / "va" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("*.ckpt"))[0] == "round-000000.ckpt"
+    for path in checkpoints.glob("*.ckpt"):
+        path.write_bytes(b"garbage")
     record = (finished / RUN_FILE).read_bytes()
     code = main(["run", JOB, "rounds=3", out, "--quiet", "--resume", finished.name])
     err = capsys.readouterr().err
-    assert code == 1 and err.startswith(f"error: checkpoint {damaged}: ") and err.count("\n") == 1
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith(f"error: checkpoint {checkpoints / 'round-000000.ckpt'}: "), err
+    assert err.endswith("; no earlier round is held intact by the server and every silo\n"), err
     assert (finished / RESULT_FILE).is_file() and (finished / RUN_FILE).read_bytes() == record
     assert client.get_run(parent).info.status == "FINISHED"
+
+    # Silo va's newest checkpoint alone is damaged: the run resumes from the round before it,
+    # which every party holds, and ends as a run made at once.
+    out = f"output_dir={tmp_path / 'silo'}"
+    off = "tracking.enabled=false"
+    assert main(["run", JOB, "rounds=2", out, "--quiet", off]) == 0
+    (run,) = (tmp_path / "silo" / FEDERATION).iterdir()
+    damaged = run / "silos" / "va" / "checkpoints" / "round-000002.ckpt"
+    damaged.write_bytes(damaged.read_bytes()[:-7] + b"garbage")
+    capsys.readouterr()
+    resumed = tmp_path / "resumed.json"
+    argv = ["run", JOB, "rounds=3", out, "--quiet", off, "--resume", run.name]
+    assert main([*argv, "--results", str(resumed)]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    warned = [line for line in lines if str(damaged) in line]
+    assert len(warned) == 1 and warned[0].startswith(f"warning: checkpoint {damaged}: "), lines
+    assert warned[0].endswith("; resuming from round 1"), warned
+    at_once = tmp_path / "at_once.json"
+    argv = ["run", JOB, "rounds=3", f"output_dir={tmp_path / 'once'}", "--quiet", off]
+    assert main([*argv, "--results", str(at_once)]) == 0
+    got, expected = (json.loads(p.read_text()) for p in (resumed, at_once))
+    assert [h["round"] for h in got["history"]] == [1, 2, 3]
+    for silo, figures in expected["silos"].items():
+        assert got["silos"][silo]["test_accuracy"] == figures["test_accuracy"], silo
+        assert got["silos"][silo]["val_accuracy"] == figures["val_accuracy"], silo
 
     # A run whose newest server checkpoint is cut short resumes from the round before it.
     out = f"output_dir={tmp_path / 'cut'}"

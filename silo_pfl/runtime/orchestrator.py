@@ -20,7 +20,7 @@ import ray
 from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig, to_dict
 from silo_pfl.data import silo_names
-from silo_pfl.errors import ConfigError, Interrupted
+from silo_pfl.errors import ConfigError, FederationError, Interrupted
 from silo_pfl.messages import SiloOutcome, SplitInfo, fields_of, model_shape
 from silo_pfl.results import FederationResult, RoundSummary, SiloResult
 from silo_pfl.run_dir import RESULT_FILE, RunDir, check_resumable
@@ -237,7 +237,7 @@ class Orchestrator:
     ) -> None:
         """Resume from the server's newest good checkpoint: every silo restores its own commit
         of that round from its own directory, the driver its bookkeeping."""
-        saved = get(server.resume.remote(), "resume: the server's checkpoint", self.timeout)
+        saved = self._newest_round_all_hold(server, parties)
         for line in saved["skipped"]:
             round_ = len(saved["history"])
             print(f"warning: {line}; resuming from round {round_}", file=sys.stderr, flush=True)
@@ -253,6 +253,33 @@ class Orchestrator:
         refs = {n: p.actor.restore.remote(p.committed) for n, p in parties.items()}
         get(list(refs.values()), "resume: silo restore", self.timeout, [f"silo {n}" for n in refs])
         self.checkpointed = len(history)
+
+    def _newest_round_all_hold(self, server: Any, parties: dict[str, Party]) -> dict[str, Any]:
+        """The server's newest good checkpoint whose silos' commits are intact too: where a
+        silo's checkpoint of the round it committed is damaged, the server goes back a round
+        (each line goes to "skipped")."""
+        before: int | None = None
+        damaged: list[str] = []
+        while True:
+            try:
+                saved = get(
+                    server.resume.remote(before), "resume: the server's checkpoint", self.timeout
+                )
+            except FederationError:
+                if not damaged:
+                    raise
+                raise FederationError(
+                    f"{damaged[-1]}; no earlier round is held intact by the server and every silo"
+                ) from None
+            committed = {n: int(saved["committed"][n]) for n in parties}
+            refs = [p.actor.check_checkpoint.remote(committed[n]) for n, p in parties.items()]
+            lines = get(
+                refs, "resume: silo checkpoints", self.timeout, [f"silo {n}" for n in parties]
+            )
+            damaged += [*saved["skipped"], *(line for line in lines if line)]
+            if not any(lines):
+                return {**saved, "skipped": damaged}
+            before = len(saved["history"])
 
     def _save_global(self, npz: bytes) -> str:
         """Write the server's global keys, received as bytes, on the driver's own disk."""

@@ -90,8 +90,8 @@ class ServerHost:
     def checkpoint(self, round_: int, driver: dict[str, Any]) -> None:
         self.server.checkpoint(round_, driver)
 
-    def resume(self) -> dict[str, Any]:
-        return self.server.resume()
+    def resume(self, before: int | None = None) -> dict[str, Any]:
+        return self.server.resume(before)
 
     def state_bytes(self) -> bytes:
         return self.server.state_bytes()
