@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from silo_pfl import checkpoint, durable
+from silo_pfl import checkpoint, durable, run_lock
 from silo_pfl.aggregation import State, flatten, unflatten, weighted_mean
 from silo_pfl.config import merge_config
 from silo_pfl.messages import RoundReport, SiloUpdate
@@ -75,8 +75,13 @@ class Server:
         self._pending: tuple[int, dict[str, np.ndarray], dict[str, str]] | None = None
         self.max_norm = self.cfg.aggregation.max_update_norm
         self.dir = server_dir(self.cfg, run_id)
+        run_lock.hold(self.dir, run_id)  # one driver at a time runs this run
         self.history = RoundLog(self.dir)  # the driver's round summaries
         self.round = 0  # the last round aggregated
+
+    def release(self) -> None:
+        """The run is over for this server: another may serve it (a later --resume)."""
+        run_lock.release(self.dir)
 
     def _extras_of(self, like: State) -> dict[str, State]:
         return {name: like for name in self.strategy.extras}

@@ -39,6 +39,8 @@ class ServerHost:
         self.metrics = ServerMetrics(metric_tags) if metric_tags is not None else None
 
     def close(self) -> None:
+        if self.server is not None:
+            self.server.release()
         self.config, self.server, self.metrics = {}, None, None
         gc.collect()
 
