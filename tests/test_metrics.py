@@ -314,6 +314,12 @@ def test_every_panel_reads_an_exported_metric_and_every_metric_has_a_panel():
     assert templating["datasource"]["query"] == "prometheus"
     for target in (t for p in dashboard["panels"] for t in p.get("targets", [])):
         assert target["datasource"]["uid"] == "${datasource}"
+    # With several runs selected, a per-silo line is one run's: grouped and named by run too.
+    for target in (t for p in dashboard["panels"] for t in p.get("targets", [])):
+        for grouping in re.findall(r"\bby \(([^)]*)\)", target["expr"]):
+            if "silo" in grouping:
+                assert "run_id" in grouping, target["expr"]
+                assert "{{run_id}}" in target["legendFormat"], target
 
 
 @pytest.mark.parametrize(

@@ -185,6 +185,11 @@ def test_models_lists_every_page_of_registered_models(tmp_path, monkeypatch, cap
     capsys.readouterr()
     assert main(["models", "--tracking-uri", uri, "--federation", "zzz"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 1 + len(silos)
+    # A federation with no model in the store (a typo) is an error, not an empty listing.
+    assert main(["models", "--tracking-uri", uri, "--federation", "zz"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --federation zz: no registered silo models of it in {uri}\n"
+    )
     # The check before round 1 reads every page too: zzz-s70 is on the last one.
     client.create_registered_model("zzz-s70", tags={"federation": "zzz-s", "silo": "70"})
     with pytest.raises(ConfigError, match="zzz-s70 .* federation zzz-s, silo 70"):

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from silo_pfl.errors import ConfigError
 from silo_pfl.tracking.registry import (
     ALGORITHM,
     CHAMPION,
@@ -172,7 +173,10 @@ def models_table(uri: str | None, federation: str | None, every_version: bool) -
 
     client, uri = open_existing(uri, "--tracking-uri")
     rows = model_rows(client, federation, every_version)
+    if not rows and federation:
+        raise ConfigError(
+            f"--federation {federation}: no registered silo models of it in {redact(uri)}"
+        )
     if not rows:
-        which = f" of federation {federation}" if federation else ""
-        return f"no registered silo models{which} in {redact(uri)}"
+        return f"no registered silo models in {redact(uri)}"
     return format_table(rows)
