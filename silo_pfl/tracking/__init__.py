@@ -21,3 +21,8 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 # all, on stdout (set_terminated, in the driver and in a silo's process alike). Never: every
 # process that talks to a store imports this package first; the run's own lines are redacted.
 os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
+# A store that stops answering mid-run: MLflow retries each request 7 times with a backoff
+# factor of 2, about 4 minutes a call, while the rounds wait. 3 retries with a factor of 1 give
+# up within about 10 s, and the run stops, naming tracking.uri; the operator's values win.
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")

@@ -20,12 +20,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig, to_dict
 from silo_pfl.config_views import logged_view
 from silo_pfl.data import silo_names
-from silo_pfl.errors import typed_line
+from silo_pfl.errors import FederationError, one_line, typed_line
 from silo_pfl.messages import SiloInfo, SplitInfo, model_shape
 from silo_pfl.results import FederationResult, RoundSummary
 from silo_pfl.settings import split_rules
@@ -133,6 +134,7 @@ class MlflowTracker(Callback):
         self.restarts: dict[str, int] = {}  # silo -> times it restarted, as recorded
         self.partition: dict[str, list[int]] | None = None  # partition.json's, when logged
         self.reporting: threading.Thread | None = None  # the report, from on_end to on_closed
+        self.unreachable = False  # the store stopped answering: the clean-up does not wait on it
 
     def _log(self, run_id: str, metrics: list[Metric]) -> None:
         """Buffer metrics; every FLUSH_SECONDS each run's buffer goes out as one batch."""
@@ -141,11 +143,21 @@ class MlflowTracker(Callback):
             self._flush()
 
     def _flush(self) -> None:
-        """Write every run's buffered metrics, one batch per run."""
-        for run_id, metrics in self.buffered.items():
-            for start in range(0, len(metrics), MAX_METRICS_PER_BATCH):
-                batch = metrics[start : start + MAX_METRICS_PER_BATCH]
-                self.client.log_batch(run_id, metrics=batch, synchronous=True)
+        """Write every run's buffered metrics, one batch per run. A store that stops answering
+        stops the run, in one line naming it; the clean-up then leaves it alone."""
+        try:
+            for run_id, metrics in self.buffered.items():
+                for start in range(0, len(metrics), MAX_METRICS_PER_BATCH):
+                    batch = metrics[start : start + MAX_METRICS_PER_BATCH]
+                    self.client.log_batch(run_id, metrics=batch, synchronous=True)
+        except Exception as exc:
+            self.unreachable = True
+            cause, password = one_line(exc), urlsplit(self.uri).password
+            raise FederationError(
+                f"tracking.uri {redact(self.uri)}: the store stopped answering as the run logged "
+                f"its figures ({cause.replace(password, '***') if password else cause}); once it "
+                "answers again, --resume goes on"
+            ) from None
         self.buffered.clear()
         self.flushed_at = time.monotonic()
 
@@ -421,7 +433,7 @@ class MlflowTracker(Callback):
             with contextlib.suppress(Exception):
                 self.reporting.join()
             self.reporting = None
-        if not self.run_id:
+        if not self.run_id or self.unreachable:
             return
         from mlflow.entities import RunStatus
 
