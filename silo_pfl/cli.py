@@ -307,8 +307,13 @@ def _submit(args: argparse.Namespace) -> int:
     try:
         status = client.follow(job_id, sys.stdout)
     except KeyboardInterrupt:
-        print(f"\njob {job_id} goes on; stop it with: silo-pfl stop {job_id}", file=sys.stderr)
-        raise
+        how = [job_id] + (["--address", args.address] if args.address else [])
+        how += ["--token-file", args.token_file] if args.token_file else []
+        print(
+            f"\njob {job_id} goes on; stop it with: silo-pfl stop {shlex.join(how)}",
+            file=sys.stderr,
+        )
+        return 130
     if status != "SUCCEEDED":
         reason = client.message(job_id)
         print(f"error: job {job_id} {status}" + (f": {reason}" if reason else ""), file=sys.stderr)

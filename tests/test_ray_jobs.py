@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -20,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from drivers import start_driver
+from processes import stop_group
 from serving import predict, served
 
 from silo_pfl.data import csv_source
@@ -179,21 +183,34 @@ def _runs(uri: str, name: str) -> list:
 
 
 def test_jobs_lists_a_submission_and_stop_ends_it_as_killed(cluster):
-    """`silo-pfl stop` sends the job's driver SIGTERM: it stops, and its MLflow runs say KILLED."""
+    """Ctrl-C leaves `silo-pfl submit` at once and the job going on, with the command that stops
+    it; that command, run as printed, sends the job's driver SIGTERM: it stops, and its MLflow
+    runs say KILLED."""
     uri, address = cluster.info["tracking_uri"], ["--address", cluster.info["dashboard"]]
-    args = ("submit", JOB, "rounds=5000", "name=jobs_stop", f"tracking.uri={uri}", "--no-wait")
-    done = _cli(cluster.env, *args, *address)
-    assert done.returncode == 0, done.stderr
-    job_id = done.stdout.split("submitted job ")[1].split()[0]
-    listed = _cli(cluster.env, "jobs", *address)
-    assert listed.returncode == 0, listed.stderr
-    (row,) = [x for x in listed.stdout.splitlines() if x.startswith(job_id)]
-    assert "jobs_stop" in row
-    deadline = time.monotonic() + 120
-    while len(_runs(uri, "jobs_stop")) < 1 + len(SILOS):  # the rounds have begun
-        assert time.monotonic() < deadline, "the job's MLflow runs never appeared"
-        time.sleep(1)
-    stopped = _cli(cluster.env, "stop", job_id, *address)
+    args = ("submit", JOB, "rounds=5000", "name=jobs_stop", f"tracking.uri={uri}", *address)
+    as_a_terminal = {"preexec_fn": lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)}
+    submit = start_driver(list(args), cluster.env, **as_a_terminal)
+    try:
+        assert submit.stdout is not None
+        job_id = submit.stdout.readline().split("submitted job ")[1].split()[0]
+        listed = _cli(cluster.env, "jobs", *address)
+        assert listed.returncode == 0, listed.stderr
+        (row,) = [x for x in listed.stdout.splitlines() if x.startswith(job_id)]
+        assert "jobs_stop" in row
+        deadline = time.monotonic() + 120
+        while len(_runs(uri, "jobs_stop")) < 1 + len(SILOS):  # the rounds have begun
+            assert time.monotonic() < deadline, "the job's MLflow runs never appeared"
+            time.sleep(1)
+        submit.send_signal(signal.SIGINT)
+        _, err = submit.communicate(timeout=60)
+    finally:
+        stop_group(submit)
+    assert submit.returncode == 130, err
+    hint = f"job {job_id} goes on; stop it with: "
+    (line,) = [x for x in err.splitlines() if x.startswith(hint)]
+    command = shlex.split(line.removeprefix(hint))
+    assert command == ["silo-pfl", "stop", job_id, *address], command
+    stopped = _cli(cluster.env, *command[1:])
     assert stopped.returncode == 0 and "stopping" in stopped.stdout, stopped.stderr
     deadline = time.monotonic() + 60
     while "STOPPED" not in row or {r.info.status for r in _runs(uri, "jobs_stop")} != {"KILLED"}:
