@@ -128,3 +128,33 @@ def test_a_fresh_submission_with_a_relative_output_dir_is_warned_of():
         "node: a later job cannot resume this run; to resume, give an absolute path that every "
         "node can write, e.g. output_dir=/var/tmp/silo_pfl"
     )
+
+
+@pytest.mark.parametrize(
+    ("message", "reason"),
+    [
+        (
+            "Job entrypoint command failed with exit code 1, last available logs (truncated to "
+            "20,000 chars):\nround  1/5 ...\nerror: silo va: no live Ray node carries the label "
+            "silo=va\n",
+            "silo va: no live Ray node carries the label silo=va (Job entrypoint command failed "
+            "with exit code 1)",
+        ),
+        (
+            "Job entrypoint command failed with exit code 137, last available logs (truncated to "
+            "20,000 chars):\nround 11/20    0.42s  elapsed 0:10\nKilled\n",
+            "Job entrypoint command failed with exit code 137 (the driver was killed by signal 9)",
+        ),
+        ("Job finished successfully.", "Job finished successfully."),
+        ("", ""),
+    ],
+    ids=["driver-error", "killed", "plain", "none"],
+)
+def test_a_jobs_reason_is_the_drivers_error_and_rays_exit_code_not_its_last_log_line(
+    message, reason
+):
+    """Ray quotes the driver's last logs after its first line: the reason was the last of them,
+    a progress line or the shell's 'Killed'."""
+    from silo_pfl.runtime.jobs import job_reason
+
+    assert job_reason(message) == reason

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -173,6 +174,21 @@ def jobs_table(rows: Sequence[JobRow]) -> str:
     )
 
 
+def job_reason(message: str) -> str:
+    """Ray's reason for a job's end in one line: the driver's own last `error:` line where its
+    logs, which Ray quotes after its first line, hold one, then Ray's first line (the exit
+    code), without the quote's announcement; a driver killed by a signal is named as such."""
+    lines = message.strip().splitlines()
+    if not lines:
+        return ""
+    first = lines[0].split(", last available logs")[0].rstrip(":, ")
+    code = re.search(r"exit code (\d+)", first)
+    if code and int(code[1]) > 128:
+        first += f" (the driver was killed by signal {int(code[1]) - 128})"
+    said = [line.strip() for line in lines[1:] if line.strip().startswith("error: ")]
+    return f"{said[-1].removeprefix('error: ')} ({first})" if said else first
+
+
 class JobsClient:
     """A thin, checked wrapper of Ray's JobSubmissionClient with one-line errors."""
 
@@ -281,8 +297,7 @@ class JobsClient:
         """Ray's one-line reason for the job's state (e.g. why it failed), or ''."""
         with self._errors():
             info = self.client.get_job_info(job_id)
-        text = (info.message or "").strip()
-        return text.splitlines()[-1] if text else ""
+        return job_reason(info.message or "")
 
     def list(self, limit: int = 20) -> list[JobRow]:
         """The most recent submitted jobs first (drivers that joined directly are not jobs)."""
