@@ -114,3 +114,32 @@ def test_an_artifact_location_under_a_file_is_refused_naming_it(tmp_path):
     )
     check_artifact_dir(str(tmp_path / "new" / "artifacts"), "tracking.uri")
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.slow
+def test_a_round_a_silos_run_logged_before_the_driver_died_is_not_logged_again(
+    ray_local, tmp_path, capsys, mlflow_store
+):
+    """The driver died after va's child run took round 3's batch and before the parent's
+    (each run's batch goes in whole, one run after another): the resumed run redoes round 3
+    and logs it on every run that lacks it, once; va's child run is not given it twice."""
+    from mlflow.entities import Metric
+
+    out = f"output_dir={tmp_path}"
+    assert main(["run", JOB, "rounds=2", out, "--quiet"]) == 0
+    (run,) = (tmp_path / FEDERATION).iterdir()
+    client = MlflowClient(mlflow_store)
+    parent = json.loads((run / RESULT_FILE).read_text())["mlflow"]["run_id"]
+    experiment = client.get_run(parent).info.experiment_id
+    children = {
+        r.data.tags["silo"]: r.info.run_id
+        for r in client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parent}'")
+    }
+    client.log_batch(children["va"], metrics=[Metric("took_part", 1.0, 0, 3)], synchronous=True)
+    capsys.readouterr()
+    assert main(["run", JOB, "rounds=3", out, "--quiet", "--resume", run.name]) == 0
+    for silo, child in children.items():
+        steps = [m.step for m in client.get_metric_history(child, "took_part")]
+        assert sorted(steps) == [1, 2, 3], (silo, steps)
+    steps = [m.step for m in client.get_metric_history(parent, "round_seconds")]
+    assert sorted(steps) == [1, 2, 3]

@@ -135,6 +135,7 @@ class MlflowTracker(Callback):
         self.partition: dict[str, list[int]] | None = None  # partition.json's, when logged
         self.reporting: threading.Thread | None = None  # the report, from on_end to on_closed
         self.unreachable = False  # the store stopped answering: the clean-up does not wait on it
+        self.logged_steps: dict[str, set[int]] = {}  # on resume: run -> the rounds it holds
 
     def _log(self, run_id: str, metrics: list[Metric]) -> None:
         """Buffer metrics; every FLUSH_SECONDS each run's buffer goes out as one batch."""
@@ -286,7 +287,8 @@ class MlflowTracker(Callback):
         for silo, child in self.children.items():
             values = {**summary.silos.get(silo, {}), "took_part": silo in summary.participants}
             metrics = [Metric(k, float(v), stamp, step) for k, v in values.items()]
-            self._log(child, metrics)
+            if step not in self.logged_steps.get(child, ()):
+                self._log(child, metrics)
             if silo in summary.absent:
                 self.client.set_tag(child, f"round_{step}_left_out", summary.absent[silo][:5000])
             if silo in summary.restarted:
@@ -296,15 +298,22 @@ class MlflowTracker(Callback):
                 self.client.set_tag(child, f"round_{step}_restored", digest)
         logged = ROUND_MEANS if summary.evaluated else ("mean_train_loss",)  # no accuracies
         means = [Metric(ROUND_PREFIX + k, float(getattr(summary, k)), stamp, step) for k in logged]
-        self._log(self.run_id, [*means, Metric("round_seconds", summary.seconds, stamp, step)])
+        if step not in self.logged_steps.get(self.run_id, ()):
+            self._log(self.run_id, [*means, Metric("round_seconds", summary.seconds, stamp, step)])
 
     def on_resumed(self, history: Sequence[RoundSummary]) -> None:
         """Log the rounds the interrupted run checkpointed but never logged (it was killed
-        between the two), so the resumed run's metrics have no gap."""
-        logged = {m.step for m in self.client.get_metric_history(self.run_id, "round_seconds")}
+        between the two), so the resumed run's metrics have no gap; and remember, run by run,
+        the rounds already logged (each run's batch goes in whole or not at all), which are not
+        logged again, whether restored or done again, so they have no repeat either."""
+        self._flush()
+        keys = {self.run_id: "round_seconds", **dict.fromkeys(self.children.values(), "took_part")}
+        self.logged_steps = {
+            run: {m.step for m in self.client.get_metric_history(run, key)}
+            for run, key in keys.items()
+        }
         for summary in history:
-            if summary.round not in logged:
-                self.on_round_end(summary)
+            self.on_round_end(summary)
 
     def on_exported(self, receipts: Mapping[str, dict[str, str]]) -> None:
         """Register each central silo's model, now that its files are in place."""
