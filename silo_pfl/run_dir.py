@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import shlex
 import shutil
 import time
 from dataclasses import dataclass
@@ -164,6 +165,11 @@ def _read(path: Path) -> dict[str, Any]:
     return record
 
 
+# Keys that may change on --resume besides rounds: where and how fast it runs, not its numbers.
+RESUME_FREE = ("ray.num_cpus", "ray.silos_per_worker", "round.timeout_s", "round.call_timeout_s")
+SHOWN_OVERRIDES = 8  # overrides a refusal shows at most
+
+
 def check_resumable(saved: dict[str, Any], cfg: FederationConfig, path: Path) -> None:
     """Only `rounds` may change on resume, and only upwards; any other change names its key
     (metrics.* may change, and tracking.* where MLflow is off, before and now).
@@ -176,26 +182,43 @@ def check_resumable(saved: dict[str, Any], cfg: FederationConfig, path: Path) ->
             before_all[key] = defaults[key]
     both = before_all.keys() & after_all.keys()
     keys = before_all.keys() | after_all.keys()
-    # Live metrics watch a run and change nothing in it: they may be turned on or tuned.
-    free = {"rounds"} | {k for k in keys if k.startswith("metrics.")}
+    # Live metrics watch a run and change nothing in it: they may be turned on or tuned; so
+    # may the machine's share of it and the waits (the numbers are the same bit for bit).
+    free = {"rounds", *RESUME_FREE} | {k for k in keys if k.startswith("metrics.")}
     if before_all.get("tracking.enabled") is False and not cfg.tracking.enabled:
         # Without MLflow, its store (resolved against the working directory) plays no part.
         free |= {k for k in keys if k.startswith("tracking.")}
     # A key set in both is named before one only in either (an algorithm's added options).
-    for key in sorted(keys, key=lambda k: (k not in both, k)):
-        if key in free:
-            continue
-        before, after = before_all.get(key), after_all.get(key)
-        if before != after:
-            raise ConfigError(
-                f"{key}: got {after!r}, but run {path.name} was started with {before!r}; on "
-                "--resume only rounds may change"
-            )
+    changed = [
+        key
+        for key in sorted(keys, key=lambda k: (k not in both, k))
+        if key not in free and before_all.get(key) != after_all.get(key)
+    ]
+    if changed:
+        key = changed[0]
+        started = [f"{k}={_override(before_all.get(k))}" for k in changed if k in before_all]
+        shown = " ".join(started[:SHOWN_OVERRIDES])
+        more = (
+            f" and {len(started) - SHOWN_OVERRIDES} more" if len(started) > SHOWN_OVERRIDES else ""
+        )
+        hint = f"; to resume it as started, give {shown}{more}" if started else ""
+        raise ConfigError(
+            f"{key}: got {after_all.get(key)!r}, but run {path.name} was started with "
+            f"{before_all.get(key)!r}; on --resume only rounds may change{hint}"
+        )
     if cfg.rounds < saved["rounds"]:
         raise ConfigError(
             f"rounds: got {cfg.rounds}, but run {path.name} was started with {saved['rounds']}; "
             "on --resume rounds may only be raised"
         )
+
+
+def _override(value: Any) -> str:
+    """`value` as a key=value override writes it."""
+    if value is None:
+        return "null"
+    text = value if isinstance(value, str) else json.dumps(value)
+    return shlex.quote(text)
 
 
 def _json_flat(cfg: FederationConfig) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import logging
 import os
 import pickle
@@ -577,7 +578,21 @@ def test_resume_allows_only_more_rounds(tmp_path):
         check_resumable(saved, changed, run.path)
     assert str(info.value) == (
         f"train.lr: got 0.5, but run {run.run_id} was started with {cfg.train.lr!r}; on --resume "
-        "only rounds may change"
+        f"only rounds may change; to resume it as started, give train.lr={cfg.train.lr}"
+    )
+    # Every changed key at once, as the overrides that resume the run as it was started.
+    two = [f"output_dir={tmp_path}", "train.lr=0.5", "model.hidden=[8]", "seed=7"]
+    with pytest.raises(ConfigError) as info:
+        check_resumable(saved, load_config("jobs/heart_disease.yaml", two), run.path)
+    hidden = json.dumps(list(cfg.model.hidden))
+    assert str(info.value).endswith(
+        f"; to resume it as started, give model.hidden='{hidden}' seed={cfg.seed} "
+        f"train.lr={cfg.train.lr}"
+    ), str(info.value)
+    # Where and how fast it runs may change: the numbers are the same.
+    free = ["ray.num_cpus=1", "ray.silos_per_worker=1", "round.timeout_s=900"]
+    check_resumable(
+        saved, load_config("jobs/heart_disease.yaml", [f"output_dir={tmp_path}", *free]), run.path
     )
     fewer = load_config("jobs/heart_disease.yaml", [f"output_dir={tmp_path}", "rounds=1"])
     with pytest.raises(
