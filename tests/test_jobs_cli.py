@@ -158,3 +158,25 @@ def test_a_jobs_reason_is_the_drivers_error_and_rays_exit_code_not_its_last_log_
     from silo_pfl.runtime.jobs import job_reason
 
     assert job_reason(message) == reason
+
+
+def test_an_address_that_is_no_ray_dashboard_says_so(tmp_path):
+    """An HTTP server that is not Ray's (MLflow's, say: both addresses are printed together)
+    answers 404 to Ray's version check; the line says what the address is not, not Ray's
+    'ensure the cluster is running Ray 1.9 or higher'."""
+    import functools
+    import http.server
+    import threading
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        done = _cli("jobs", "--address", address, env={"RAY_AUTH_TOKEN": "t"})
+    finally:
+        server.shutdown()
+    assert done.returncode == 1 and done.stderr == (
+        f"error: --address {address}: it is not a Ray dashboard's Jobs API (no /api/version "
+        "there); give the dashboard's address, e.g. http://HOST:8265\n"
+    ), done.stderr

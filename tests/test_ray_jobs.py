@@ -325,4 +325,5 @@ def test_the_data_path_exists_only_on_the_silos_own_node(tmp_path):
     assert done.returncode == 1
     line = done.stderr.strip().splitlines()[-1]
     assert "silo cleveland" in line or "silo hungarian" in line, line
-    assert "SILO_PFL_DATA_DIR is not set on this silo's node" in line, line
+    assert "SILO_PFL_DATA_DIR is not set on the node the silo ran on; set it where its" in line
+    assert "(ray.placement=per_node, or silos." in line, line

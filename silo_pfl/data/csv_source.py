@@ -206,8 +206,9 @@ def node_path(silo: str, path: str | Path) -> Path:
     unset = re.search(r"\$\{?(\w+)", expanded)
     if unset:
         raise DataError(
-            f"silo {silo}, file {path}: environment variable {unset.group(1)} is not set on this "
-            "silo's node; set it where the node's `ray start` runs"
+            f"silo {silo}, file {path}: environment variable {unset.group(1)} is not set on the "
+            "node the silo ran on; set it where its own node's `ray start` runs, and pin the silo "
+            f"there (ray.placement=per_node, or silos.{silo}.node_label)"
         )
     return Path(expanded)
 

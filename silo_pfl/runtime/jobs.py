@@ -226,7 +226,13 @@ class JobsClient:
                 f"--token-file or {TOKEN_VAR}"
             ) from None
         except (ConnectionError, RuntimeError, ValueError, RpcError) as exc:
-            raise FederationError(f"{self.key} {self.given}: {one_line(exc)}") from None
+            said = one_line(exc)
+            if "Version check returned 404" in said:  # Ray's "ensure Ray 1.9 or higher"
+                said = (
+                    "it is not a Ray dashboard's Jobs API (no /api/version there); give the "
+                    "dashboard's address, e.g. http://HOST:8265"
+                )
+            raise FederationError(f"{self.key} {self.given}: {said}") from None
 
     def submit(
         self,
