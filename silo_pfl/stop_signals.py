@@ -13,11 +13,23 @@ from typing import Any
 
 from silo_pfl.errors import Interrupted
 
+_received: list[int] = []  # the SIGTERM that `interrupt` turned into Interrupted, if any
+
 
 def interrupt(signum: int, frame: Any) -> None:
     """A SIGTERM handler: raise Interrupted once; a second SIGTERM cannot cut the clean-up short."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _received.append(signum)
     raise Interrupted(signum)
+
+
+def cause(exc: KeyboardInterrupt) -> int:
+    """The signal behind `exc`: its own, else the SIGTERM `interrupt` raised on (Ray may turn an
+    interrupted wait into a plain KeyboardInterrupt), else SIGINT, Ctrl-C's."""
+    signum = getattr(exc, "signum", None)
+    if signum is not None:
+        return int(signum)
+    return _received[-1] if _received else signal.SIGINT
 
 
 @contextmanager
@@ -28,6 +40,7 @@ def sigterm_interrupts() -> Iterator[None]:
         yield
         return
     previous = signal.signal(signal.SIGTERM, interrupt)
+    _received.clear()
     try:
         yield
     finally:

@@ -9,7 +9,6 @@ last commit, the callbacks' state such as the MLflow run id).
 
 from __future__ import annotations
 
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -41,6 +40,7 @@ from silo_pfl.runtime.session import ray_session
 from silo_pfl.secure.identity import relayed
 from silo_pfl.selection import Selector
 from silo_pfl.server_start import server_start
+from silo_pfl.stop_signals import cause
 
 GLOBAL_STATE_FILE = "global_state.npz"
 
@@ -60,6 +60,7 @@ class Orchestrator:
         self.run_dir = self._run_dir()
         self.resumable = bool(resume)  # whether the run's directory has a round to resume from
         self.checkpointed: int | None = None  # the newest round checkpointed or restored
+        self.checkpointing = False  # the server is writing a checkpoint now
         self.started = time.perf_counter()
         self.earlier_seconds = 0.0  # the wall time of the rounds restored, on resume
 
@@ -105,8 +106,9 @@ class Orchestrator:
             if not self.resumable:
                 self.run_dir.discard()
                 raise
-            signum = getattr(exc, "signum", signal.SIGINT)
-            raise Interrupted(signum, self.run_dir.run_id, self.checkpointed) from exc
+            # Stopped while the server wrote a checkpoint: that round may or may not be done.
+            round_ = None if self.checkpointing else self.checkpointed
+            raise Interrupted(cause(exc), self.run_dir.run_id, round_) from exc
         except BaseException:
             if not self.resumable:
                 self.run_dir.discard()
@@ -225,8 +227,9 @@ class Orchestrator:
             "elapsed_s": self._elapsed(),
         }
         what = f"round {round_}: server checkpoint"
+        self.checkpointing = True
         get(server.checkpoint.remote(round_, bookkeeping), what, self.timeout)
-        self.checkpointed = round_
+        self.checkpointed, self.checkpointing = round_, False
 
     def _restore(
         self,
