@@ -1,12 +1,12 @@
 """A silo: its private data, its model, and the local keys that never leave it.
 
 A plain class with a narrow API (`setup`, `build`, `fit`, `evaluate`, `commit`,
-`evaluate_and_commit`, `select`, `rejoin`, `outcome`, `attach`, `export`), so it is tested
-without Ray; the runtime makes it an actor. Its directory, on its own node (`silo_store`), holds
-a checkpoint per committed round (the round's personalized model, its local keys, its
-algorithm's personal state, which model is selected, its RNG state: one file, arrays under a
-GHASH) and its selected personalized model, which only the exporters attached to it may send
-anywhere.
+`evaluate_and_commit`, `select`, `rejoin`, `check_checkpoint`, `outcome`, `attach`, `export`), so
+it is tested without Ray; the runtime makes it an actor. Its directory, on its own node
+(`silo_store`), holds a checkpoint per committed round (the round's personalized model, its
+local keys, its algorithm's personal state, which model is selected, its RNG state: one file,
+arrays under a GHASH) and its selected personalized model, which only the exporters attached to
+it may send anywhere.
 
 Each committed round's checkpoint holds its model, since the driver may select it. `commit` is
 given the driver's choice at once; `evaluate_and_commit` commits without waiting for it (the

@@ -24,6 +24,17 @@ def start_driver(args: list[str], env: dict[str, str], **streams: int) -> subpro
     )
 
 
+def until_round(proc: subprocess.Popen, round_: int, rounds: int) -> None:
+    """Read the driver's progress until round `round_` of `rounds` has ended; fail the test,
+    with the driver's stderr, if the run ended first."""
+    assert proc.stdout is not None
+    width = len(str(rounds))
+    for line in proc.stdout:
+        if line.startswith(f"round {round_:>{width}}/{rounds}"):
+            return
+    raise AssertionError(f"the run ended before round {round_}: {proc.communicate()[1]}")
+
+
 def run_driver(args: list[str], env: dict[str, str], timeout: float = 300) -> tuple[int, str]:
     """`silo-pfl <args>` to its end: its exit code and stderr."""
     proc = start_driver(args, env, stdout=subprocess.DEVNULL)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from drivers import run_driver, start_driver
+from drivers import run_driver, start_driver, until_round
 
 from silo_pfl import checkpoint
 
@@ -45,12 +45,7 @@ def test_sigterm_during_round_5_ends_the_run_as_killed_then_resume_completes_it(
     ]
     proc = start_driver(command, env)
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("round  5/12"):
-                break
-        else:
-            pytest.fail(f"the run ended before round 5: {proc.communicate()[1]}")
+        until_round(proc, 5, 12)
         began = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
@@ -150,12 +145,7 @@ def test_ctrl_c_pressed_again_during_the_clean_up_keeps_the_resume_line(tmp_path
     as_a_terminal = {"preexec_fn": lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)}
     proc = start_driver(command, env, **as_a_terminal)
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("round 10/60"):
-                break
-        else:
-            pytest.fail(f"the run ended before round 10: {proc.communicate()[1]}")
+        until_round(proc, 10, 60)
         for _ in range(3):
             os.killpg(proc.pid, signal.SIGINT)
             time.sleep(0.3)

@@ -12,7 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from drivers import joining_env, start_driver
+from drivers import joining_env, start_driver, until_round
 from processes import stop_group, wait_for_http
 from serving import free_port
 
@@ -72,12 +72,7 @@ def test_a_store_that_goes_away_mid_run_stops_it_in_one_line(tmp_path, mlflow_se
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     driver = start_driver(args, env)
     try:
-        assert driver.stdout is not None
-        for line in driver.stdout:
-            if line.startswith("round  3/40"):
-                break
-        else:
-            pytest.fail(f"the run ended before round 3: {driver.communicate()[1]}")
+        until_round(driver, 3, 40)
         stop_group(mlflow_server.proc)
         out, err = driver.communicate(timeout=120)
     finally:
