@@ -12,14 +12,17 @@ from pathlib import Path
 from silo_pfl.errors import FederationError
 
 LOCK_FILE = ".lock"
-_held: dict[Path, int] = {}  # directory -> the open file whose lock this process holds
+# directory -> the open file whose lock this process holds, and how many holders share it
+_held: dict[Path, list[int]] = {}
 
 
 def hold(directory: Path, run_id: str) -> None:
     """Take the lock of `directory` (created if absent) for this process, or raise naming the
-    process that holds it. Held already by this process (a server built again): nothing to do."""
+    process that holds it. Held already by this process (a server built again): counted, and
+    let go with the last `release`."""
     directory = directory.resolve()
     if directory in _held:
+        _held[directory][1] += 1
         return
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / LOCK_FILE
@@ -35,11 +38,15 @@ def hold(directory: Path, run_id: str) -> None:
         ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
-    _held[directory] = fd
+    _held[directory] = [fd, 1]
 
 
 def release(directory: Path) -> None:
-    """Let go of the lock of `directory`, if this process holds it."""
-    fd = _held.pop(directory.resolve(), None)
-    if fd is not None:
-        os.close(fd)
+    """One holder of `directory`'s lock lets go; the last one closes it."""
+    held = _held.get(directory.resolve())
+    if held is None:
+        return
+    held[1] -= 1
+    if held[1] == 0:
+        del _held[directory.resolve()]
+        os.close(held[0])

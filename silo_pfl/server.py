@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,12 +77,13 @@ class Server:
         self.max_norm = self.cfg.aggregation.max_update_norm
         self.dir = server_dir(self.cfg, run_id)
         run_lock.hold(self.dir, run_id)  # one driver at a time runs this run
+        self._release = weakref.finalize(self, run_lock.release, self.dir)  # once, however it ends
         self.history = RoundLog(self.dir)  # the driver's round summaries
         self.round = 0  # the last round aggregated
 
     def release(self) -> None:
         """The run is over for this server: another may serve it (a later --resume)."""
-        run_lock.release(self.dir)
+        self._release()
 
     def _extras_of(self, like: State) -> dict[str, State]:
         return {name: like for name in self.strategy.extras}

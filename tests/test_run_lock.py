@@ -17,6 +17,18 @@ from silo_pfl.server_start import new_server
 from silo_pfl.settings import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
+PROBE = """
+import sys
+from pathlib import Path
+from silo_pfl import run_lock
+from silo_pfl.errors import FederationError
+try:
+    run_lock.hold(Path(sys.argv[1]), "r")
+except FederationError:
+    print("held")
+else:
+    print("free")
+"""
 HOLD = """
 import sys, time
 from pathlib import Path
@@ -49,4 +61,14 @@ def test_a_second_server_of_a_run_is_refused_while_another_process_serves_it(tmp
     server = new_server(config, (13,), 2, "20261206-000000-abc123")
     again = new_server(config, (13,), 2, "20261206-000000-abc123")  # this process holds it
     server.release()
-    again.release()
+    assert _held_elsewhere(directory) is True, "its other server still holds it"
+    del again  # a server dropped without release lets go too
+    assert _held_elsewhere(directory) is False
+
+
+def _held_elsewhere(directory: Path) -> bool:
+    """Whether another process would find the run's lock held."""
+    probe = subprocess.run(
+        [sys.executable, "-c", PROBE, str(directory)], capture_output=True, text=True, timeout=60
+    )
+    return probe.stdout.strip() == "held"
