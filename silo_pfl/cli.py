@@ -207,6 +207,13 @@ def _check_results_path(path: str | None) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from silo_pfl.runtime.jobs import config_file
+
+    with config_file(args.config) as path:  # a submitted job's, given inline
+        return _run_config(argparse.Namespace(**{**vars(args), "config": path}))
+
+
+def _run_config(args: argparse.Namespace) -> int:
     from silo_pfl.config import merge_config, read_yaml
     from silo_pfl.progress import ProgressPrinter
     from silo_pfl.runtime.jobs import print_results_line

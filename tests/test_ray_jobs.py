@@ -104,6 +104,15 @@ def test_silo_pfl_submit_places_each_silo_on_its_node_and_registers_its_model(cl
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "SUCCEEDED" in done.stdout.splitlines()[-1]
     assert "mean test accuracy" in done.stdout and "round 1/2" not in done.stdout  # --quiet
+    # The job's YAML went to its driver alone, in the entrypoint: no working_dir, which Ray
+    # unpacks on every node that runs a worker of the job, each institution's among them.
+    from ray.job_submission import JobSubmissionClient
+
+    job_id = done.stdout.split("submitted job ")[1].split()[0]
+    token = {"Authorization": f"Bearer {cluster.env['RAY_AUTH_TOKEN']}"}
+    job = JobSubmissionClient(cluster.info["dashboard"], headers=token).get_job_info(job_id)
+    assert "working_dir" not in (job.runtime_env or {}), job.runtime_env
+    assert " run base64:" in job.entrypoint and "cleveland" not in job.entrypoint
     summary = json.loads(results.read_text())
     nodes = {s: cluster.info["nodes"][s] for s in SILOS}
     assert {s: summary["silos"][s]["node_id"] for s in SILOS} == nodes

@@ -1,14 +1,18 @@
 """Federations as Ray Jobs: submit, follow, list and stop them through Ray's Jobs API.
 
 The Jobs API is the cluster's dashboard address (http://HOST:8265), not `ray.address`. A
-submission ships the silo_pfl package (`py_modules`) and the job's YAML (`working_dir`) and
-runs `python -m silo_pfl run job.yaml key=value ...` on the cluster; the run's driver joins the
-cluster through the RAY_ADDRESS that Ray sets for it. Every request carries the cluster's token.
+submission ships the silo_pfl package and the plugins' code (`py_modules`) and runs
+`python -m silo_pfl run base64:<the job's YAML> key=value ...` on the cluster: the YAML travels
+in the entrypoint, to the driver alone, never in a `working_dir`, which Ray unpacks on every node
+that runs a worker of the job (each institution's disk would hold the other silos' paths and
+stores). The run's driver joins the cluster through the RAY_ADDRESS that Ray sets for it. Every
+request carries the cluster's token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import importlib.util
 import json
 import logging
@@ -16,7 +20,6 @@ import os
 import re
 import secrets
 import shlex
-import shutil
 import sys
 import tempfile
 import time
@@ -29,6 +32,26 @@ from typing import Any, TextIO
 from silo_pfl.errors import ConfigError, FederationError, one_line
 
 JOB_FILE = "job.yaml"
+INLINE_CONFIG = "base64:"  # a config given inline, in the entrypoint: `submit`'s, to the driver
+
+
+@contextmanager
+def config_file(config: str) -> Iterator[str]:
+    """The path of `config`: itself, or, for a config given inline (INLINE_CONFIG), a file of
+    its own (JOB_FILE) in a private temporary directory, removed when the block ends."""
+    if not config.startswith(INLINE_CONFIG):
+        yield config
+        return
+    try:
+        text = base64.b64decode(config.removeprefix(INLINE_CONFIG), validate=True)
+    except ValueError:
+        raise ConfigError(f"config {config[:40]}...: not base64, as submit writes it") from None
+    with tempfile.TemporaryDirectory(prefix="silo-pfl-job-") as private:
+        path = Path(private) / JOB_FILE
+        path.write_bytes(text)
+        yield str(path)
+
+
 # The line a run prints with --results-in-log; `submit --results` reads it back from the logs.
 RESULTS_MARKER = "silo-pfl-results: "
 ADDRESS_VARS = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
@@ -247,26 +270,24 @@ class JobsClient:
         shipping silo_pfl and the `plugins` modules' code; return the job's submission id."""
         import silo_pfl
 
-        command = ["python", "-m", "silo_pfl", "run", JOB_FILE, *overrides, "--results-in-log"]
+        inline = INLINE_CONFIG + base64.b64encode(config.read_bytes()).decode()
+        command = ["python", "-m", "silo_pfl", "run", inline, *overrides, "--results-in-log"]
         command += ["--quiet"] if quiet else []
         command += ["--resume"] if resume is True else ["--resume", resume] if resume else []
         job_id = f"silo-pfl-{federation}-{secrets.token_hex(4)}"
-        with tempfile.TemporaryDirectory(prefix="silo-pfl-job-") as staging:
-            shutil.copyfile(config, Path(staging) / JOB_FILE)
-            runtime_env = {
-                "working_dir": staging,
-                "py_modules": [str(Path(silo_pfl.__file__).parent), *plugin_code(plugins)],
-                "excludes": ["__pycache__"],
-            }
-            with self._errors():
-                return str(
-                    self.client.submit_job(
-                        entrypoint=shlex.join(command),
-                        submission_id=job_id,
-                        runtime_env=runtime_env,
-                        metadata={METADATA_KEY: federation},
-                    )
+        runtime_env = {
+            "py_modules": [str(Path(silo_pfl.__file__).parent), *plugin_code(plugins)],
+            "excludes": ["__pycache__"],
+        }
+        with self._errors():
+            return str(
+                self.client.submit_job(
+                    entrypoint=shlex.join(command),
+                    submission_id=job_id,
+                    runtime_env=runtime_env,
+                    metadata={METADATA_KEY: federation},
                 )
+            )
 
     def follow(self, job_id: str, stream: TextIO) -> str:
         """Print the job's logs as they come; return its final status."""
