@@ -41,7 +41,7 @@ def test_sigterm_during_round_5_ends_the_run_as_killed_then_resume_completes_it(
     command = [
         *("run", "jobs/heart_disease.yaml", "rounds=12", "train.local_epochs=10"),
         *("ray.num_cpus=2", f"output_dir={tmp_path / 'runs'}", "plugins=[tests.fault_plugins]"),
-        *("algorithm.name=slow_rounds", f"{slow}.seconds=0.8", f"{slow}.until=7"),
+        *("algorithm.name=slow_rounds", f"{slow}.seconds=0.5", f"{slow}.until=7"),
     ]
     proc = start_driver(command, env)
     try:

@@ -19,10 +19,11 @@ from serving import free_port
 PASSWORD = "s3cretPW-in-the-uri"
 
 
-@pytest.fixture
-def mlflow_server(tmp_path):
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
     """A real `mlflow server` on a free port; its URI with a user and password, which MLflow
-    sends and the server ignores."""
+    sends and the server ignores. One for the module: its last test stops it."""
+    tmp_path = tmp_path_factory.mktemp("mlflow_server")
     port = free_port()
     command = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1"]
     command += ["--port", str(port), "--backend-store-uri", f"sqlite:///{tmp_path / 'srv.db'}"]
