@@ -209,8 +209,8 @@ def _check_results_path(path: str | None) -> None:
 def _run(args: argparse.Namespace) -> int:
     from silo_pfl.runtime.jobs import config_file
 
-    with config_file(args.config) as path:  # a submitted job's, given inline
-        return _run_config(argparse.Namespace(**{**vars(args), "config": path}))
+    with config_file(args.config) as args.config:  # a submitted job's, given inline
+        return _run_config(args)
 
 
 def _run_config(args: argparse.Namespace) -> int:

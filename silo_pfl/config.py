@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -492,6 +493,11 @@ def silo_selector(cfg: FederationConfig, silo: str) -> dict[str, str] | None:
     if own is not None and own.node_label:
         return dict(own.node_label)
     return {SILO_LABEL: silo} if cfg.ray.placement == "per_node" else None
+
+
+def describe_labels(selector: Mapping[str, str]) -> str:
+    """Node labels as `ray start --labels` takes them: k=v,k=v."""
+    return ",".join(f"{k}={v}" for k, v in selector.items())
 
 
 def check_node_label(labels: dict[str, str] | None, key: str) -> None:

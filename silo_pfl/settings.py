@@ -22,6 +22,7 @@ from silo_pfl.config import (
     SiloConfig,
     check_name,
     check_node_label,
+    describe_labels,
     merge_config,
     read_yaml,
     silo_selector,
@@ -232,9 +233,9 @@ def _check_nodes_apart(cfg: FederationConfig, names: list[str]) -> None:
         if labels in taken:
             named = silo if cfg.silos.get(silo) and cfg.silos[silo].node_label else taken[labels]
             other = taken[labels] if named == silo else silo
-            shown = ",".join(f"{k}={v}" for k, v in labels)
             raise ConfigError(
-                f"silos.{named}.node_label: {shown} is also silo {other}'s node; under "
+                f"silos.{named}.node_label: {describe_labels(dict(labels))} is also silo "
+                f"{other}'s node; under "
                 "ray.placement=per_node each silo needs a node of its own"
             )
         taken[labels] = silo

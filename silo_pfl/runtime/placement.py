@@ -13,7 +13,7 @@ from typing import Any
 
 import ray
 
-from silo_pfl.config import FederationConfig, silo_selector
+from silo_pfl.config import FederationConfig, describe_labels, silo_selector
 from silo_pfl.errors import FederationError
 from silo_pfl.runtime.metrics import ray_address
 
@@ -34,10 +34,6 @@ def actor_options(selector: Mapping[str, str] | None, on_head: bool = False) -> 
     if on_head:
         return {"resources": {HEAD_RESOURCE: 0.001}}
     return {}
-
-
-def _describe(selector: Mapping[str, str]) -> str:
-    return ",".join(f"{k}={v}" for k, v in selector.items())
 
 
 def _carries(node: Mapping[str, Any], selector: Mapping[str, str]) -> bool:
@@ -61,8 +57,8 @@ def check_labels(selectors: Mapping[str, Mapping[str, str] | None], wait: float)
         role = next(iter(pending))
         selector = selectors[role] or {}
         raise FederationError(
-            f"{role}: no live Ray node carries the label {_describe(selector)} (waited "
-            f"{wait:.0f} s); start its node with `ray start --labels={_describe(selector)}` "
+            f"{role}: no live Ray node carries the label {describe_labels(selector)} (waited "
+            f"{wait:.0f} s); start its node with `ray start --labels={describe_labels(selector)}` "
             "or change the label"
         )
 
@@ -75,7 +71,7 @@ def homeless(selectors: Mapping[str, Mapping[str, str] | None]) -> dict[str, str
         return {}
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     return {
-        role: f"no live Ray node carries its label {_describe(sel)}"
+        role: f"no live Ray node carries its label {describe_labels(sel)}"
         for role, sel in pending.items()
         if not any(_carries(n, sel) for n in nodes)
     }
@@ -92,9 +88,9 @@ def check_own_nodes(cfg: FederationConfig, nodes: Mapping[str, str]) -> None:
         if node in first:
             raise FederationError(
                 f"silos {first[node]} and {silo}: both run on node {node[:12]}, whose labels "
-                f"match {_describe(silo_selector(cfg, first[node]) or {})} and "
-                f"{_describe(silo_selector(cfg, silo) or {})}; under ray.placement=per_node each "
-                "silo needs a node of its own, so give each silo a label only its node carries"
+                f"match {describe_labels(silo_selector(cfg, first[node]) or {})} and "
+                f"{describe_labels(silo_selector(cfg, silo) or {})}; under ray.placement=per_node "
+                "each silo needs a node of its own, so give each silo a label only its node carries"
             )
         first[node] = silo
 
@@ -141,6 +137,6 @@ def check_node_cpus(cfg: FederationConfig, groups: Sequence[Sequence[str]]) -> N
         has = ", ".join(f"{c:g}" for c in sizes)
         raise FederationError(
             f"ray.silo_cpus: got {cfg.ray.silo_cpus:g}, so {who} reserves {need:g} CPUs, more "
-            f"than any live node labelled {_describe(selector)} has (CPUs: {has}); expected at "
-            f"most {sizes[-1] / len(names):g}, or 0 to let silos share cores"
+            f"than any live node labelled {describe_labels(selector)} has (CPUs: {has}); "
+            f"expected at most {sizes[-1] / len(names):g}, or 0 to let silos share cores"
         )
