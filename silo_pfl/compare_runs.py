@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import shlex
+import shutil
 import signal
 import sys
 import time
@@ -227,6 +228,7 @@ class Cache:
 
 
 _WORKER_RAY: dict[str, int] = {}
+_WORKER_RUN_DIR: list[str] = []  # the temporary run directory of the run in progress, if any
 
 
 def init_worker(num_cpus: int) -> None:
@@ -236,7 +238,8 @@ def init_worker(num_cpus: int) -> None:
 
     Ctrl-C is the parent's to handle (it then sends each worker SIGTERM): a worker ignores
     SIGINT. SIGTERM during a run stops it as `ray_session` makes it (actors released); at any
-    other time it ends the worker at once; either way its Ray is shut down first."""
+    other time it ends the worker at once; either way its Ray is shut down first, then the run's
+    temporary directory is deleted."""
     import logging
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -252,14 +255,36 @@ def _terminated(signum: int, frame: Any) -> None:
 
 
 def _exit_worker(code: int) -> None:
-    """Shut this worker's Ray down (its processes would outlive it otherwise), then exit."""
+    """Shut this worker's Ray down (its processes would outlive it otherwise), delete the run
+    directory its actors wrote in, then exit."""
     try:
         if "ray" in sys.modules:
             from silo_pfl.runtime.session import shutdown_local
 
             shutdown_local()  # also after an init cut short: it stops the processes it started
     finally:
-        os._exit(code)
+        try:
+            for path in _WORKER_RUN_DIR:
+                remove_tree(path)
+        finally:
+            os._exit(code)
+
+
+REMOVE_SECONDS = 10.0  # how long a stopped run's actors may take to stop writing
+
+
+def remove_tree(path: str | Path, seconds: float = REMOVE_SECONDS) -> None:
+    """Delete `path` and what is under it. An actor released a moment ago (its process is killed
+    asynchronously) may still write a checkpoint there, which fails a single `rmtree` (directory
+    not empty): it is tried again until `seconds` have passed, then what is left is left."""
+    deadline = time.monotonic() + seconds
+    while os.path.lexists(path):
+        try:
+            shutil.rmtree(path)
+        except OSError:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.1)
 
 
 RAY_START_ATTEMPTS = 3
@@ -303,20 +328,22 @@ def execute(config: str, overrides: Sequence[str]) -> dict[str, Any]:
         from silo_pfl.settings import load_config
 
         _ensure_ray()
-        # SIGTERM during the run: Interrupted, so that the run releases its actors and its
-        # temporary run directory (checkpoints) is deleted before the worker exits
+        _WORKER_RUN_DIR.append(tempfile.mkdtemp(prefix="silo_pfl_compare_"))
+        # SIGTERM during the run: Interrupted, so that the run releases its actors
         signal.signal(signal.SIGTERM, interrupt)
         try:
-            with tempfile.TemporaryDirectory(prefix="silo_pfl_compare_") as tmp:
-                cfg = load_config(config, [*overrides, f"output_dir={tmp}"])
-                result = Federation(cfg).run().to_dict()
+            cfg = load_config(config, [*overrides, f"output_dir={_WORKER_RUN_DIR[0]}"])
+            result = Federation(cfg).run().to_dict()
         finally:
             signal.signal(signal.SIGTERM, _terminated)
-    except (KeyboardInterrupt, SystemExit):  # SIGTERM from the parent: during the run (its
-        _exit_worker(130)  # actors are gone and its run directory deleted by now) or during
-        # ray.init (Ray's own handler)
+    except (KeyboardInterrupt, SystemExit):  # SIGTERM from the parent, during the run or during
+        _exit_worker(130)  # ray.init (Ray's own handler): Ray stopped, then the directory deleted
     except Exception as exc:
         return {"error": typed_line(exc)}
+    finally:
+        while _WORKER_RUN_DIR:
+            remove_tree(_WORKER_RUN_DIR[0])
+            _WORKER_RUN_DIR.pop()
     for path_key in ("run_dir", "global_state_path"):
         result.pop(path_key, None)
     return {"result": result, "elapsed_seconds": time.perf_counter() - start}

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from silo_pfl.compare import (
     plan,
     progress_label,
 )
-from silo_pfl.compare_runs import Cache, Record, make_run
+from silo_pfl.compare_runs import Cache, Record, make_run, remove_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 HEART = str(ROOT / "jobs" / "heart_disease.yaml")
@@ -213,6 +214,34 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_run_directory_still_written_to_by_stopping_actors_is_deleted(tmp_path):
+    """A released actor's process may write a checkpoint for a moment after the run stopped:
+    the worker's deletion of the run directory waits that out rather than leave it half-deleted
+    (a single rmtree fails with 'directory not empty')."""
+    run = tmp_path / "silo_pfl_compare_x"
+    stop = time.monotonic() + 1.0
+
+    def write_checkpoints() -> None:
+        n = 0
+        while time.monotonic() < stop:
+            n += 1
+            try:
+                directory = run / "fed" / "r1" / "silos" / f"s{n % 4}"
+                directory.mkdir(parents=True, exist_ok=True)
+                (directory / f"round_{n}.pt").write_bytes(b"x" * 4096)
+            except OSError:
+                pass
+
+    writer = threading.Thread(target=write_checkpoints)
+    writer.start()
+    try:
+        time.sleep(0.1)
+        remove_tree(run)
+    finally:
+        writer.join()
+    assert not run.exists()
 
 
 def test_sigterm_stops_the_workers_their_ray_and_deletes_the_runs_directory(tmp_path):
