@@ -159,6 +159,11 @@ def test_report_against_fedavg_shows_each_silos_gain(runs, tmp_path, capsys):
         assert f">{100 * gain:+.1f}</td>" in row.group(1), (hospital, row.group(1))
     logged = artifacts(runs.uri, run_id, "report")
     assert {"report/report.html", "report/gain.png"} <= logged
+    again = tmp_path / "again"  # a report without --against replaces it: no gain figure left
+    assert main(report(runs, run_id, again)) == 0
+    assert artifacts(runs.uri, run_id, "report") == {
+        f"report/{name}" for name in (*FIGURES, "report.html")
+    }
 
 
 def test_figures_are_the_same_bytes_every_time(runs, tmp_path):
