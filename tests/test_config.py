@@ -102,6 +102,8 @@ def test_every_job_loads():
         ),
         (["algorithm.finetune.trainable=head"], "algorithm.finetune.trainable: got 'head'"),
         (["data.source=mnist"], "data.source: got 'mnist'"),
+        (["data.source=[heart_disease]"], "data.source: got ['heart_disease'], expected one of"),
+        (["data.source={a: 1}"], "data.source: got {'a': 1}, expected one of"),
         (["split.local=[head,tail]"], "split.local[1]: got 'tail'"),
         (["eval.selection=best_test"], "eval.selection"),
         (["eval.every=0"], "eval.every: got 0, expected an integer >= 1"),

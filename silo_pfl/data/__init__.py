@@ -35,7 +35,7 @@ __all__ = [
 
 
 def _source(name: object) -> ModuleType:
-    if name not in SOURCES:
+    if not isinstance(name, str) or name not in SOURCES:
         raise ConfigError(
             f"data.source: got {name!r}, expected one of {', '.join(sorted(SOURCES))}"
         )
