@@ -180,6 +180,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         _usage_error(f"{parser.prog} {args.command}", f"unrecognized arguments: {' '.join(extra)}")
     if isinstance(getattr(args, "resume", None), str) and "=" in args.resume:
         late, args.resume = [args.resume, *late], True  # `--resume rounds=9`: an override
+    if isinstance(getattr(args, "resume", None), str):
+        from silo_pfl.run_dir import check_run_id
+
+        try:
+            check_run_id(args.resume)
+        except ConfigError as error:
+            _usage_error(f"{parser.prog} {args.command}", str(error))
     if late:
         args.overrides = [*args.overrides, *late]
     return args

@@ -52,6 +52,23 @@ def server_dir(cfg: FederationConfig, run_id: str) -> Path:
 RUN_ID = re.compile(r"\d{8}-\d{6}-[0-9a-f]{6}")  # what new_run_id makes
 
 
+def check_run_id(run_id: object) -> None:
+    """`--resume RUN_ID`: a run directory's name. An empty one (an unset `$RUN_ID`) would
+    otherwise read as no resume at all, and start a fresh run without a word; a path could
+    name another federation's run."""
+    if (
+        not isinstance(run_id, str)
+        or not run_id.strip()
+        or run_id in (".", "..")
+        or "/" in run_id
+        or "\\" in run_id
+    ):
+        raise ConfigError(
+            f"--resume: got {run_id!r}, expected a run id (a run directory's name, e.g. "
+            "20261206-151550-10f40f), or no value for the federation's latest run"
+        )
+
+
 def new_run_id() -> str:
     """A run id that sorts by start time: 20261130-052301-3fa9c2."""
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"

@@ -28,6 +28,7 @@ from silo_pfl import checkpoint, checkpoint_format, durable
 from silo_pfl.cli import main
 from silo_pfl.config import FederationConfig
 from silo_pfl.errors import ConfigError
+from silo_pfl.federation import Federation
 from silo_pfl.run_dir import RunDir, check_resumable
 from silo_pfl.settings import load_config
 from silo_pfl.silo_store import SELECTED
@@ -673,6 +674,29 @@ def test_cli_resume_names_the_absolute_directory_it_looked_in(tmp_path, monkeypa
         "error: --resume 20261130-052301-3fa9c2: no run 20261130-052301-3fa9c2 of heart_disease "
         f"in {tmp_path}/heart_disease\n"
     )
+
+
+@pytest.mark.parametrize("run_id", ["", " ", "..", "../other/20261130-052301-3fa9c2"])
+def test_a_resume_id_that_names_no_run_directory_is_refused_before_anything_runs(
+    run_id, tmp_path, capsys
+):
+    """An empty --resume (an unset $RUN_ID) would read as no resume and start a fresh run; a
+    path could reach another federation's runs. Refused on the command line, for run and
+    submit alike, and through the Python API."""
+    job = str(Path(__file__).resolve().parents[1] / "jobs" / "heart_disease.yaml")
+    for command in ("run", "submit"):
+        code = main([command, job, f"output_dir={tmp_path}", "--resume", run_id])
+        err = capsys.readouterr().err
+        assert code == 2
+        assert err == (
+            f"error: silo-pfl {command}: --resume: got {run_id!r}, expected a run id (a run "
+            "directory's name, e.g. 20261206-151550-10f40f), or no value for the federation's "
+            f"latest run (see silo-pfl {command} --help)\n"
+        )
+    cfg = load_config(job, [f"output_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"^--resume: got "):
+        Federation(cfg).run(resume=run_id)
+    assert list(tmp_path.iterdir()) == []
 
 
 def _draws() -> tuple[float, float, float]:

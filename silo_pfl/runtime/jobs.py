@@ -273,7 +273,8 @@ class JobsClient:
         inline = INLINE_CONFIG + base64.b64encode(config.read_bytes()).decode()
         command = ["python", "-m", "silo_pfl", "run", inline, *overrides, "--results-in-log"]
         command += ["--quiet"] if quiet else []
-        command += ["--resume"] if resume is True else ["--resume", resume] if resume else []
+        if resume is not False:  # an empty RUN_ID too: the driver refuses it
+            command += ["--resume"] if resume is True else ["--resume", resume]
         job_id = f"silo-pfl-{federation}-{secrets.token_hex(4)}"
         runtime_env = {
             "py_modules": [str(Path(silo_pfl.__file__).parent), *plugin_code(plugins)],
