@@ -86,6 +86,12 @@ class EvalConfig:
     every: int = 1
 
 
+# The most threads a silo's torch may use: torch starts about two per thread asked for, in
+# every silo process, and a node's process ids run out long before a typo's 100000.
+MAX_TORCH_THREADS = 256
+MAX_TIMEOUT_S = 30 * 24 * 3600  # a round's deadlines are finite: Ray's waits take milliseconds
+
+
 @dataclass
 class RoundConfig:
     """How a round runs: its deadline, its quorum, and its retries."""
@@ -397,7 +403,12 @@ def check_ranges(cfg: FederationConfig) -> None:
     _require(0 <= t.momentum < 1, "train.momentum", "0 <= value < 1", t.momentum)
     _require(0 <= t.weight_decay < math.inf, "train.weight_decay", "a number >= 0", t.weight_decay)
     _require(t.optimizer in ("sgd", "adam"), "train.optimizer", "one of sgd, adam", t.optimizer)
-    _require(t.torch_threads >= 1, "train.torch_threads", "an integer >= 1", t.torch_threads)
+    _require(
+        1 <= t.torch_threads <= MAX_TORCH_THREADS,
+        "train.torch_threads",
+        f"an integer from 1 to {MAX_TORCH_THREADS}",
+        t.torch_threads,
+    )
     _require(
         cfg.eval.selection in SELECTION_MODES,
         "eval.selection",
@@ -412,15 +423,14 @@ def check_ranges(cfg: FederationConfig) -> None:
         "one of any, per_node",
         cfg.ray.placement,
     )
-    _require(
-        cfg.round.timeout_s > 0, "round.timeout_s", "a number of seconds > 0", cfg.round.timeout_s
-    )
-    _require(
-        cfg.round.call_timeout_s > 0,
-        "round.call_timeout_s",
-        "a number of seconds > 0",
-        cfg.round.call_timeout_s,
-    )
+    for key in ("timeout_s", "call_timeout_s"):
+        seconds = getattr(cfg.round, key)
+        _require(
+            0 < seconds <= MAX_TIMEOUT_S,
+            f"round.{key}",
+            f"a number of seconds > 0 and <= {MAX_TIMEOUT_S} (30 days)",
+            seconds,
+        )
     _require(cfg.round.retries >= 0, "round.retries", "an integer >= 0", cfg.round.retries)
     bound = cfg.aggregation.max_update_norm
     if bound is not None:
