@@ -72,6 +72,8 @@ def omegaconf_error(exc: OmegaConfBaseException, schema: Any = None) -> KeyedErr
         )
     elif reason.startswith("Cannot convert 'DictConfig' to "):
         reason = "got a mapping, expected a single value (quote it if it holds a colon)"
+    elif reason.startswith("Cannot convert 'ListConfig' to "):
+        reason = "got a list, expected a single value (quote it if it holds brackets)"
     elif "is not a ListConfig" in reason:
         reason = f"got {value!r}, expected a list, e.g. [{value}]"
     elif "is not a valid bool" in reason:

@@ -22,7 +22,10 @@ def test_a_wait_past_its_bound_names_the_silos_that_did_not_answer(ray_local):
     with pytest.raises(FederationError) as info:
         get(refs, "silo set-up", 2, ["silo a", "silo b", "silo c"])
     assert time.monotonic() - began < 10
-    assert str(info.value) == "silo set-up: no answer within 2 s from silo b"
+    assert str(info.value) == "silo set-up: no answer within round.call_timeout_s=2 s from silo b"
+    with pytest.raises(FederationError) as info:
+        get(refs[1:2], "round 1: aggregation", 0.5, key="round.timeout_s")
+    assert str(info.value) == "round 1: aggregation: no answer within round.timeout_s=0.5 s"
     ray_local.cancel(refs[1], force=True)
 
 

@@ -311,10 +311,17 @@ def task_error_cause(exc: ray.exceptions.RayTaskError) -> BaseException:
     return exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
 
 
-def get(refs: Any, what: str, timeout: float | None = None, names: Sequence[str] = ()) -> Any:
+def get(
+    refs: Any,
+    what: str,
+    timeout: float | None = None,
+    names: Sequence[str] = (),
+    key: str = "round.call_timeout_s",
+) -> Any:
     """ray.get that surfaces a user error from an actor as itself, and anything else in one line.
 
-    `names` says whose each of a list of refs is ("silo va"): a timeout names who did not answer.
+    `names` says whose each of a list of refs is ("silo va"): a timeout names who did not answer,
+    and `key`, the setting that gave `timeout`.
     """
     try:
         return ray.get(refs, timeout=timeout)
@@ -330,7 +337,7 @@ def get(refs: Any, what: str, timeout: float | None = None, names: Sequence[str]
         if names and isinstance(refs, list):
             _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
             late = " from " + ", ".join(n for n, r in zip(names, refs, strict=True) if r in pending)
-        raise FederationError(f"{what}: no answer within {timeout:g} s{late}") from None
+        raise FederationError(f"{what}: no answer within {key}={timeout:g} s{late}") from None
     except ray.exceptions.RayActorError as exc:
         who = _ROLES.get(getattr(exc, "actor_id", None) or "", "an actor")
         raise FederationError(f"{what}: {who} died ({typed_line(exc)})") from exc

@@ -16,6 +16,8 @@ from typing import Any
 from silo_pfl.messages import RoundReport
 from silo_pfl.runtime.actors import call_many, get, picked
 
+ROUND_TIMEOUT = "round.timeout_s"  # the deadline of every step of a round
+
 log = logging.getLogger("silo_pfl.rounds")
 # Given the round's report (or its ref), and the refs of the new global keys and broadcast.
 Then = Callable[[Any, tuple[Any, Any]], None] | None
@@ -63,7 +65,7 @@ class PlainSteps:
         report_ref, *inputs = self.server.aggregate.options(num_returns=3).remote(picks, *lists)
         if then is not None:
             then(report_ref, (inputs[0], inputs[1]))
-        report = get(report_ref, f"round {round_}: aggregation", self.timeout)
+        report = get(report_ref, f"round {round_}: aggregation", self.timeout, key=ROUND_TIMEOUT)
         return Aggregated(report, (inputs[0], inputs[1]))
 
 
@@ -77,7 +79,10 @@ class SecureSteps(PlainSteps):
         adverts, absent, died = self.gather({n: r for n, (r,) in refs.items()}, self.timeout)
         what = f"round {round_}: secure enrolment"
         failure = get(
-            self.server.enroll.remote(round_, attempt, list(adverts.values())), what, self.timeout
+            self.server.enroll.remote(round_, attempt, list(adverts.values())),
+            what,
+            self.timeout,
+            key=ROUND_TIMEOUT,
         )
         if failure:
             return Prepared({}, absent, died, failure)
@@ -89,6 +94,7 @@ class SecureSteps(PlainSteps):
             self.server.route.remote(list(bundles.values())),
             f"round {round_}: routing shares",
             self.timeout,
+            key=ROUND_TIMEOUT,
         )
         if isinstance(routed, str):
             return Prepared({}, absent, died | gone, routed)
@@ -113,5 +119,5 @@ class SecureSteps(PlainSteps):
         report_ref, *inputs = self.server.unmask.options(num_returns=3).remote(*reveals.values())
         if then is not None:
             then(report_ref, (inputs[0], inputs[1]))
-        report = get(report_ref, f"round {round_}: unmasking", self.timeout)
+        report = get(report_ref, f"round {round_}: unmasking", self.timeout, key=ROUND_TIMEOUT)
         return Aggregated(report, (inputs[0], inputs[1]), died)
