@@ -178,6 +178,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     late = [item for item in extra if "=" in item and not item.startswith("-")]
     if extra != late or (late and args.command not in ("run", "submit", "onboard", "config")):
         _usage_error(f"{parser.prog} {args.command}", f"unrecognized arguments: {' '.join(extra)}")
+    if isinstance(getattr(args, "config", None), str) and not args.config.strip():
+        _usage_error(f"{parser.prog} {args.command}", "CONFIG: got '', expected a YAML file's path")
     if isinstance(getattr(args, "resume", None), str) and "=" in args.resume:
         late, args.resume = [args.resume, *late], True  # `--resume rounds=9`: an override
     if isinstance(getattr(args, "resume", None), str):

@@ -306,6 +306,11 @@ def read_yaml(path: Path) -> DictConfig:
 
     if path.is_dir():
         raise ConfigError(f"config file {path}: is a directory, expected a YAML file")
+    if path.exists() and not path.is_file():
+        raise ConfigError(
+            f"config file {path}: not a regular file (a pipe or a device, which a run may read "
+            "more than once); write the YAML to a file and give its path"
+        )
     if not path.is_file():
         raise ConfigError(f"config file {path}: not found")
 

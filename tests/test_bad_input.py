@@ -126,6 +126,21 @@ def test_directory_as_config_file(tmp_path, capsys):
     assert message == f"config file {tmp_path}: is a directory, expected a YAML file"
 
 
+def test_a_pipe_or_an_empty_path_as_config_file_says_so(tmp_path, capsys):
+    """A FIFO (what `<(...)` gives) exists: "not found" would send the user looking for it."""
+    fifo = tmp_path / "job.fifo"
+    os.mkfifo(fifo)
+    code, _, err = run(capsys, tmp_path, fifo)
+    assert assert_one_line(code, err, 2) == (
+        f"config file {fifo}: not a regular file (a pipe or a device, which a run may read more "
+        "than once); write the YAML to a file and give its path"
+    )
+    code, _, err = run(capsys, tmp_path, "")
+    assert assert_one_line(code, err, 2) == (
+        "silo-pfl run: CONFIG: got '', expected a YAML file's path (see silo-pfl run --help)"
+    )
+
+
 def test_config_file_that_is_not_text(tmp_path, capsys):
     path = tmp_path / "binary.yaml"
     path.write_bytes(b"name: \xff\xfe\n")
