@@ -86,6 +86,18 @@ def free_ports(count: int, exclude: Collection[int] = ()) -> list[int]:
     raise RuntimeError(f"fewer than {count} free ports between {PORT_FLOOR} and {low}")
 
 
+def port_in_use(port: int) -> bool:
+    """Whether something listens on (or holds) loopback `port` now. Ray does not refuse a
+    dashboard port that is taken: the head starts without a dashboard, and the port answers for
+    whatever holds it, another cluster's Jobs API say."""
+    with socket.socket() as sock:
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return True
+    return False
+
+
 def cluster_token() -> str:
     """The token clients find too (silo_pfl's `auth_token`); else a new ~/.ray/auth_token."""
     token = auth_token()
@@ -413,6 +425,17 @@ def main() -> None:
     args = parser.parse_args()
     if not args.metrics_interval >= 1:
         parser.error(f"--metrics-export-interval-s: got {args.metrics_interval}, expected >= 1")
+    for option, port in (
+        ("--dashboard-port", args.dashboard_port),
+        ("--tracking-port", args.tracking_port),
+    ):
+        if port is not None and port_in_use(port):
+            print(
+                f"error: {option} {port}: in use on {HOST}; give a free port, or leave "
+                f"{option} out for one",
+                file=sys.stderr,
+            )
+            sys.exit(2)
     # While the nodes start, a stop signal is only noted (no lock may be taken in a handler: an
     # Event.set there can deadlock with the wait it interrupts); then the main thread blocks the
     # signals and waits for one, so one that came in between is not lost.

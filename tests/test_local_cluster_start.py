@@ -7,6 +7,7 @@ import os
 import secrets
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -67,3 +68,28 @@ def test_a_node_whose_start_failed_is_started_again(monkeypatch, capsys):
         assert (cluster.temp_dir / "n1.2").is_dir()
     finally:
         assert cluster.stop() == []
+
+
+def test_a_taken_dashboard_or_tracking_port_is_refused_before_any_node_starts(tmp_path):
+    """Ray starts a head whose dashboard port is taken without a dashboard; the cluster would then
+    print that port as its Jobs API, where another cluster's answers."""
+    local_cluster = cluster_script("local_cluster")
+    script = Path(local_cluster.__file__)
+    with socket.socket() as taken:
+        taken.bind((local_cluster.HOST, 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for option in ("--dashboard-port", "--tracking-port"):
+            done = subprocess.run(
+                [sys.executable, str(script), "a", option, str(port), "--tracking-server"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env={**os.environ, "TMPDIR": str(tmp_path)},
+            )
+            assert done.returncode == 2, done.stderr
+            assert done.stderr == (
+                f"error: {option} {port}: in use on {local_cluster.HOST}; give a free port, or "
+                f"leave {option} out for one\n"
+            )
+            assert done.stdout == "" and not list(tmp_path.iterdir())
