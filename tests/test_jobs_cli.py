@@ -79,8 +79,9 @@ def test_the_token_comes_from_the_variable_then_a_file(monkeypatch, tmp_path):
         ),
         (
             (JOB, "tracking.enabled=false", "--resume", "--address", "http://127.0.0.1:9"),
-            "error: output_dir: got 'runs', which lies in the job's temporary working directory "
-            "on each node, so no later job finds a run there to resume; give an absolute path",
+            "error: output_dir: got 'runs', a relative path, which each node resolves against the "
+            "directory its Ray was started in, so a resume cannot count on finding the run; give "
+            "an absolute path",
         ),
     ],
 )
@@ -120,13 +121,13 @@ def test_overrides_may_follow_the_options():
 
 
 def test_a_fresh_submission_with_a_relative_output_dir_is_warned_of():
-    """Its run lies in the job's temporary working directory: no later job can resume it."""
+    """Its run lies wherever each node's Ray was started: a later job may not find it."""
     assert output_dir_note("/var/tmp/silo_pfl", False) is None
     assert output_dir_note("~/runs", False) is None
     assert output_dir_note("runs", False) == (
-        "output_dir: got 'runs', which lies in the job's temporary working directory on each "
-        "node: a later job cannot resume this run; to resume, give an absolute path that every "
-        "node can write, e.g. output_dir=/var/tmp/silo_pfl"
+        "output_dir: got 'runs', a relative path, which each node resolves against the "
+        "directory its Ray was started in; to know where the run lies and resume it later, give "
+        "an absolute path that every node can write, e.g. output_dir=/var/tmp/silo_pfl"
     )
 
 

@@ -154,19 +154,21 @@ def plugin_code(plugins: Sequence[str]) -> list[str]:
 
 
 def output_dir_note(output_dir: str, resume: bool | str) -> str | None:
-    """A submitted run's directory must outlive its job for a later job to resume it; a relative
-    output_dir lies in the job's temporary working directory on each node. Refused for a
-    resume (there is nothing to find); for a fresh run, what to print as a warning."""
+    """A submitted run's directory must be found again for a later job to resume it. A relative
+    output_dir is resolved by each process against its own working directory: on a node, the
+    one its `ray start` ran in (`silo-pfl submit` gives the job no working_dir), which differs
+    between nodes and installations. Refused for a resume; for a fresh run, what to print as a
+    warning."""
     if Path(output_dir).expanduser().is_absolute():
         return None
     where = (
-        f"output_dir: got {output_dir!r}, which lies in the job's temporary working directory "
-        "on each node"
+        f"output_dir: got {output_dir!r}, a relative path, which each node resolves against the "
+        "directory its Ray was started in"
     )
     advice = "give an absolute path that every node can write, e.g. output_dir=/var/tmp/silo_pfl"
     if resume:
-        raise ConfigError(f"{where}, so no later job finds a run there to resume; {advice}")
-    return f"{where}: a later job cannot resume this run; to resume, {advice}"
+        raise ConfigError(f"{where}, so a resume cannot count on finding the run; {advice}")
+    return f"{where}; to know where the run lies and resume it later, {advice}"
 
 
 @dataclass(frozen=True)
