@@ -85,6 +85,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--results-in-log", action="store_true", help=argparse.SUPPRESS)
     _debug(run)
     submit.add_argument("--no-wait", action="store_true", help="print the job id and return")
+    submit.add_argument(
+        "--onboard",
+        metavar="SILO",
+        help="instead of a federation, submit SILO's onboarding (silo-pfl onboard --silo SILO): "
+        "a new silo joins the trained federation (under ray.placement=per_node, on the node "
+        "labelled silo=SILO)",
+    )
     _cluster_options(submit)
     onboard = commands.add_parser(
         "onboard", help="a new silo joins a trained federation (cold start)"
@@ -94,17 +101,21 @@ def _parser() -> argparse.ArgumentParser:
         "overrides", nargs="*", default=[], help="key=value overrides, e.g. rounds=10"
     )
     onboard.add_argument("--silo", required=True, help="the joining silo, e.g. silo_9")
-    onboard.add_argument(
-        "--from",
-        dest="from_run",
-        metavar="RUN_ID",
-        help="the trained federation's MLflow run; default its latest finished run",
-    )
+    for command in (onboard, submit):
+        command.add_argument(
+            "--from",
+            dest="from_run",
+            metavar="RUN_ID",
+            help="onboarding: the trained federation's MLflow run; default its latest finished run",
+        )
+        command.add_argument(
+            "--no-alone",
+            action="store_true",
+            help="onboarding: skip the baseline of the silo training alone",
+        )
     onboard.add_argument("--results", help="write a JSON summary of the onboarding to this path")
     onboard.add_argument("--quiet", action="store_true", help="print only the final table")
-    onboard.add_argument(
-        "--no-alone", action="store_true", help="skip the baseline of the silo training alone"
-    )
+    onboard.add_argument("--results-in-log", action="store_true", help=argparse.SUPPRESS)
     _debug(onboard)
     config = commands.add_parser(
         "config", help="print a job's fully resolved config, every default included (YAML)"
@@ -270,8 +281,16 @@ def _loaded(args: argparse.Namespace, callbacks: list[Callback]) -> Federation:
 
 
 def _onboard(args: argparse.Namespace) -> int:
+    from silo_pfl.runtime.jobs import config_file
+
+    with config_file(args.config) as args.config:  # a submitted onboarding's, given inline
+        return _onboard_config(args)
+
+
+def _onboard_config(args: argparse.Namespace) -> int:
     from silo_pfl.federation import Federation
     from silo_pfl.progress import ProgressPrinter
+    from silo_pfl.runtime.jobs import print_results_line
 
     callbacks: list[Callback] = [] if args.quiet else [ProgressPrinter()]
     federation = Federation(args.config, args.overrides, callbacks=callbacks)
@@ -294,6 +313,8 @@ def _onboard(args: argparse.Namespace) -> int:
     if args.results:
         result.write_json(args.results)
         print(f"results written to {args.results}")
+    if args.results_in_log:
+        print_results_line(result.to_dict())
     tracked = result.extras.get("mlflow", {})
     for silo, uri in tracked.get("models", {}).items():
         print(f"mlflow: {silo}'s model {uri}, run {tracked['run_id']}")
@@ -305,6 +326,7 @@ def _submit(args: argparse.Namespace) -> int:
     from silo_pfl.runtime.jobs import JobsClient, check_tracking_store, output_dir_note
     from silo_pfl.settings import load_config
 
+    onboarding = _onboarding_options(args)
     config = load_config(args.config, args.overrides)
     check_tracking_store(Path(args.config), args.overrides, config.tracking.enabled)
     note = output_dir_note(config.output_dir, args.resume)
@@ -313,7 +335,13 @@ def _submit(args: argparse.Namespace) -> int:
         raise ConfigError("--results: needs the job's end; drop --no-wait")
     client = JobsClient(args.address, args.token_file)
     job_id = client.submit(
-        Path(args.config), args.overrides, config.name, args.quiet, args.resume, config.plugins
+        Path(args.config),
+        args.overrides,
+        config.name,
+        args.quiet,
+        args.resume,
+        config.plugins,
+        onboarding,
     )
     print(f"submitted job {job_id} to {client.address}", flush=True)
     if note:
@@ -339,6 +367,23 @@ def _submit(args: argparse.Namespace) -> int:
         print(f"results written to {args.results}")
     print(f"job {job_id} SUCCEEDED")
     return 0
+
+
+def _onboarding_options(args: argparse.Namespace) -> list[str]:
+    """`silo-pfl onboard`'s options for a submitted onboarding (`submit --onboard SILO`); none
+    for a federation, which takes neither --from nor --no-alone."""
+    if args.onboard is None:
+        for given, option in ((args.from_run, "--from"), (args.no_alone, "--no-alone")):
+            if given:
+                raise ConfigError(f"{option}: an onboarding's option; give --onboard SILO too")
+        return []
+    if args.resume is not False:
+        raise ConfigError("--resume: an onboarding cannot be resumed; drop --resume or --onboard")
+    if not args.onboard.strip():
+        raise ConfigError("--onboard: got '', expected the joining silo's name")
+    options = ["--silo", args.onboard]
+    options += ["--from", args.from_run] if args.from_run is not None else []
+    return options + (["--no-alone"] if args.no_alone else [])
 
 
 def _config(args: argparse.Namespace) -> int:

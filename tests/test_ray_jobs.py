@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -86,8 +87,12 @@ def _serve_and_score(tmp_path: Path, uri: str, model: str, silo: str, rows_file:
     return float(np.mean(predictions == data.y_test))
 
 
-def test_silo_pfl_submit_places_each_silo_on_its_node_and_registers_its_model(cluster, tmp_path):
-    uri, results = cluster.info["tracking_uri"], tmp_path / "results.json"
+@pytest.fixture(scope="module")
+def submitted(loopback_cluster, tmp_path_factory) -> SimpleNamespace:
+    """jobs/hospitals_on_nodes.yaml submitted as federation jobs_submit, tracked in the cluster's
+    store: the command's output and the run's results."""
+    cluster, uri = loopback_cluster, loopback_cluster.info["tracking_uri"]
+    results = tmp_path_factory.mktemp("submitted") / "results.json"
     done = _cli(
         cluster.env,
         "submit",
@@ -101,6 +106,13 @@ def test_silo_pfl_submit_places_each_silo_on_its_node_and_registers_its_model(cl
         str(results),
         "--quiet",
     )
+    return SimpleNamespace(done=done, results=results)
+
+
+def test_silo_pfl_submit_places_each_silo_on_its_node_and_registers_its_model(
+    cluster, submitted, tmp_path
+):
+    uri, done, results = cluster.info["tracking_uri"], submitted.done, submitted.results
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "SUCCEEDED" in done.stdout.splitlines()[-1]
     assert "mean test accuracy" in done.stdout and "round 1/2" not in done.stdout  # --quiet
@@ -122,6 +134,33 @@ def test_silo_pfl_submit_places_each_silo_on_its_node_and_registers_its_model(cl
     model = summary["mlflow"]["models"]["cleveland"]
     accuracy = _serve_and_score(tmp_path, uri, model, "cleveland", rows)
     assert accuracy == pytest.approx(summary["silos"]["cleveland"]["test_accuracy"], abs=0.005)
+
+
+def test_a_silo_joins_a_submitted_federation_on_its_own_node_as_a_job(cluster, submitted, tmp_path):
+    """`silo-pfl submit --onboard switzerland`: the cold start as a Ray Job. The onboarding runs
+    on switzerland's node, on the rows only that node has, and registers its model beside the
+    founders' (the federation `submitted` trained and registered)."""
+    assert submitted.done.returncode == 0, submitted.done.stderr[-3000:]
+    uri, results = cluster.info["tracking_uri"], tmp_path / "joined.json"
+    joining = ["data.late_silos=[switzerland]"]
+    joining += ["data.paths.switzerland=$SILO_PFL_DATA_DIR/heart.csv"]
+    args = ["--onboard", "switzerland", "--no-alone", "name=jobs_submit", f"tracking.uri={uri}"]
+    args += [*joining, "--quiet", "--address", cluster.info["dashboard"], "--results", str(results)]
+    done = _cli(cluster.env, "submit", JOB, *args)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "switzerland joined run " in done.stdout
+    summary = json.loads(results.read_text())
+    assert list(summary["silos"]) == ["switzerland"]
+    assert summary["silos"]["switzerland"]["node_id"] == cluster.info["nodes"]["switzerland"]
+    assert "alone_test_accuracy" not in summary["onboard"]  # --no-alone reached the driver
+    version = _client(uri).get_model_version_by_alias("jobs_submit-switzerland", "champion")
+    assert version.tags["joined"] == "onboard"
+    for wrong, message in (
+        (["--from", "x"], "error: --from: an onboarding's option; give --onboard SILO too"),
+        (["--onboard", "va", "--resume"], "error: --resume: an onboarding cannot be resumed"),
+    ):
+        refused = _cli(cluster.env, "submit", JOB, *wrong, "--address", cluster.info["dashboard"])
+        assert refused.returncode == 2 and refused.stderr.startswith(message), refused.stderr
 
 
 def test_a_submitted_run_is_resumed_by_a_later_submission(cluster, tmp_path):

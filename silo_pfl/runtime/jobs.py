@@ -267,13 +267,17 @@ class JobsClient:
         quiet: bool = False,
         resume: bool | str = False,
         plugins: Sequence[str] = (),
+        onboard: Sequence[str] = (),
     ) -> str:
         """Submit `python -m silo_pfl run` on the config (with `--resume [RUN_ID]` if `resume`),
-        shipping silo_pfl and the `plugins` modules' code; return the job's submission id."""
+        or, given `onboard` (`silo-pfl onboard`'s options: --silo SILO ...), `python -m silo_pfl
+        onboard`, shipping silo_pfl and the `plugins` modules' code; return the job's id."""
         import silo_pfl
 
         inline = INLINE_CONFIG + base64.b64encode(config.read_bytes()).decode()
-        command = ["python", "-m", "silo_pfl", "run", inline, *overrides, "--results-in-log"]
+        verb = "onboard" if onboard else "run"
+        command = ["python", "-m", "silo_pfl", verb, inline, *overrides, "--results-in-log"]
+        command += list(onboard)
         command += ["--quiet"] if quiet else []
         if resume is not False:  # an empty RUN_ID too: the driver refuses it
             command += ["--resume"] if resume is True else ["--resume", resume]
