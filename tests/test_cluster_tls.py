@@ -183,6 +183,42 @@ def test_a_federation_over_tls_and_no_client_without_it(tmp_path):
         silos = json.loads(results.read_text())["silos"]
         assert {name: silos[name]["node_id"] for name in SILOS} == info["nodes"]
 
+        # A driver without the TLS variables, or with another CA's certificates, is told so in
+        # one line within seconds; Ray would retry for minutes, or name the wrong cause.
+        other = tmp_path / "other_ca"
+        subprocess.run(
+            ["bash", str(ROOT / "cluster" / "make_certs.sh"), str(other), "127.0.0.1"],
+            check=True,
+            capture_output=True,
+        )
+        foreign = {**tls, "RAY_TLS_CA_CERT": str(other / "ca.crt")}
+        foreign |= {"RAY_TLS_SERVER_CERT": str(other / "node.crt")}
+        foreign |= {"RAY_TLS_SERVER_KEY": str(other / "node.key")}
+        address = info["address"]
+        command = [sys.executable, "-m", "silo_pfl", "run", "jobs/hospitals_on_nodes.yaml"]
+        command += [f"ray.address={address}", "rounds=1", "tracking.enabled=false"]
+        for client, expected in (
+            ({}, f"error: ray.address: {address} speaks TLS: the cluster's nodes run with "),
+            (
+                foreign,
+                f"error: ray.address: {address}: its TLS certificate is not signed by "
+                f"RAY_TLS_CA_CERT={other / 'ca.crt'} (",
+            ),
+        ):
+            began = time.monotonic()
+            refused = subprocess.run(
+                command,
+                cwd=ROOT,
+                env=_client_env(token, client),
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert time.monotonic() - began < 60
+            assert refused.returncode != 0
+            assert refused.stderr.count("\n") == 1, refused.stderr[-2000:]
+            assert refused.stderr.startswith(expected), refused.stderr
+
         # The same probe joins with the TLS variables, and cannot with the token alone.
         started = time.monotonic()
         code, out = _end_join(_start_join(info["address"], _probe_env(token, tls)), started)

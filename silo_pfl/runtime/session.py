@@ -19,6 +19,7 @@ from silo_pfl.errors import FederationError, Interrupted, one_line
 from silo_pfl.runtime.discovery import write_discovery_file
 from silo_pfl.runtime.metrics import export_interval, ray_address
 from silo_pfl.runtime.ray_token import ensure_local_token
+from silo_pfl.runtime.tls_probe import SETUP_HINT, speaks_tls, tls_problem
 from silo_pfl.stop_signals import signals_held, sigterm_interrupts
 
 
@@ -98,6 +99,7 @@ GCS_ANSWER_SECONDS = 3.0  # how long a GCS may take to answer the HTTP/2 preface
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 0x4, 0, 0, 0, 0, 0])
 HTTP2_SETTINGS = 0x4
 FRAME_HEADER = 9  # bytes: length (3), type, flags, stream id (4)
+CLOSED = "it closed the connection"  # what a GCS with TLS does with a plain HTTP/2 preface
 
 
 def check_reachable(address: str, key: str = "ray.address", timeout: float = REACH_SECONDS) -> None:
@@ -105,8 +107,9 @@ def check_reachable(address: str, key: str = "ray.address", timeout: float = REA
     accepts a TCP connection within `timeout` and answers as a gRPC server, in HTTP/2. Ray itself
     retries an address nothing listens on, or something else listens on, for minutes. A one-line
     FederationError naming `key` otherwise: an http(s):// address too (a dashboard's, for Ray
-    Jobs). Any other form of address ("auto") is left to Ray; so is the HTTP/2 answer of a
-    cluster with TLS (RAY_USE_TLS), whose GCS speaks TLS first."""
+    Jobs). Any other form of address ("auto") is left to Ray. With RAY_USE_TLS, the TLS handshake
+    with this client's certificates is tried instead (`tls_probe.tls_problem`); without it, a GCS
+    that speaks TLS is named as such."""
     scheme, _, rest = address.rpartition("://")
     if scheme.lower() in ("http", "https"):
         raise FederationError(
@@ -126,8 +129,15 @@ def check_reachable(address: str, key: str = "ray.address", timeout: float = REA
         ) from None
     with conn:
         if _tls():
+            problem = tls_problem(where, GCS_ANSWER_SECONDS)
+            if problem is not None:
+                raise FederationError(f"{key}: {address}: {problem}")
             return
         wrong = not_http2(conn, GCS_ANSWER_SECONDS)
+    if wrong == CLOSED and speaks_tls(where, GCS_ANSWER_SECONDS):  # a GCS with TLS closes
+        raise FederationError(
+            f"{key}: {address} speaks TLS: the cluster's nodes run with RAY_USE_TLS; {SETUP_HINT}"
+        )
     if wrong is not None:
         raise FederationError(
             f"{key}: {address} answers, but not as a Ray cluster's GCS ({wrong}); give the "
@@ -218,7 +228,7 @@ def not_http2(conn: socket.socket, timeout: float) -> str | None:
     if len(got) >= FRAME_HEADER and got[3] == HTTP2_SETTINGS and got[5:9] == bytes(4):
         return None
     if not got:
-        return "it closed the connection"
+        return CLOSED
     text = got.decode("ascii", "replace")
     if text.replace("\r", "").replace("\n", "").replace("\t", "").isprintable():
         line = (text.strip().splitlines() or [""])[0][:60]
