@@ -518,7 +518,9 @@ def main(argv: Sequence[str] | None = None, process_exits: bool = False) -> int:
                 signal.signal(sig, signal.SIG_IGN)
         if args.debug:
             traceback.print_exc()
-        stopped = interruption(exc)
+        from silo_pfl.stop_signals import cause
+
+        stopped = interruption(exc, cause(exc))
         print(f"error: {stopped}", file=sys.stderr)
         return stopped.exit_code
     except Exception as exc:

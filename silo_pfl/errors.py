@@ -44,15 +44,19 @@ class Interrupted(KeyboardInterrupt):
         return f"{said}; run {self.run_id} resumes from {where} with --resume {self.run_id}"
 
 
-def interruption(exc: KeyboardInterrupt) -> Interrupted:
+def interruption(exc: KeyboardInterrupt, signum: int | None = None) -> Interrupted:
     """What stopped the run: the first Interrupted that names a run, where a second Ctrl-C
-    during the clean-up raised another KeyboardInterrupt over it; else `exc` as Interrupted."""
+    during the clean-up raised another KeyboardInterrupt over it; else `exc` as Interrupted, by
+    `signum` (`stop_signals.cause`: Ray turns an interrupted wait into a plain
+    KeyboardInterrupt, which would read as Ctrl-C's)."""
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, Interrupted) and seen.run_id is not None:
             return seen
         seen = seen.__context__
-    return exc if isinstance(exc, Interrupted) else Interrupted()
+    if isinstance(exc, Interrupted):
+        return exc
+    return Interrupted() if signum is None else Interrupted(signum)
 
 
 def one_line(exc: BaseException) -> str:

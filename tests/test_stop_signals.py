@@ -23,3 +23,63 @@ def test_a_plain_keyboard_interrupt_after_a_sigterm_is_the_sigterm():
         assert cause(Interrupted(signal.SIGINT)) == signal.SIGINT
     with sigterm_interrupts():
         assert cause(KeyboardInterrupt()) == signal.SIGINT, "a new run starts afresh"
+
+
+def test_the_command_line_names_a_sigterm_that_ray_turned_into_a_plain_keyboard_interrupt(
+    monkeypatch, capsys
+):
+    """A SIGTERM during a wait inside Ray comes out as Ray's own KeyboardInterrupt: the command
+    still says "stopped by SIGTERM" and exits 143, not Ctrl-C's "interrupted" and 130."""
+    from silo_pfl import cli
+
+    def waits_in_ray(args) -> int:
+        with sigterm_interrupts():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                signal.sigtimedwait([], 1)  # let the handler run
+            except Interrupted:
+                raise KeyboardInterrupt from None  # what ray.get raises instead
+        return 0
+
+    monkeypatch.setitem(cli.COMMANDS, "config", waits_in_ray)
+    assert cli.main(["config", "jobs/heart_disease.yaml"]) == 143
+    assert capsys.readouterr().err == "error: stopped by SIGTERM\n"
+
+
+_SIGTERM_AS_RAY_STARTS = """
+import os, signal, threading
+from silo_pfl.config import RayConfig
+from silo_pfl.errors import Interrupted
+from silo_pfl.runtime.session import ray_session
+
+threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+try:
+    with ray_session(RayConfig(num_cpus=1)):
+        print("started")
+except Interrupted as exc:
+    print("interrupted by", exc.signum)
+"""
+
+
+def test_a_sigterm_while_a_local_ray_starts_is_an_interruption_by_sigterm():
+    """Ray puts in its own SIGTERM handler (sys.exit(15)) while `ray.init` runs: the run still
+    ends as stopped by SIGTERM, its half-started Ray stopped, not with a bare exit 15."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="st", dir="/tmp")  # Ray's socket paths are short
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _SIGTERM_AS_RAY_STARTS],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            start_new_session=True,
+        )
+    finally:
+        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
+    assert (done.returncode, done.stdout) == (0, "interrupted by 15\n"), done.stderr[-2000:]

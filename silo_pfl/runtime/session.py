@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import tempfile
 import time
@@ -50,7 +51,12 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
                 _export_interval(metrics_interval_s),
                 _quiet_token_notice(),
             ):
-                ray.init(**local_options(cfg))
+                try:
+                    ray.init(**local_options(cfg))
+                except SystemExit as exc:  # Ray's own SIGTERM handler, in force while it starts
+                    if exc.code != signal.SIGTERM:
+                        raise
+                    held.append(signal.SIGTERM)
             if held:
                 shutdown_local()
                 raise Interrupted(held[0])
