@@ -211,13 +211,21 @@ def _check_finite(sections: dict[str, Any]) -> None:
                 )
 
 
+# The widest hidden layer: two of them hold 268M parameters (1 GiB of float32) per copy of the
+# model, and a silo holds several; a typo's extra digit would otherwise be allocated by every
+# silo process (and by the split's probe here).
+MAX_WIDTH = 16384
+
+
 def _check_model(cfg: FederationConfig) -> None:
     """What the model's registry knows beyond its name (`config.check_ranges` checks that)."""
     check_adapters(cfg.model.name, cfg.model.adapter_dim)
     if any(isinstance(width, bool) or not isinstance(width, int) for width in cfg.model.hidden):
         raise ConfigError(f"model.hidden: got {list(cfg.model.hidden)}, expected a list of widths")
-    if cfg.model.hidden and min(cfg.model.hidden) < 1:
-        raise ConfigError(f"model.hidden: got {list(cfg.model.hidden)}, expected widths >= 1")
+    if cfg.model.hidden and not 1 <= min(cfg.model.hidden) <= max(cfg.model.hidden) <= MAX_WIDTH:
+        raise ConfigError(
+            f"model.hidden: got {list(cfg.model.hidden)}, expected widths from 1 to {MAX_WIDTH}"
+        )
     check_hidden(cfg.model.name, cfg.model.hidden)
 
 

@@ -157,13 +157,24 @@ def test_a_split_that_fails_with_hidden_layers_too_still_names_split_local():
 @pytest.mark.parametrize(
     ("hidden", "expected"),
     [
-        ("[0]", "model.hidden: got [0], expected widths >= 1"),
-        ("[16,-2]", "model.hidden: got [16, -2], expected widths >= 1"),
+        ("[0]", "model.hidden: got [0], expected widths from 1 to 16384"),
+        ("[16,-2]", "model.hidden: got [16, -2], expected widths from 1 to 16384"),
         ("[1.5]", "model.hidden[0]: got '1.5', expected a value of type integer"),
+        ("[32,100000]", "model.hidden: got [32, 100000], expected widths from 1 to 16384"),
     ],
 )
 def test_hidden_widths_are_positive_integers(hidden, expected):
+    """A width past the bound is refused before any model is built (the split's probe would
+    allocate it here, and every silo again)."""
     assert refused(f"model.hidden={hidden}") == expected
+
+
+def test_digits_images_are_at_most_256_pixels_a_side():
+    message = refused("data.source=digits", "model.name=resnet18", "data.image_shape=[3,4096,4096]")
+    assert message == (
+        "data.image_shape: got [3, 4096, 4096], expected [C, S, S] with C 1 or 3 and S a multiple "
+        "of 8 up to 256 (the 8x8 digits, each pixel repeated S/8 times)"
+    )
 
 
 # 5. A config file whose top level is a scalar.

@@ -149,7 +149,7 @@ def test_a_federation_with_personal_attention_shares_everything_else(job):
     [
         (["model.hidden=[30,2,4]"], "model.hidden: transformer width 30 is not a multiple"),
         (["model.hidden=[32,2,2,2]"], "model.hidden: got [32, 2, 2, 2], expected [dim]"),
-        (["model.hidden=[32,0]"], "model.hidden: got [32, 0], expected widths >= 1"),
+        (["model.hidden=[32,0]"], "model.hidden: got [32, 0], expected widths from 1 to 16384"),
         (["split.local=[last:5]"], "split.local[0]: last:5 asks for more blocks"),
         (["split.local=[pattern:body.block3.*]"], "matches no state_dict key"),
     ],

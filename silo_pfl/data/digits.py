@@ -53,6 +53,7 @@ GEOMETRIES = ("rot90", "rot180", "rot270", "flip_lr", "flip_ud")
 # Raw layout of a served model: the silo's own image (after its feature shift, at
 # data.image_shape), row-major: pixel_0 .. pixel_{C*S*S-1}.
 IMAGE_SHAPE = (1, 8, 8)
+MAX_SIDE = 256  # the largest upsampled side: 1797 digits at 3x256x256 are 1.4 GB of float32
 CHANNELS = (1, 3)  # grey, or grey repeated as RGB
 
 
@@ -109,12 +110,12 @@ def validate(cfg: Params) -> None:
         len(shape) == 3
         and shape[0] in CHANNELS
         and shape[1] == shape[2]
-        and shape[1] >= 8
+        and 8 <= shape[1] <= MAX_SIDE
         and shape[1] % 8 == 0
     ):
         raise ConfigError(
             f"data.image_shape: got {shape}, expected [C, S, S] with C 1 or 3 and S a multiple "
-            "of 8 (the 8x8 digits, each pixel repeated S/8 times)"
+            f"of 8 up to {MAX_SIDE} (the 8x8 digits, each pixel repeated S/8 times)"
         )
 
 
