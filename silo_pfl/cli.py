@@ -182,6 +182,20 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Options whose empty value (an unset shell variable's) would otherwise read as not given, and
+# silently pick the default: a store in the working directory, the latest run, every federation.
+BLANK_REFUSED = {
+    "tracking_uri": "--tracking-uri",
+    "against": "--against",
+    "local": "--local",
+    "from_run": "--from",
+    "onboard": "--onboard",
+    "address": "--address",
+    "token_file": "--token-file",
+    "key_dir": "--key-dir",
+}
+
+
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse the command line; key=value overrides may also follow the options."""
     parser = _parser()
@@ -191,6 +205,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         _usage_error(f"{parser.prog} {args.command}", f"unrecognized arguments: {' '.join(extra)}")
     if isinstance(getattr(args, "config", None), str) and not args.config.strip():
         _usage_error(f"{parser.prog} {args.command}", "CONFIG: got '', expected a YAML file's path")
+    for dest, option in BLANK_REFUSED.items():
+        value = getattr(args, dest, None)
+        if isinstance(value, str) and not value.strip():
+            _usage_error(
+                f"{parser.prog} {args.command}",
+                f"{option}: got {value!r}, expected a value, or no {option} for the default",
+            )
     if isinstance(getattr(args, "resume", None), str) and "=" in args.resume:
         late, args.resume = [args.resume, *late], True  # `--resume rounds=9`: an override
     if isinstance(getattr(args, "resume", None), str):
@@ -292,6 +313,8 @@ def _onboard_config(args: argparse.Namespace) -> int:
     from silo_pfl.progress import ProgressPrinter
     from silo_pfl.runtime.jobs import print_results_line
 
+    if not args.silo.strip():
+        raise ConfigError(f"--silo: got {args.silo!r}, expected the joining silo's name")
     callbacks: list[Callback] = [] if args.quiet else [ProgressPrinter()]
     federation = Federation(args.config, args.overrides, callbacks=callbacks)
     _check_results_path(args.results)
@@ -379,8 +402,6 @@ def _onboarding_options(args: argparse.Namespace) -> list[str]:
         return []
     if args.resume is not False:
         raise ConfigError("--resume: an onboarding cannot be resumed; drop --resume or --onboard")
-    if not args.onboard.strip():
-        raise ConfigError("--onboard: got '', expected the joining silo's name")
     options = ["--silo", args.onboard]
     options += ["--from", args.from_run] if args.from_run is not None else []
     return options + (["--no-alone"] if args.no_alone else [])
@@ -416,6 +437,8 @@ def _stop(args: argparse.Namespace) -> int:
 def _models(args: argparse.Namespace) -> int:
     from silo_pfl.tracking.listing import local_models_table, models_table
 
+    if args.federation is not None and not args.federation.strip():
+        raise ConfigError(f"--federation: got {args.federation!r}, expected a federation's name")
     if args.local:
         print(local_models_table(args.local, args.federation))
     else:

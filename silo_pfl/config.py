@@ -267,6 +267,11 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
         key = item.split("=", 1)[0]
         if "=" not in item or not all(key.split(".")):
             raise ConfigError(f"override '{item}': expected key=value, e.g. rounds=5")
+        if not item.split("=", 1)[1].strip():
+            raise ConfigError(
+                f"{key}: got an empty value ('{key}=', an unset shell variable?); give a value, "
+                f"or {key}=null for none"
+            )
         try:
             parsed.merge_with(OmegaConf.from_dotlist([item]))
         except OmegaConfBaseException as exc:
@@ -393,6 +398,18 @@ def check_name(value: object, key: str, what: str = "") -> None:
         raise ConfigError(f"{key}: got {what}{text!r}, expected {NAME_RULE}")
 
 
+def _check_not_blank(cfg: FederationConfig) -> None:
+    """An empty string where null means "the default" (an unset shell variable's value, quoted)
+    would silently pick that default: a store in the working directory, a local Ray instead of
+    the cluster, another key directory."""
+    optional = [("tracking.uri", cfg.tracking.uri), ("ray.address", cfg.ray.address)]
+    for silo, section in cfg.silos.items():
+        optional.append((f"silos.{silo}.key_dir", getattr(section, "key_dir", None)))
+    for key, value in optional:
+        if isinstance(value, str) and not value.strip():
+            raise ConfigError(f"{key}: got {value!r}, expected a value, or null for the default")
+
+
 def check_ranges(cfg: FederationConfig) -> None:
     models = builtin_names.MODELS
     _require(cfg.model.name in models, "model.name", "one of " + ", ".join(models), cfg.model.name)
@@ -400,6 +417,7 @@ def check_ranges(cfg: FederationConfig) -> None:
     if not cfg.plugins:  # a plugin may register more; the registry checks those, on load
         algorithms = builtin_names.ALGORITHMS
         _require(name in algorithms, "algorithm.name", "one of " + ", ".join(algorithms), name)
+    _check_not_blank(cfg)
     t = cfg.train
     _require(cfg.rounds >= 1, "rounds", "an integer >= 1", cfg.rounds)
     _require(t.local_epochs >= 0, "train.local_epochs", "an integer >= 0", t.local_epochs)

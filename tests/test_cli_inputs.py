@@ -295,3 +295,59 @@ def test_a_reader_that_has_gone_ends_the_command_quietly(buffered):
         os.close(write)
     assert "error" not in done.stderr.lower() and "Traceback" not in done.stderr, done.stderr
     assert done.returncode == 141, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["run", HEART, "tracking.uri="],
+            "error: tracking.uri: got an empty value ('tracking.uri=', an unset shell "
+            "variable?); give a value, or tracking.uri=null for none",
+        ),
+        (
+            ["config", HEART, "rounds="],
+            "error: rounds: got an empty value ('rounds=', an unset shell variable?); give a "
+            "value, or rounds=null for none",
+        ),
+        (
+            ["run", HEART, "tracking.uri=''"],
+            "error: tracking.uri: got '', expected a value, or null for the default",
+        ),
+        (
+            ["submit", HEART, "ray.address=' '", "--address", "http://127.0.0.1:9"],
+            "error: ray.address: got ' ', expected a value, or null for the default",
+        ),
+        (
+            ["config", HEART, "silos.va.key_dir=''"],
+            "error: silos.va.key_dir: got '', expected a value, or null for the default",
+        ),
+        (
+            ["models", "--tracking-uri", ""],
+            "error: silo-pfl models: --tracking-uri: got '', expected a value, or no "
+            "--tracking-uri for the default (see silo-pfl models --help)",
+        ),
+        (
+            ["models", "--federation", ""],
+            "error: --federation: got '', expected a federation's name",
+        ),
+        (
+            ["report", "0123", "--out", ""],
+            "error: --out: got '', expected a directory, or no --out for the default",
+        ),
+        (
+            ["onboard", HEART, "--silo", " "],
+            "error: --silo: got ' ', expected the joining silo's name",
+        ),
+    ],
+)
+def test_an_empty_value_is_refused_rather_than_read_as_the_default(
+    argv, expected, tmp_path, capsys, monkeypatch
+):
+    """An unset shell variable gives `key=` or `--option ''`: taken as "not given", it would send
+    a run's models to a store in the working directory, or start a local Ray instead of joining
+    the cluster, without a word."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli(capsys, *argv)
+    assert_one_line(code, err, expected)
+    assert out == "" and list(tmp_path.iterdir()) == []

@@ -20,8 +20,10 @@ def report(
     """Build the report of `run_id` into `out` and (with `log`) onto the run's artifacts;
     returns the path of report.html. If the build fails (a bad run id among them), the
     directories this call created are removed again; one that existed before is kept."""
+    if out is not None and not out.strip():
+        raise ConfigError(f"--out: got {out!r}, expected a directory, or no --out for the default")
     client, uri = open_existing(uri, "--tracking-uri")
-    directory = Path(out) if out else DEFAULT_OUT / run_id
+    directory = Path(out) if out is not None else DEFAULT_OUT / run_id
     created = outermost_missing(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
