@@ -263,7 +263,9 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
     import yaml  # OmegaConf's own YAML library, which reads each value
 
     parsed = OmegaConf.create()
-    for item in overrides:
+    for index, item in enumerate(overrides):
+        if not isinstance(item, str):
+            raise ConfigError(f"overrides[{index}]: got {item!r}, expected a 'key=value' string")
         key = item.split("=", 1)[0]
         if "=" not in item or not all(key.split(".")):
             raise ConfigError(f"override '{item}': expected key=value, e.g. rounds=5")
@@ -369,7 +371,60 @@ def read_yaml(path: Path) -> DictConfig:
         raise ConfigError(f"config file {path}: not valid YAML ({one_line(exc)})") from None
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"config file {path}: expected a mapping of keys at the top level")
+    surprise = _yaml_surprise(top) if top is not None else None
+    if surprise is not None:
+        raise ConfigError(f"config file {path}: {surprise}")
     return loaded
+
+
+_BOOL = "tag:yaml.org,2002:bool"
+_INT = "tag:yaml.org,2002:int"
+_STR = "tag:yaml.org,2002:str"
+_NOT_DECIMAL = re.compile(r"[-+]?0[0-9_]+|[-+]?0[xXoObB].*")
+
+
+def _yaml_surprise(root: Any) -> str | None:
+    """What YAML 1.1 reads otherwise than written, unquoted: a key that is not a string (`no:`,
+    a silo of Norway, becomes the boolean False), a name that becomes one (`name: no`), and an
+    integer not in decimal (`seed: 010` is octal 8); and a dotted key on top (`train.lr: 0.3`),
+    which only overrides may use. None if there is none."""
+    todo: list[tuple[str, Any]] = [("", root)]
+    while todo:
+        prefix, node = todo.pop()
+        if not hasattr(node, "value") or not isinstance(node.value, list):
+            continue
+        if not all(isinstance(item, tuple) for item in node.value):  # a sequence
+            todo += [(f"{prefix}[{i}]", item) for i, item in enumerate(node.value)]
+            continue
+        for key, value in node.value:
+            name = f"{prefix}.{key.value}" if prefix else str(key.value)
+            if key.tag != _STR and not key.style and isinstance(key.value, str):
+                return (
+                    f"key {name!r} reads as a {key.tag.rsplit(':', 1)[-1]} in YAML, not as the "
+                    f'name it spells; quote it: "{key.value}"'
+                )
+            if not prefix and isinstance(key.value, str) and "." in key.value:
+                section, rest = key.value.split(".", 1)
+                return (
+                    f"key {name!r} holds a dot; in a file write it nested ({section}: {{{rest}: "
+                    "...}); dotted keys are for key=value overrides"
+                )
+            plain = isinstance(value.value, str) and not value.style
+            if plain and value.tag == _BOOL and name.rsplit(".", 1)[-1] == "name":
+                return (
+                    f"{name}: {value.value} reads as a boolean in YAML; quote it: "
+                    f'{name.rsplit(".", 1)[-1]}: "{value.value}"'
+                )
+            if plain and value.tag == _INT and _NOT_DECIMAL.fullmatch(value.value):
+                import yaml
+
+                read = yaml.safe_load(value.value)
+                return (
+                    f"{name}: {value.value} reads as {read} in YAML (not decimal); write the "
+                    "number in decimal"
+                )
+            todo.append((name, value))
+    return None
 
 
 # The longest metrics.linger_s and metrics.export_interval_s: a scrape interval of Prometheus is

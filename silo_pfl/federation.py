@@ -20,9 +20,10 @@ class Federation:
     def __init__(
         self,
         config: FederationConfig | str | Path | dict[str, Any],
-        overrides: Sequence[str] = (),
+        overrides: Sequence[str] | None = (),
         callbacks: Sequence[Callback] = (),
     ) -> None:
+        overrides = () if overrides is None else overrides
         if isinstance(overrides, (str, bytes)):
             raise TypeError(f"overrides: got {overrides!r}, expected a list of 'key=value' strings")
         # The keys the user wrote (None: unknown, for a config loaded before), which onboarding

@@ -103,8 +103,19 @@ def assert_one_line(code: int, err: str, expected_code: int, *parts: str) -> str
         ),
         ("name: x\n  rounds: 1\n", "not valid YAML at line 2, column 9: mapping values are not"),
         ("- name: x\n", "expected a mapping of keys at the top level"),
+        ("name: no\n", 'name: no reads as a boolean in YAML; quote it: name: "no"'),
+        ("name: x\nseed: 010\n", "seed: 010 reads as 8 in YAML (not decimal); write the number"),
+        (
+            "name: x\ndata: {source: csv, num_classes: 2, paths: {no: /data/no.csv}}\n",
+            "key 'data.paths.no' reads as a bool in YAML, not as the name it spells; quote it",
+        ),
+        (
+            "name: x\ntrain.lr: 0.3\n",
+            "key 'train.lr' holds a dot; in a file write it nested (train: {lr: ...}); dotted "
+            "keys are for key=value overrides",
+        ),
     ],
-    ids=["unclosed-list", "bad-indent", "not-a-mapping"],
+    ids=["unclosed-list", "bad-indent", "not-a-mapping", "name-no", "octal", "silo-no", "dotted"],
 )
 def test_malformed_yaml_names_the_file_and_the_line(tmp_path, capsys, text, expected):
     path = tmp_path / "bad.yaml"

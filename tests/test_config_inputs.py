@@ -253,6 +253,9 @@ def test_the_python_api_checks_a_config_however_it_was_built(tmp_path):
         Federation(3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="overrides: got 'rounds=2', expected a list"):
         Federation(JOB, "rounds=2")  # type: ignore[arg-type]
+    assert Federation(JOB, None).config.rounds == Federation(JOB).config.rounds  # None: none
+    with pytest.raises(ConfigError, match=r"^overrides\[1\]: got 5, expected a 'key=value' "):
+        Federation(JOB, ["rounds=2", 5])  # type: ignore[list-item]
 
 
 def test_a_mapping_may_hold_numpy_numbers(tmp_path):
