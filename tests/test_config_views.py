@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from silo_pfl.config import to_dict
 from silo_pfl.config_views import HIDDEN, actor_view, logged_view
+from silo_pfl.errors import ConfigError
 from silo_pfl.settings import from_dict, load_config
 from silo_pfl.tracking.tracker import flatten
 from silo_pfl.tracking.uri import redact
@@ -76,3 +79,19 @@ def test_redact_masks_passwords_and_secret_query_values_only():
         "postgresql://u:***@h/db?sslpassword=***&sslmode=require"
     )
     assert redact("https://h/p?SIG=1&api_key=2&page") == "https://h/p?SIG=***&api_key=***&page"
+
+
+@pytest.mark.parametrize(
+    ("key", "uri"),
+    [
+        ("tracking.uri", "postgres://alice:S3cretPW@db.example:5432/mlflow"),
+        ("silos.va.tracking_uri", "htp://alice:S3cretPW@host/x?token=S3cretPW"),
+    ],
+)
+def test_a_store_uri_refused_for_its_scheme_masks_its_password(key, uri):
+    """`postgres://` (not SQLAlchemy's postgresql://) is the likeliest typo of a database store:
+    its refusal goes to terminals and job logs, without the password."""
+    with pytest.raises(ConfigError) as info:
+        load_config("jobs/heart_disease.yaml", [f"{key}={uri}", "tracking.enabled=true"])
+    assert "S3cretPW" not in str(info.value)
+    assert str(info.value).startswith(f"{key}: got '{redact(uri)}', expected an MLflow store URI")

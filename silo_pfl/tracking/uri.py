@@ -32,11 +32,11 @@ def check_uri(uri: str, key: str) -> str:
     if scheme not in SCHEMES:
         retired = FILE_STORE if scheme in ("", "file") else ""
         raise ConfigError(
-            f"{key}: got {uri!r}, expected an MLflow store URI with a scheme among "
+            f"{key}: got {redact(uri)!r}, expected an MLflow store URI with a scheme among "
             f"{', '.join(SCHEMES)} ({EXAMPLES}){retired}"
         )
     if scheme == "sqlite" and sqlite_target(uri) in ("", ":memory:"):
-        raise ConfigError(f"{key}: got {uri!r}, expected sqlite:///PATH to a database file")
+        raise ConfigError(f"{key}: got {redact(uri)!r}, expected sqlite:///PATH to a database file")
     return uri
 
 
