@@ -34,6 +34,7 @@ from silo_pfl.errors import ConfigError, typed_line
 from silo_pfl.models import build_model, check_adapters, check_hidden
 from silo_pfl.server_optimizers import resolve_server_optimizer
 from silo_pfl.split import compute_split, parse_rules
+from silo_pfl.training import has_batchnorm
 from silo_pfl.unused_settings import unused
 
 log = logging.getLogger("silo_pfl.settings")
@@ -162,6 +163,12 @@ def _probe_split(cfg: FederationConfig, algorithm: Algorithm, hidden: list[int])
     """The split rules and the algorithm's needs checked on the model built with `hidden`."""
     shape = _PROBE_SHAPES.get(cfg.model.name, (1,))
     model = build_model(cfg.model.name, shape, 2, hidden, cfg.model.adapter_dim)
+    if cfg.train.batch_size < 2 and has_batchnorm(model):
+        raise ConfigError(
+            f"train.batch_size: got {cfg.train.batch_size}, but model {cfg.model.name} has "
+            "BatchNorm, which needs at least 2 rows in a batch (a batch of one is skipped, so "
+            "nothing would train); expected train.batch_size >= 2"
+        )
     try:
         split = compute_split(algorithm.prepare_model(model), split_rules(cfg))
     except ConfigError as exc:

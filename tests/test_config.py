@@ -102,6 +102,10 @@ def test_every_job_loads():
         ),
         (["algorithm.finetune.trainable=head"], "algorithm.finetune.trainable: got 'head'"),
         (["data.source=mnist"], "data.source: got 'mnist'"),
+        (
+            ["data.source=digits", "model.name=cnn_small_bn", "train.batch_size=1"],
+            "train.batch_size: got 1, but model cnn_small_bn has BatchNorm, which needs at least 2",
+        ),
         (["name=[a]"], "name: got a list, expected a single value"),
         (["model.name=[mlp]"], "model.name: got a list, expected a single value"),
         (
