@@ -192,7 +192,6 @@ BLANK_REFUSED = {
     "onboard": "--onboard",
     "address": "--address",
     "token_file": "--token-file",
-    "key_dir": "--key-dir",
 }
 
 
@@ -226,12 +225,15 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def _check_results_path(path: str | None) -> None:
-    """--results must name a file that can be written, before anything runs."""
+def _check_results_path(path: str | None, config: str | None = None) -> None:
+    """--results must name a file that can be written, before anything runs, and not the job's
+    `config` (a slip of the shell would overwrite the job with its results)."""
     if path is None:
         return
     if not path.strip():
         raise ConfigError(f"--results: got {path!r}, expected a file path")
+    if config is not None and Path(path).resolve() == Path(config).resolve():
+        raise ConfigError(f"--results {path}: is the job's config file; name another path")
     if Path(path).is_dir() or path.endswith(os.sep):
         raise ConfigError(f"--results {path}: is a directory, expected a file path")
     parent = Path(path).resolve().parent
@@ -261,7 +263,7 @@ def _run_config(args: argparse.Namespace) -> int:
     from silo_pfl.runtime.session import ray_session_while
 
     draft = merge_config(read_yaml(Path(args.config)), args.overrides)
-    _check_results_path(args.results)
+    _check_results_path(args.results, args.config)
     callbacks: list[Callback] = [] if args.quiet else [ProgressPrinter()]
     with ray_session_while(draft, lambda: _loaded(args, callbacks)) as federation:
         result = federation.run(resume=args.resume)
@@ -317,7 +319,7 @@ def _onboard_config(args: argparse.Namespace) -> int:
         raise ConfigError(f"--silo: got {args.silo!r}, expected the joining silo's name")
     callbacks: list[Callback] = [] if args.quiet else [ProgressPrinter()]
     federation = Federation(args.config, args.overrides, callbacks=callbacks)
-    _check_results_path(args.results)
+    _check_results_path(args.results, args.config)
     result = federation.onboard(args.silo, args.from_run, alone=not args.no_alone)
     if args.quiet:
         ProgressPrinter().on_end(result)
@@ -353,7 +355,7 @@ def _submit(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     check_tracking_store(Path(args.config), args.overrides, config.tracking.enabled)
     note = output_dir_note(config.output_dir, args.resume)
-    _check_results_path(args.results)
+    _check_results_path(args.results, args.config)
     if args.results and args.no_wait:
         raise ConfigError("--results: needs the job's end; drop --no-wait")
     client = JobsClient(args.address, args.token_file)

@@ -228,6 +228,31 @@ def test_min_silos_beyond_the_number_of_silos(tmp_path, capsys, quorum):
     assert out == "" and not (tmp_path / "runs").exists()
 
 
+def test_a_key_file_that_is_not_text_or_lists_no_silo_is_refused_at_load(tmp_path, capsys):
+    """An empty key file named on purpose would fall back to trusting the keys the silos report
+    (the driver relays them): refused, as a binary one is."""
+    binary, empty = tmp_path / "keys.bin", tmp_path / "keys.txt"
+    binary.write_bytes(b"\xbd\xff\x00")
+    empty.write_text("# no silo yet\n")
+    for path, reason in ((binary, "is not a UTF-8 text file"), (empty, "lists no silo; list")):
+        option = f"aggregation.identity_keys={path}"
+        code, out, err = run(capsys, tmp_path, HEART_JOB, "aggregation.secure=true", option)
+        message = assert_one_line(code, err, 2)
+        assert message.startswith(f"aggregation.identity_keys: {path} {reason}"), message
+        assert out == "" and not (tmp_path / "runs").exists()
+
+
+def test_results_that_name_the_job_file_are_refused_before_the_run(tmp_path, capsys):
+    """A slip of the shell (`--results job.yaml`) would overwrite the job with its results."""
+    job = tmp_path / "job.yaml"
+    job.write_text(Path(HEART_JOB).read_text())
+    code, out, err = run(capsys, tmp_path, job, "--results", str(job))
+    assert assert_one_line(code, err, 2) == (
+        f"--results {job}: is the job's config file; name another path"
+    )
+    assert job.read_text() == Path(HEART_JOB).read_text() and out == ""
+
+
 @pytest.mark.parametrize(
     ("option", "key", "reason"),
     [

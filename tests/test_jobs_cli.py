@@ -65,6 +65,9 @@ def test_the_token_comes_from_the_variable_then_a_file(monkeypatch, tmp_path):
         auth_token(str(tmp_path / "missing"))
     with pytest.raises(ConfigError, match=f"^--token-file {tmp_path}: not a file$"):
         auth_token(str(tmp_path))
+    (tmp_path / "binary").write_bytes(b"\xbd\xff\x00token")
+    with pytest.raises(ConfigError, match=r"binary: not a UTF-8 text file \(a token is one"):
+        auth_token(str(tmp_path / "binary"))
 
 
 @pytest.mark.parametrize(

@@ -117,7 +117,10 @@ def auth_token(token_file: str | None = None) -> str | None:
         if source == DEFAULT_TOKEN_FILE and not path.exists():
             return None
         raise ConfigError(f"{source}: {'not a file' if path.exists() else 'not found'}")
-    return path.read_text().strip()
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{source}: not a UTF-8 text file (a token is one line)") from None
 
 
 def check_tracking_store(config: Path, overrides: Sequence[str], tracking_enabled: bool) -> None:

@@ -179,10 +179,12 @@ def read_key_file(path: Path) -> dict[str, str]:
     `silos.<silo>.identity_key=<base64 key>` as silo-pfl keys show prints them; '#' starts a
     comment."""
     try:
-        text = path.expanduser().read_text()
+        text = path.expanduser().read_text(encoding="utf-8")
     except OSError as exc:
         message = f"aggregation.identity_keys: cannot read {path} ({exc.strerror})"
         raise ConfigError(message) from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"aggregation.identity_keys: {path} is not a UTF-8 text file") from None
     keys: dict[str, str] = {}
     lines: dict[str, int] = {}
     for number, line in enumerate(text.splitlines(), 1):
@@ -202,6 +204,11 @@ def read_key_file(path: Path) -> dict[str, str]:
                 f"line {lines[silo]}); list each silo once"
             )
         keys[silo], lines[silo] = key, number
+    if not keys:  # named, yet trusting no key would fall back to the keys the silos report
+        raise ConfigError(
+            f"aggregation.identity_keys: {path} lists no silo; list every silo's key "
+            "(silo-pfl keys show), or drop aggregation.identity_keys"
+        )
     return keys
 
 
