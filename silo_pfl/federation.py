@@ -10,6 +10,7 @@ from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig, read_yaml, written_keys
 from silo_pfl.errors import ConfigError
 from silo_pfl.results import FederationResult
+from silo_pfl.run_dir import check_resume
 from silo_pfl.runtime.orchestrator import Orchestrator
 from silo_pfl.settings import is_checked, load_config, user_config
 
@@ -53,6 +54,7 @@ class Federation:
         With tracking.enabled, an MlflowTracker joins the callbacks; it opens the store first,
         so a bad tracking.uri fails before any silo starts. MLflow is imported only then.
         """
+        check_resume(resume)  # before the store is opened: a refused resume leaves nothing
         if not self.config.tracking.enabled:
             return Orchestrator(self.config, self.callbacks, resume).run()
         from silo_pfl.tracking.tracker import MlflowTracker

@@ -69,6 +69,12 @@ def check_run_id(run_id: object) -> None:
         )
 
 
+def check_resume(resume: bool | str) -> None:
+    """Federation.run's `resume`: True, False, or a run id `check_run_id` accepts."""
+    if resume is not True and resume is not False:
+        check_run_id(resume)
+
+
 def new_run_id() -> str:
     """A run id that sorts by start time: 20261130-052301-3fa9c2."""
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"

@@ -22,7 +22,7 @@ from silo_pfl.data import silo_names
 from silo_pfl.errors import ConfigError, FederationError, Interrupted
 from silo_pfl.messages import SiloOutcome, SplitInfo, fields_of, model_shape
 from silo_pfl.results import FederationResult, RoundSummary, SiloResult
-from silo_pfl.run_dir import RESULT_FILE, RunDir, check_resumable, check_run_id
+from silo_pfl.run_dir import RESULT_FILE, RunDir, check_resumable, check_resume
 from silo_pfl.runtime.actors import get, start_server, start_silos, stop
 from silo_pfl.runtime.exporting import attach_exporters, export
 from silo_pfl.runtime.metrics import driver_metrics, export_interval
@@ -54,8 +54,7 @@ class Orchestrator:
         callbacks: Sequence[Callback] = (),
         resume: bool | str = False,
     ) -> None:
-        if resume is not True and resume is not False:
-            check_run_id(resume)
+        check_resume(resume)
         self.cfg = cfg
         self.callbacks = list(callbacks)
         self.resume = resume  # True: the latest run of this federation; a str: that run id
