@@ -184,3 +184,18 @@ def test_an_address_that_is_no_ray_dashboard_says_so(tmp_path):
         f"error: --address {address}: it is not a Ray dashboard's Jobs API (no /api/version "
         "there); give the dashboard's address, e.g. http://HOST:8265\n"
     ), done.stderr
+
+
+def test_onboarding_options_without_an_onboarding_are_refused_before_submitting(capsys):
+    from silo_pfl.cli import main
+
+    for wrong, message in (
+        (["--from", "x"], "error: --from: an onboarding's option; give --onboard SILO too\n"),
+        (["--no-alone"], "error: --no-alone: an onboarding's option; give --onboard SILO too\n"),
+        (
+            ["--onboard", "va", "--resume"],
+            "error: --resume: an onboarding cannot be resumed; drop --resume or --onboard\n",
+        ),
+    ):
+        assert main(["submit", JOB, *wrong, "--address", "http://127.0.0.1:9"]) == 2
+        assert capsys.readouterr().err == message
