@@ -45,6 +45,8 @@ from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from silo_pfl.config import check_name
+from silo_pfl.errors import ConfigError
 from silo_pfl.runtime.jobs import auth_token
 
 MARKER_VAR = "SILO_PFL_CLUSTER"
@@ -212,10 +214,10 @@ class LocalCluster:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.marker = secrets.token_hex(8)
+        self.tls = tls_env(args.tls_dir)  # may refuse: before any directory is made
         self.workdir = Path(tempfile.mkdtemp(prefix="silo-pfl-cluster-"))
         # Ray's socket paths must stay short: its temp dir lives directly under /tmp.
         self.temp_dir = Path(tempfile.mkdtemp(prefix="rc", dir="/tmp"))
-        self.tls = tls_env(args.tls_dir)
         self.env = {
             **os.environ,
             MARKER_VAR: self.marker,
@@ -425,6 +427,16 @@ def main() -> None:
     args = parser.parse_args()
     if not args.metrics_interval >= 1:
         parser.error(f"--metrics-export-interval-s: got {args.metrics_interval}, expected >= 1")
+    for silo in args.silos:  # each is a node's label value, silo=<name>
+        try:
+            check_name(silo, "SILOS", "silo name ")
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(2)
+    twice = sorted({silo for silo in args.silos if args.silos.count(silo) > 1})
+    if twice:
+        print(f"error: SILOS: {', '.join(twice)} given twice; one node per silo", file=sys.stderr)
+        sys.exit(2)
     for option, port in (
         ("--dashboard-port", args.dashboard_port),
         ("--tracking-port", args.tracking_port),

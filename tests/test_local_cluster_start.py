@@ -93,3 +93,23 @@ def test_a_taken_dashboard_or_tracking_port_is_refused_before_any_node_starts(tm
                 f"leave {option} out for one\n"
             )
             assert done.stdout == "" and not list(tmp_path.iterdir())
+
+
+def test_bad_silo_names_and_a_tls_dir_without_certificates_leave_nothing(tmp_path):
+    """A silo name Ray cannot take as a label value, or one given twice, is one line before the
+    head starts; a --tls-dir without certificates makes no temporary directory first."""
+    local_cluster = cluster_script("local_cluster")
+    script = Path(local_cluster.__file__)
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    before = set(Path("/tmp").glob("rc*"))
+    for argv, code, line in (
+        (["bad name"], 2, "error: SILOS: got silo name 'bad name', expected 1 to 63 letters"),
+        (["a", "b", "a"], 2, "error: SILOS: a given twice; one node per silo"),
+        (["a", "--tls-dir", str(tmp_path / "none")], 1, f"error: --tls-dir {tmp_path / 'none'}"),
+    ):
+        command = [sys.executable, str(script), *argv]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
+        assert done.returncode == code, done.stderr
+        assert done.stderr.startswith(line) and done.stderr.count("\n") == 1, done.stderr
+        assert done.stdout == "" and not list(tmp_path.iterdir())
+    assert set(Path("/tmp").glob("rc*")) <= before
