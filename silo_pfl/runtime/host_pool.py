@@ -20,6 +20,7 @@ import ray
 KEEP = 4  # idle workers kept in all
 READY_TIMEOUT_S = 5.0  # a kept worker that does not answer this soon is stopped, not used
 CLOSE_TIMEOUT_S = 10.0  # a worker that cannot close this soon (hung, stopped) is not kept
+GONE_TIMEOUT_S = 5.0  # how long a failed run waits for its killed actors to be gone
 
 _idle: dict[str, list[Any]] = {}  # options key -> idle workers
 _keys: dict[str, str] = {}  # actor id (hex) -> its options key, for workers that may be kept
@@ -68,6 +69,7 @@ def release(workers: Sequence[Any], keep: bool) -> None:
     closing = {w._actor_id.hex(): w.close.remote() for w in keepable}
     ready, _ = ray.wait(list(closing.values()), num_returns=len(closing), timeout=CLOSE_TIMEOUT_S)
     idle = sum(len(v) for v in _idle.values())
+    killed = []
     for worker in workers:
         key = _keys.pop(worker._actor_id.hex(), None)
         ref = closing.get(worker._actor_id.hex())
@@ -76,6 +78,10 @@ def release(workers: Sequence[Any], keep: bool) -> None:
             idle += 1
         else:
             ray.kill(worker, no_restart=True)
+            killed.append(worker.__ray_ready__.remote())
+    if not keep:  # a run that failed: what its actors were about to write must not come after
+        # its clean-up (a fresh run's directory is deleted next); a dead actor's call fails fast
+        ray.wait(killed, num_returns=len(killed), timeout=GONE_TIMEOUT_S)
 
 
 def _closed(ref: Any) -> bool:
