@@ -226,6 +226,7 @@ MODELS: dict[str, ModelFactory] = {
     "transformer": transformer,
 }
 # The models whose head is one nn.Linear (tests build each to check), which MoEHead can replace.
+IMAGE_MODELS = frozenset({"cnn_small", "cnn_small_bn", "resnet18"})  # convolutions over (C, H, W)
 LINEAR_HEAD_MODELS = frozenset({"mlp", "cnn_small", "cnn_small_bn", "resnet18", "transformer"})
 
 
@@ -240,10 +241,9 @@ def build_model(
     if name not in MODELS:
         raise ConfigError(f"model.name: got {name!r}, expected one of {', '.join(sorted(MODELS))}")
     check_adapters(name, adapter_dim)
-    model = MODELS[name](tuple(input_shape), num_classes, tuple(hidden), adapter_dim)
-    if name in ("cnn_small", "cnn_small_bn") and len(input_shape) != 3:
+    if name in IMAGE_MODELS and len(input_shape) != 3:
         raise ConfigError(f"model.name: {name} needs image inputs (C, H, W), got {input_shape}")
-    return model
+    return MODELS[name](tuple(input_shape), num_classes, tuple(hidden), adapter_dim)
 
 
 def block_of(model: BodyHeadModel) -> dict[str, str]:

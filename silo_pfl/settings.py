@@ -29,7 +29,7 @@ from silo_pfl.config import (
     to_dict,
     written_keys,
 )
-from silo_pfl.data import all_silo_names, data_config, silo_names
+from silo_pfl.data import all_silo_names, data_config, known_input_shape, silo_names
 from silo_pfl.errors import ConfigError, typed_line
 from silo_pfl.models import build_model, check_adapters, check_hidden
 from silo_pfl.server_optimizers import resolve_server_optimizer
@@ -161,7 +161,7 @@ def _split_holds(cfg: FederationConfig, algorithm: Algorithm, hidden: list[int])
 
 def _probe_split(cfg: FederationConfig, algorithm: Algorithm, hidden: list[int]) -> None:
     """The split rules and the algorithm's needs checked on the model built with `hidden`."""
-    shape = _PROBE_SHAPES.get(cfg.model.name, (1,))
+    shape = known_input_shape(cfg.data) or _PROBE_SHAPES.get(cfg.model.name, (1,))
     model = build_model(cfg.model.name, shape, 2, hidden, cfg.model.adapter_dim)
     if cfg.train.batch_size < 2 and has_batchnorm(model):
         raise ConfigError(

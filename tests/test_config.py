@@ -102,6 +102,8 @@ def test_every_job_loads():
         ),
         (["algorithm.finetune.trainable=head"], "algorithm.finetune.trainable: got 'head'"),
         (["data.source=mnist"], "data.source: got 'mnist'"),
+        (["model.name=cnn_small"], "model.name: cnn_small needs image inputs (C, H, W), got (13,)"),
+        (["model.name=resnet18"], "model.name: resnet18 needs image inputs (C, H, W), got (13,)"),
         (
             ["data.source=digits", "model.name=cnn_small_bn", "train.batch_size=1"],
             "train.batch_size: got 1, but model cnn_small_bn has BatchNorm, which needs at least 2",

@@ -28,6 +28,7 @@ __all__ = [
     "Preprocessing",
     "SiloData",
     "all_silo_names",
+    "known_input_shape",
     "load_silo_data",
     "raw_encoder",
     "silo_names",
@@ -89,6 +90,13 @@ def _check_late_silos(cfg: DataConfig) -> None:
         raise ConfigError(f"data.late_silos: got {list(cfg.late_silos)}, a silo named twice")
     if not silo_names(cfg):
         raise ConfigError("data.late_silos: names every silo; leave at least one to train")
+
+
+def known_input_shape(cfg: DataConfig) -> tuple[int, ...] | None:
+    """The shape of the silos' inputs where the source knows it before any silo loads its data
+    (a built-in dataset's); None where only the silos' files say (csv)."""
+    shape = getattr(_source(cfg.source), "input_shape", None)
+    return None if shape is None else tuple(shape(cfg))
 
 
 def all_silo_names(cfg: DataConfig) -> list[str]:

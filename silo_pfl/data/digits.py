@@ -162,6 +162,11 @@ def encode_raw(rows: np.ndarray) -> np.ndarray:
     return rows.reshape(-1, *shape)
 
 
+def input_shape(cfg: Params) -> tuple[int, ...]:
+    """The shape of one silo's inputs, known at load: data.image_shape."""
+    return tuple(cfg.image_shape)
+
+
 def silo_names(cfg: Params) -> list[str]:
     """silo_0 .. silo_{N-1}."""
     return [f"silo_{i}" for i in range(cfg.num_silos)]

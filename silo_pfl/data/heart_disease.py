@@ -65,6 +65,11 @@ def validate(cfg: Params) -> None:
     """Nothing to check: the hospitals and their split are fixed."""
 
 
+def input_shape(cfg: Params) -> tuple[int, ...]:
+    """The shape of one silo's inputs, known at load: the encoded feature vector."""
+    return (len(FEATURE_NAMES),)
+
+
 def silo_names(cfg: Params) -> list[str]:
     """The four hospitals, in FLamby's center order."""
     return list(SILOS)
