@@ -174,10 +174,12 @@ def _probe_split(cfg: FederationConfig, algorithm: Algorithm, hidden: list[int])
     except ConfigError as exc:
         if cfg.split.local is not None:
             raise
+        key = algorithm.rules_key
+        change = "" if key == "algorithm.name" else f"change {key}, "
         raise ConfigError(
-            f"algorithm.name: {algorithm.name} keeps split.local={split_rules(cfg)} by default, "
-            f"but on model {cfg.model.name}: {str(exc).split(': ', 1)[-1]}; choose another "
-            "model.name or set split.local"
+            f"{key}: {algorithm.name} keeps split.local={split_rules(cfg)} by default, "
+            f"but on model {cfg.model.name}: {str(exc).split(': ', 1)[-1]}; {change}choose "
+            "another model.name or set split.local"
         ) from None
     algorithm.check_split(split)
 

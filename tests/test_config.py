@@ -102,6 +102,10 @@ def test_every_job_loads():
         ),
         (["algorithm.finetune.trainable=head"], "algorithm.finetune.trainable: got 'head'"),
         (["data.source=mnist"], "data.source: got 'mnist'"),
+        (
+            ["algorithm.name=lg_fedavg", "algorithm.lg_fedavg.local_blocks=100"],
+            "algorithm.lg_fedavg.local_blocks: lg_fedavg keeps split.local=['first:100'] by default",
+        ),
         (["model.name=cnn_small"], "model.name: cnn_small needs image inputs (C, H, W), got (13,)"),
         (["model.name=resnet18"], "model.name: resnet18 needs image inputs (C, H, W), got (13,)"),
         (

@@ -91,6 +91,8 @@ class Algorithm:
     Params: ClassVar[type] = NoParams
     # Split rules used when the job does not set split.local.
     default_local_rules: ClassVar[tuple[str, ...]] = ()
+    # The config key that decides `local_rules`, named when they do not fit the model.
+    rules_key: ClassVar[str] = "algorithm.name"
     # The split must leave some global keys: something to federate (only `local` needs none).
     needs_global_keys: ClassVar[bool] = True
     # The split must leave some local keys: the procedure trains or keeps personal keys.

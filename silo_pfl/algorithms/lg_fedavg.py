@@ -24,6 +24,7 @@ class LgFedAvg(Algorithm):
     name = "lg_fedavg"
     Params = LgFedAvgParams
     needs_local_keys = True
+    rules_key = "algorithm.lg_fedavg.local_blocks"
 
     def local_rules(self) -> tuple[str, ...]:
         return (f"first:{self.params.local_blocks}",)
