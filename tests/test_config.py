@@ -104,7 +104,7 @@ def test_every_job_loads():
         (["data.source=mnist"], "data.source: got 'mnist'"),
         (
             ["algorithm.name=lg_fedavg", "algorithm.lg_fedavg.local_blocks=100"],
-            "algorithm.lg_fedavg.local_blocks: lg_fedavg keeps split.local=['first:100'] by default",
+            "algorithm.lg_fedavg.local_blocks: lg_fedavg keeps split.local=['first:100']",
         ),
         (["model.name=cnn_small"], "model.name: cnn_small needs image inputs (C, H, W), got (13,)"),
         (["model.name=resnet18"], "model.name: resnet18 needs image inputs (C, H, W), got (13,)"),
