@@ -103,6 +103,14 @@ def test_every_job_loads():
         (["algorithm.finetune.trainable=head"], "algorithm.finetune.trainable: got 'head'"),
         (["data.source=mnist"], "data.source: got 'mnist'"),
         (
+            ["algorithm.name=moe_heads", "algorithm.moe_heads.experts=100000000"],
+            "algorithm.moe_heads.experts: got 100000000, expected 1 to 1024",
+        ),
+        (
+            ["data.source=csv", "data.paths.a=/x.csv", "data.num_classes=1000000000"],
+            "data.num_classes: got 1000000000, expected an integer from 2 to 100000",
+        ),
+        (
             ["algorithm.name=lg_fedavg", "algorithm.lg_fedavg.local_blocks=100"],
             "algorithm.lg_fedavg.local_blocks: lg_fedavg keeps split.local=['first:100']",
         ),

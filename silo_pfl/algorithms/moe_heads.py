@@ -25,6 +25,9 @@ from silo_pfl.split import Split
 GATE = "head.gate."
 
 
+MAX_EXPERTS = 1024
+
+
 @dataclass
 class MoEHeadsParams:
     """moe_heads's options."""
@@ -36,6 +39,10 @@ class MoEHeadsParams:
 
     def validate(self) -> None:
         require_at_least("algorithm.moe_heads", self, 1, "experts")
+        if self.experts > MAX_EXPERTS:  # each is a copy of the head, built by the config's check
+            raise ConfigError(
+                f"algorithm.moe_heads.experts: got {self.experts}, expected 1 to {MAX_EXPERTS}"
+            )
         require_at_least("algorithm.moe_heads", self, 0, "class_bias", "gate_warmup_epochs")
 
 

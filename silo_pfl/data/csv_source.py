@@ -45,6 +45,9 @@ class Params(DataConfig):
     num_classes: int | None = None
 
 
+MAX_CLASSES = 100_000  # the head's outputs: a typo's extra digits would be allocated by every silo
+
+
 def declared_classes(cfg: Params) -> int:
     """data.num_classes, which a CSV federation must declare as an integer >= 2."""
     if cfg.num_classes is None:
@@ -52,8 +55,10 @@ def declared_classes(cfg: Params) -> int:
             "data.num_classes: required for data.source=csv; set it to the number of classes C "
             "(labels are 0..C-1), e.g. data.num_classes=2"
         )
-    if cfg.num_classes < 2:
-        raise ConfigError(f"data.num_classes: got {cfg.num_classes}, expected an integer >= 2")
+    if not 2 <= cfg.num_classes <= MAX_CLASSES:
+        raise ConfigError(
+            f"data.num_classes: got {cfg.num_classes}, expected an integer from 2 to {MAX_CLASSES}"
+        )
     return cfg.num_classes
 
 
