@@ -56,6 +56,21 @@ def test_bad_tracking_config_is_one_line_before_any_work(tmp_path, capsys, overr
     assert "round 1" not in out and not (tmp_path / "runs").exists()
 
 
+def test_a_silos_own_store_out_of_reach_fails_a_fresh_run_that_leaves_no_directory(
+    tmp_path, capsys
+):
+    """Only the silo reaches its own store (it may be on its node's network alone), so it checks
+    it at set-up; that comes before round 0's checkpoint, so the fresh run has nothing to resume
+    and its directory goes, rather than staying as a run that only the bad URI resumes."""
+    own = f"http://127.0.0.1:{_closed_port()}"
+    central = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    overrides = [f"silos.va.tracking_uri={own}", f"tracking.uri={central}"]
+    code, out, err = _cli_error(capsys, *overrides, f"output_dir={tmp_path / 'runs'}")
+    assert code != 0 and err.count("\n") == 0, err
+    assert err.startswith(f"error: silos.va.tracking_uri: no MLflow server answers at {own}")
+    assert "round 1" not in out and not (tmp_path / "runs").exists()
+
+
 def test_unwritable_artifact_location_is_one_line_naming_it(tmp_path, capsys):
     (tmp_path / "mlartifacts").write_text("a file where the artifact directory should be")
     code, out, err = _cli_error(capsys, f"output_dir={tmp_path / 'runs'}")

@@ -156,12 +156,14 @@ class Orchestrator:
                     self._restore(server, parties, selector, history)
                     self.run_dir.started_again(self.cfg)
                 self._emit("on_start", self.cfg, infos, split)
+                # before round 0's checkpoint: a silo's own store that cannot be reached fails a
+                # fresh run while it has nothing to resume, so its directory goes
+                exporting = attach_exporters(self.callbacks, infos, actors, self.timeout)
                 if resuming:
                     self._emit("on_resumed", list(history))
                 else:
                     self._checkpoint(server, 0, parties, selector, history)
                     self.resumable = True
-                exporting = attach_exporters(self.callbacks, infos, actors, self.timeout)
                 rejoin = Rejoin(input_shape, num_classes, identity_keys, exporting)
                 runner = RoundRunner(self.cfg, server, parties, rejoin, selector, metrics)
                 for round_ in range(len(history) + 1, self.cfg.rounds + 1):
