@@ -57,7 +57,7 @@ def test_bad_tracking_config_is_one_line_before_any_work(tmp_path, capsys, overr
 
 
 def test_a_silos_own_store_out_of_reach_fails_a_fresh_run_that_leaves_no_directory(
-    tmp_path, capsys
+    ray_local, tmp_path, capsys
 ):
     """Only the silo reaches its own store (it may be on its node's network alone), so it checks
     it at set-up; that comes before round 0's checkpoint, so the fresh run has nothing to resume
