@@ -194,7 +194,7 @@ def test_a_top_level_key_written_twice(tmp_path, capsys):
             "data.num_classes: required for data.source=csv; set it to the number of classes C "
             "(labels are 0..C-1), e.g. data.num_classes=2",
         ),
-        (["data.num_classes=1"], "data.num_classes: got 1, expected an integer >= 2"),
+        (["data.num_classes=1"], "data.num_classes: got 1, expected an integer from 2 to 100000"),
         (["data.num_classes=two"], "data.num_classes: got 'two', expected a value of type integer"),
     ],
     ids=["missing", "one", "not-an-integer"],

@@ -354,12 +354,13 @@ def _collect_the_rest(refs: Any) -> None:
             ray.get(ref)
 
 
-def stop(actors: Sequence[Any], keep: bool = False) -> None:
+def stop(actors: Sequence[Any], keep: bool = False, wait_gone: bool = False) -> None:
     """Stop actors (a silo's handle stops its worker); they hold no state the run still needs.
     With `keep` (the run ended well, and Ray outlives it) the workers that may serve the next
-    run are closed and kept instead (runtime.host_pool)."""
+    run are closed and kept instead (runtime.host_pool); with `wait_gone`, the others are waited
+    for until they are gone."""
     hosts = [a.host if isinstance(a, SiloHandle) else a for a in actors]
     unique = list({h._actor_id.hex(): h for h in hosts}.values())
-    host_pool.release(unique, keep)
+    host_pool.release(unique, keep, wait_gone)
     for actor in unique:
         _ROLES.pop(actor._actor_id.hex(), None)

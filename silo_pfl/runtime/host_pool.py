@@ -62,9 +62,11 @@ def start(cls: type, options: dict[str, Any], keep: bool) -> Any:
     return worker
 
 
-def release(workers: Sequence[Any], keep: bool) -> None:
+def release(workers: Sequence[Any], keep: bool, wait_gone: bool = False) -> None:
     """A run's end: close the workers that may be kept (while `keep`, as long as this Ray
-    session lasts) and keep them idle, up to KEEP; stop all others."""
+    session lasts) and keep them idle, up to KEEP; stop all others. With `wait_gone`, wait (up
+    to GONE_TIMEOUT_S) until those are gone: what they were about to write then cannot come
+    after the caller's clean-up (a failed fresh run's directory, deleted next)."""
     keepable = [w for w in workers if w._actor_id.hex() in _keys] if keep else []
     closing = {w._actor_id.hex(): w.close.remote() for w in keepable}
     ready, _ = ray.wait(list(closing.values()), num_returns=len(closing), timeout=CLOSE_TIMEOUT_S)
@@ -78,9 +80,9 @@ def release(workers: Sequence[Any], keep: bool) -> None:
             idle += 1
         else:
             ray.kill(worker, no_restart=True)
-            killed.append(worker.__ray_ready__.remote())
-    if not keep:  # a run that failed: what its actors were about to write must not come after
-        # its clean-up (a fresh run's directory is deleted next); a dead actor's call fails fast
+            if wait_gone:
+                killed.append(worker.__ray_ready__.remote())
+    if wait_gone:  # a dead actor's call fails as soon as Ray knows it is dead
         ray.wait(killed, num_returns=len(killed), timeout=GONE_TIMEOUT_S)
 
 

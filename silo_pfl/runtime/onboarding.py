@@ -138,8 +138,8 @@ class Onboarding:
                 )
                 export(self.callbacks, list(exporting), actors, timeout)
                 ended = True
-            finally:
-                stop(list(actors.values()), keep and ended)
+            finally:  # a failed onboarding's directories are deleted next
+                stop(list(actors.values()), keep and ended, wait_gone=not ended)
             outcome = outcomes[0]
             result = FederationResult.of(
                 self.cfg,

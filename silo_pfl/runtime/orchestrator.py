@@ -205,7 +205,9 @@ class Orchestrator:
                 metrics.linger()  # the actors hold their last gauges until that scrape
                 ended = True
             finally:
-                stop(list(actors.values()), keep and ended)
+                # a fresh run that fails before round 0's checkpoint has its directory deleted
+                # next: nothing its actors were about to write may come after
+                stop(list(actors.values()), keep and ended, wait_gone=not self.resumable)
         self._emit("on_closed")
         result.write_json(self.run_dir.path / RESULT_FILE)
         return result
