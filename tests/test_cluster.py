@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from processes import stop_group
 
 pytestmark = pytest.mark.slow
 
@@ -33,24 +34,29 @@ def env(loopback_cluster):
     return loopback_cluster.env
 
 
+def _command(tmp_path: Path, address: str | None, *overrides: str) -> list[str]:
+    """The CLI on the heart-disease job, per-node placement; address=None sets none."""
+    joined = [f"ray.address={address}"] if address else []
+    return [
+        sys.executable,
+        "-m",
+        "silo_pfl.cli",
+        "run",
+        "jobs/heart_disease.yaml",
+        *joined,
+        "ray.placement=per_node",
+        f"output_dir={tmp_path / 'runs'}",
+        "tracking.enabled=false",
+        *overrides,
+    ]
+
+
 def _run(
     tmp_path: Path, address: str | None, *overrides: str, env: dict[str, str]
 ) -> subprocess.CompletedProcess:
-    """The CLI on the heart-disease job, per-node placement; address=None sets none."""
-    joined = [f"ray.address={address}"] if address else []
+    """`_command` to its end."""
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "silo_pfl.cli",
-            "run",
-            "jobs/heart_disease.yaml",
-            *joined,
-            "ray.placement=per_node",
-            f"output_dir={tmp_path / 'runs'}",
-            "tracking.enabled=false",
-            *overrides,
-        ],
+        _command(tmp_path, address, *overrides),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -59,17 +65,56 @@ def _run(
     )
 
 
-def test_the_four_hospitals_on_five_nodes_equal_the_single_node_run(cluster, env, tmp_path):
-    """The whole job joined by RAY_ADDRESS (as a Ray Job's driver is), each silo on its own node
-    and the server on the head, and on one local node: the same seed gives the same accuracies
-    and global model, wherever the silos run."""
-    on_cluster, single = tmp_path / "cluster.json", tmp_path / "single.json"
-    joined = {**env, "RAY_ADDRESS": cluster["address"]}
-    proc = _run(tmp_path / "c", None, "--results", str(on_cluster), env=joined)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    proc = _run(tmp_path / "s", None, "ray.placement=any", "--results", str(single), env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    a, b = json.loads(on_cluster.read_text()), json.loads(single.read_text())
+@pytest.fixture(scope="module")
+def both_runs(loopback_cluster, tmp_path_factory) -> dict[str, dict]:
+    """The whole job twice, side by side, while the cluster runs: joined to the cluster by
+    RAY_ADDRESS (as a Ray Job's driver is), and with no address at all, on one local node. Each
+    run's results."""
+    base, env = tmp_path_factory.mktemp("both_runs"), loopback_cluster.env
+    joined = {**env, "RAY_ADDRESS": loopback_cluster.info["address"]}
+    runs = {
+        "cluster": (_command(base / "c", None, "--results", str(base / "c.json")), joined),
+        "single": (
+            _command(base / "s", None, "ray.placement=any", "--results", str(base / "s.json")),
+            env,
+        ),
+    }
+    started = {
+        name: subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=run_env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for name, (command, run_env) in runs.items()
+    }
+    results = {}
+    try:
+        for name, proc in started.items():
+            _, err = proc.communicate(timeout=600)
+            assert proc.returncode == 0, f"{name}: {err[-2000:]}"
+            results[name] = json.loads((base / f"{name[0]}.json").read_text())
+    finally:
+        for proc in started.values():
+            stop_group(proc)
+    return results
+
+
+def test_no_address_starts_its_own_ray_rather_than_joining_a_running_cluster(cluster, both_runs):
+    used = {silo["node_id"] for silo in both_runs["single"]["silos"].values()}
+    cluster_nodes = {cluster["head"], *cluster["nodes"].values()}
+    assert len(used) == 1
+    assert not used & cluster_nodes
+
+
+def test_the_four_hospitals_on_five_nodes_equal_the_single_node_run(cluster, both_runs):
+    """The whole job joined by RAY_ADDRESS, each silo on its own node and the server on the
+    head, and on one local node: the same seed gives the same accuracies and global model,
+    wherever the silos run."""
+    a, b = both_runs["cluster"], both_runs["single"]
     assert {s: a["silos"][s]["node_id"] for s in SILOS} == cluster["nodes"]
     assert len(set(cluster["nodes"].values())) == len(SILOS)
     assert a["server_node_id"] == cluster["head"]
@@ -101,37 +146,6 @@ def test_a_silo_without_a_node_is_a_clear_error(cluster, env, tmp_path):
     err = proc.stderr.strip().splitlines()[-1]
     assert "Traceback" not in proc.stderr
     assert "silo nowhere" in err and "silo=nowhere" in err
-
-
-def test_no_address_starts_its_own_ray_rather_than_joining_a_running_cluster(
-    cluster, env, tmp_path
-):
-    results = tmp_path / "results.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "silo_pfl.cli",
-            "run",
-            "jobs/heart_disease.yaml",
-            "rounds=1",
-            "ray.num_cpus=2",
-            f"output_dir={tmp_path / 'runs'}",
-            "tracking.enabled=false",
-            "--results",
-            str(results),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    used = {silo["node_id"] for silo in json.loads(results.read_text())["silos"].values()}
-    cluster_nodes = {cluster["head"], *cluster["nodes"].values()}
-    assert len(used) == 1
-    assert not used & cluster_nodes
 
 
 def test_every_process_and_a_joining_driver_send_their_metrics_each_second(cluster, env):

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import yaml
-from drivers import start_driver
+from drivers import joining_env, start_driver
 from processes import stop_group
 from serving import predict, served
 
@@ -53,6 +53,31 @@ def _cli(env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.Co
         text=True,
         timeout=timeout,
     )
+
+
+class Started:
+    """A command started now, with its output piped; `done()` waits for it, once."""
+
+    def __init__(self, command: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self._done: subprocess.CompletedProcess | None = None
+
+    def done(self, timeout: float = 600) -> subprocess.CompletedProcess:
+        if self._done is None:
+            try:
+                out, err = self.proc.communicate(timeout=timeout)
+            finally:
+                stop_group(self.proc)
+            self._done = subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out, err)
+        return self._done
 
 
 def _client(uri: str):
@@ -87,29 +112,88 @@ def _serve_and_score(tmp_path: Path, uri: str, model: str, silo: str, rows_file:
     return float(np.mean(predictions == data.y_test))
 
 
-@pytest.fixture(scope="module")
-def submitted(loopback_cluster, tmp_path_factory) -> SimpleNamespace:
-    """jobs/hospitals_on_nodes.yaml submitted as federation jobs_submit, tracked in the cluster's
-    store, its run directory where every node finds it (an absolute output_dir): the command's
-    output, the run's results and its output_dir override."""
-    cluster, uri = loopback_cluster, loopback_cluster.info["tracking_uri"]
-    base = tmp_path_factory.mktemp("submitted")
-    results, runs = base / "results.json", f"output_dir={base / 'runs'}"
-    done = _cli(
-        cluster.env,
-        "submit",
-        JOB,
-        "rounds=2",
-        "name=jobs_submit",
-        f"tracking.uri={uri}",
-        runs,
-        "--address",
-        cluster.info["dashboard"],
-        "--results",
-        str(results),
-        "--quiet",
+def _silo_pfl(*args: str) -> list[str]:
+    return [sys.executable, "-m", "silo_pfl", *args]
+
+
+def _team_plugin(base: Path) -> None:
+    """A plugin package under `base`, importable there alone: team_algos.mine's team_fedavg."""
+    package = base / "team_algos"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "mine.py").write_text(
+        "from silo_pfl.algorithms import register\n"
+        "from silo_pfl.algorithms.fedavg import FedAvg\n\n\n"
+        "@register\nclass TeamFedAvg(FedAvg):\n    name = 'team_fedavg'\n"
     )
-    return SimpleNamespace(done=done, results=results, runs=runs)
+
+
+@pytest.fixture(scope="module")
+def at_once(loopback_cluster, tmp_path_factory) -> dict[str, SimpleNamespace]:
+    """The module's submissions that wait on no other, started together: the cluster runs them
+    side by side, as it runs several teams' jobs, and the module waits for the longest of them
+    rather than their sum. Each: its Started command and the files its test reads.
+
+    - submitted: jobs/hospitals_on_nodes.yaml as federation jobs_submit, tracked in the
+      cluster's store, its run directory where every node finds it (an absolute output_dir);
+    - plugin: a job whose algorithm is a plugin importable only where it is submitted;
+    - failing: a job valid where it is submitted, which no node of the cluster can place;
+    - plain: `ray job submit --working-dir .`, as the README shows, the server on a worker;
+    - one_node: a run joined to the cluster whose two silos' labels pick one node."""
+    cluster, uri = loopback_cluster, loopback_cluster.info["tracking_uri"]
+    address = ["--address", cluster.info["dashboard"]]
+    base = tmp_path_factory.mktemp("at_once")
+    jobs: dict[str, SimpleNamespace] = {}
+
+    results, runs = base / "results.json", f"output_dir={base / 'runs'}"
+    args = ["submit", JOB, "rounds=2", "name=jobs_submit", f"tracking.uri={uri}", runs]
+    args += [*address, "--results", str(results), "--quiet"]
+    jobs["submitted"] = SimpleNamespace(
+        started=Started(_silo_pfl(*args), cluster.env), results=results, runs=runs
+    )
+
+    _team_plugin(base)
+    plugin_results = base / "plugin.json"
+    args = ["submit", JOB, "plugins=[team_algos.mine]", "algorithm.name=team_fedavg", "rounds=1"]
+    args += ["tracking.enabled=false", "--quiet", "--results", str(plugin_results), *address]
+    env = {**cluster.env, "PYTHONPATH": str(base)}
+    jobs["plugin"] = SimpleNamespace(started=Started(_silo_pfl(*args), env), results=plugin_results)
+
+    args = ["submit", JOB, "silos.hungarian.node_label.silo=nowhere", "tracking.enabled=false"]
+    jobs["failing"] = SimpleNamespace(
+        started=Started(_silo_pfl(*args, "--quiet", *address), cluster.env)
+    )
+
+    command = [str(BIN / "ray"), "job", "submit", *address]
+    command += ["--working-dir", ".", "--", "python", "-m", "silo_pfl", "run", JOB]
+    command += ["rounds=2", "name=jobs_plain", f"tracking.uri={uri}"]
+    command += ["server.node_label.silo=hungarian", "--results-in-log"]
+    jobs["plain"] = SimpleNamespace(started=Started(command, cluster.env))
+
+    one_node = base / "one_node"
+    one_node.mkdir()
+    job = yaml.safe_load((ROOT / JOB).read_text())
+    job["silos"] = {
+        "hungarian": {"node_label": {"ray.io/node-id": cluster.info["nodes"]["cleveland"]}}
+    }
+    (one_node / "job.yaml").write_text(yaml.safe_dump(job))
+    store = f"sqlite:///{one_node / 'mlflow.db'}"
+    args = ["run", str(one_node / "job.yaml"), f"ray.address={cluster.info['address']}"]
+    args += [f"tracking.uri={store}", f"output_dir={one_node}"]
+    jobs["one_node"] = SimpleNamespace(started=Started(_silo_pfl(*args), cluster.env), uri=store)
+    try:
+        yield jobs
+    finally:
+        for job in jobs.values():
+            stop_group(job.started.proc)
+
+
+@pytest.fixture(scope="module")
+def submitted(at_once) -> SimpleNamespace:
+    """at_once's federation jobs_submit, ended: the command's output, the run's results and its
+    output_dir override."""
+    job = at_once["submitted"]
+    return SimpleNamespace(done=job.started.done(), results=job.results, runs=job.runs)
 
 
 def test_silo_pfl_submit_places_each_silo_on_its_node_and_registers_its_model(
@@ -179,36 +263,18 @@ def test_a_submitted_run_is_resumed_by_a_later_submission(cluster, submitted, tm
     assert b["history"][:2] == a["history"]
 
 
-def test_submit_ships_a_plugin_the_nodes_do_not_have(cluster, tmp_path):
+def test_submit_ships_a_plugin_the_nodes_do_not_have(at_once):
     """A plugin importable where the job is submitted (here through PYTHONPATH) is shipped with
     it: the driver and every silo's node import it, and its algorithm runs."""
-    package = tmp_path / "team_algos"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "mine.py").write_text(
-        "from silo_pfl.algorithms import register\n"
-        "from silo_pfl.algorithms.fedavg import FedAvg\n\n\n"
-        "@register\nclass TeamFedAvg(FedAvg):\n    name = 'team_fedavg'\n"
-    )
-    env = {**cluster.env, "PYTHONPATH": str(tmp_path)}
-    results = tmp_path / "results.json"
-    args = ["plugins=[team_algos.mine]", "algorithm.name=team_fedavg", "rounds=1"]
-    args += ["tracking.enabled=false", "--quiet", "--results", str(results)]
-    done = _cli(env, "submit", JOB, *args, "--address", cluster.info["dashboard"])
+    done = at_once["plugin"].started.done()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert json.loads(results.read_text())["algorithm"] == "team_fedavg"
+    assert json.loads(at_once["plugin"].results.read_text())["algorithm"] == "team_fedavg"
 
 
-def test_plain_ray_job_submit_with_the_server_on_a_worker_node(cluster, tmp_path):
+def test_plain_ray_job_submit_with_the_server_on_a_worker_node(cluster, at_once):
     """`ray job submit --working-dir .`, as the README shows; the server pinned to a worker."""
     uri = cluster.info["tracking_uri"]
-    command = [str(BIN / "ray"), "job", "submit", "--address", cluster.info["dashboard"]]
-    command += ["--working-dir", ".", "--", "python", "-m", "silo_pfl", "run", JOB]
-    command += ["rounds=2", "name=jobs_plain", f"tracking.uri={uri}"]
-    command += ["server.node_label.silo=hungarian", "--results-in-log"]
-    done = subprocess.run(
-        command, cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=600
-    )
+    done = at_once["plain"].started.done()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     marker = "silo-pfl-results: "
     (line,) = [x for x in done.stdout.splitlines() if x.startswith(marker)]
@@ -265,18 +331,9 @@ def test_jobs_lists_a_submission_and_stop_ends_it_as_killed(cluster):
         (row,) = [x for x in listed.stdout.splitlines() if x.startswith(job_id)]
 
 
-def test_a_job_that_fails_on_the_cluster_exits_1_naming_its_status_and_reason(cluster):
+def test_a_job_that_fails_on_the_cluster_exits_1_naming_its_status_and_reason(at_once):
     """The config is valid where it is submitted; on the cluster no node has the label."""
-    done = _cli(
-        cluster.env,
-        "submit",
-        JOB,
-        "silos.hungarian.node_label.silo=nowhere",
-        "tracking.enabled=false",
-        "--quiet",
-        "--address",
-        cluster.info["dashboard"],
-    )
+    done = at_once["failing"].started.done()
     assert done.returncode == 1, done.stdout[-2000:]
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith("error: job silo-pfl-hospitals_on_nodes-") and " FAILED: " in line
@@ -332,21 +389,11 @@ def test_a_silo_pinned_to_a_label_no_node_has_fails_within_30_seconds(cluster, t
     assert "silo cleveland" in line and "silo=nowhere" in line, line
 
 
-def test_two_silos_on_one_node_under_per_node_fail_before_training(cluster, tmp_path):
+def test_two_silos_on_one_node_under_per_node_fail_before_training(at_once):
     """hungarian pinned by a label cleveland's node carries too (its node id): the second silo
     would read cleveland's data and register a model of it as hungarian's. One line names both
     silos once their set-up shows one node, before any round; nothing is registered."""
-    job = yaml.safe_load((ROOT / JOB).read_text())
-    job["silos"] = {
-        "hungarian": {"node_label": {"ray.io/node-id": cluster.info["nodes"]["cleveland"]}}
-    }
-    path = tmp_path / "one_node.yaml"
-    path.write_text(yaml.safe_dump(job))
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    address = f"ray.address={cluster.info['address']}"
-    done = _cli(
-        cluster.env, "run", str(path), address, f"tracking.uri={uri}", f"output_dir={tmp_path}"
-    )
+    done, uri = at_once["one_node"].started.done(), at_once["one_node"].uri
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith("error: silos cleveland and hungarian: both run on node "), line
@@ -354,16 +401,17 @@ def test_two_silos_on_one_node_under_per_node_fail_before_training(cluster, tmp_
     assert not _client(uri).search_registered_models()
 
 
-def test_the_data_path_exists_only_on_the_silos_own_node(tmp_path):
-    """Off the silo's node (here: a local Ray, no $SILO_PFL_DATA_DIR) the file cannot be found."""
-    env = {k: v for k, v in os.environ.items() if k not in ("SILO_PFL_DATA_DIR", "RAY_ADDRESS")}
+def test_the_data_path_exists_only_on_the_silos_own_node(ray_local, tmp_path):
+    """Off the silo's node (here: the session's local Ray, no $SILO_PFL_DATA_DIR) the file cannot
+    be found."""
+    assert "SILO_PFL_DATA_DIR" not in os.environ  # nor in the local Ray's workers, then
+    env = {k: v for k, v in joining_env().items() if k != "SILO_PFL_DATA_DIR"}
     done = _cli(
         env,
         "run",
         JOB,
         "rounds=1",
         "ray.placement=any",
-        "ray.num_cpus=1",
         "tracking.enabled=false",
         f"output_dir={tmp_path}",
     )
