@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from drivers import run_driver, start_driver, until_round
+from drivers import joining_env, run_driver, start_driver, until_round
 
 from silo_pfl import checkpoint
 
@@ -34,7 +34,7 @@ def _in_session(sid: int) -> list[int]:
 
 
 def test_sigterm_during_round_5_ends_the_run_as_killed_then_resume_completes_it(
-    tmp_path, mlflow_store
+    ray_local, tmp_path, mlflow_store
 ):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     slow = "algorithm.slow_rounds"  # rounds 1-7 take seconds: the first part's wall time is known
@@ -77,7 +77,9 @@ def test_sigterm_during_round_5_ends_the_run_as_killed_then_resume_completes_it(
     assert {run.info.status for run in runs} == {"KILLED"}
 
     results = tmp_path / "resumed.json"
-    code, err = run_driver([*command, "--resume", run_id, "--results", str(results)], env)
+    # The resume joins the session's Ray: the first part tested a local Ray's stop.
+    resume = [*command, "--resume", run_id, "--results", str(results)]
+    code, err = run_driver([x for x in resume if x != "ray.num_cpus=2"], joining_env())
     assert code == 0, err[-2000:]
     summary = json.loads(results.read_text())
     assert [h["round"] for h in summary["history"]] == list(range(1, 13))

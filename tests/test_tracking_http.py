@@ -62,7 +62,7 @@ def test_a_store_password_is_printed_nowhere(ray_local, tmp_path, mlflow_server)
     assert leaked == []
 
 
-def test_a_store_that_goes_away_mid_run_stops_it_in_one_line(tmp_path, mlflow_server):
+def test_a_store_that_goes_away_mid_run_stops_it_in_one_line(ray_local, tmp_path, mlflow_server):
     """The tracking server is stopped at round 3 of a run that logs to it. Before, MLflow's
     retries (about 4 minutes a call) froze the rounds silently for half an hour; now the run
     stops within seconds, naming the store, and leaves its runs to the resume."""
@@ -70,8 +70,7 @@ def test_a_store_that_goes_away_mid_run_stops_it_in_one_line(tmp_path, mlflow_se
     args = ["run", "jobs/heart_disease.yaml", "rounds=40", f"output_dir={tmp_path / 'runs'}"]
     args += [f"tracking.uri={mlflow_server.uri}", "plugins=[tests.fault_plugins]"]
     args += ["algorithm.name=slow_rounds", f"{slow}.seconds=0.3", f"{slow}.until=40"]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    driver = start_driver(args, env)
+    driver = start_driver(args, joining_env())
     try:
         until_round(driver, 3, 40)
         stop_group(mlflow_server.proc)
