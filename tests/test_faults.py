@@ -11,7 +11,9 @@ import random
 import signal
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import pytest
@@ -26,6 +28,7 @@ from silo_pfl.silo_store import CHECKPOINTS, SELECTED
 from silo_pfl.tensor_state import as_tensors, local_digest
 
 JOB = "jobs/heart_disease.yaml"
+T = TypeVar("T")
 ROUNDS = 6
 LOCAL_EPOCHS = 20
 
@@ -257,17 +260,29 @@ def test_a_silo_whose_training_turns_to_nan_sends_nothing_that_round(tmp_path, u
     assert result.history[3].silos["cleveland"] != undisturbed.history[3].silos["cleveland"]
 
 
-def _sigkilled_then_resumed(tmp_path: Path, overrides: list[str], kill_after: int) -> Path:
-    """`silo-pfl run` killed with SIGKILL once round `kill_after` is done, then `--resume`."""
+def _kill_after_round(proc: subprocess.Popen, kill_after: int) -> None:
+    """SIGKILL the driver `proc` once its progress says round `kill_after` is done."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(f"round {kill_after}/"):
+            os.kill(proc.pid, signal.SIGKILL)
+            return
+
+
+def _sigkilled_then_resumed(
+    tmp_path: Path, overrides: list[str], kill_after: int, meanwhile: Callable[[], T]
+) -> tuple[Path, T]:
+    """`silo-pfl run` killed with SIGKILL once round `kill_after` is done, then `--resume`;
+    `meanwhile()` runs in this process while the run to be killed goes on. The resumed run's
+    results file, and what `meanwhile` returned."""
     command = ["run", JOB, *overrides]
     env = joining_env()
     proc = start_driver(command, env, stderr=subprocess.DEVNULL)
+    watcher = threading.Thread(target=_kill_after_round, args=(proc, kill_after), daemon=True)
+    watcher.start()
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith(f"round {kill_after}/"):
-                os.kill(proc.pid, signal.SIGKILL)
-                break
+        beside = meanwhile()
+        watcher.join(timeout=300)
         proc.wait(timeout=30)
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -275,7 +290,7 @@ def _sigkilled_then_resumed(tmp_path: Path, overrides: list[str], kill_after: in
     assert proc.returncode == -signal.SIGKILL
     code, err = run_driver([*command, "--resume", "--results", str(tmp_path / "resumed.json")], env)
     assert code == 0, err[-2000:]
-    return tmp_path / "resumed.json"
+    return tmp_path / "resumed.json", beside
 
 
 @pytest.mark.parametrize(
@@ -293,17 +308,20 @@ def test_the_driver_killed_at_a_random_round_then_resumed_is_bit_exact(
     kill_after = random.Random(" ".join(variant)).randint(1, ROUNDS - 2)
     fedper = variant == ["algorithm.name=fedper"]
     overrides = [*variant, f"rounds={ROUNDS}", f"train.local_epochs={LOCAL_EPOCHS}"]
-    straight = (
-        undisturbed  # the same run: fedper is the job's algorithm
-        if fedper
-        else Federation(
-            JOB, [*overrides, "tracking.enabled=false", f"output_dir={tmp_path / 'straight'}"]
-        ).run()
-    )
+
+    def straight_run() -> FederationResult:
+        if fedper:
+            return undisturbed  # the same run: fedper is the job's algorithm
+        options = [*overrides, "tracking.enabled=false", f"output_dir={tmp_path / 'straight'}"]
+        return Federation(JOB, options).run()
+
     # fedper's killed run is tracked: its last rounds' metrics die unsent with the driver.
     tracked = [f"tracking.enabled={fedper}"]
-    path = _sigkilled_then_resumed(
-        tmp_path, [*overrides, *tracked, f"output_dir={tmp_path / 'killed'}"], kill_after
+    path, straight = _sigkilled_then_resumed(
+        tmp_path,
+        [*overrides, *tracked, f"output_dir={tmp_path / 'killed'}"],
+        kill_after,
+        straight_run,
     )
     resumed = json.loads(path.read_text())
     assert [h["round"] for h in resumed["history"]] == list(range(1, ROUNDS + 1))
