@@ -277,10 +277,13 @@ def _run_config(args: argparse.Namespace) -> int:
         print_results_line(result.to_dict())
     tracked = result.extras.get("mlflow")
     if tracked:
+        listing = ["silo-pfl", "models", "--federation", config.name]
+        listing += ["--tracking-uri", tracked["tracking_uri"]]
+        kept = ["silo-pfl", "models", "--local", str(Path(config.output_dir).resolve())]
         models = (
-            f"silo-pfl models --federation {config.name}"
+            shlex.join(listing)
             if config.privacy.central_models == "full"
-            else f"kept by each silo (silo-pfl models --local {config.output_dir})"
+            else f"kept by each silo ({shlex.join(kept)})"
         )
         print(
             f"mlflow: run {tracked['run_id']} in experiment {tracked['experiment']} at "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import mlflow
@@ -31,11 +32,13 @@ def raw_test_accuracy(model_uri: str, silo: str) -> float:
     return float(np.mean(predicted == data.y_test))
 
 
-def test_heart_disease_registers_one_servable_model_per_hospital(tmp_path, mlflow_store, capsys):
+def test_heart_disease_registers_one_servable_model_per_hospital(
+    tmp_path, mlflow_store, capsys, monkeypatch
+):
     out = tmp_path / "results.json"
     args = ["run", "jobs/heart_disease.yaml", "rounds=3", f"output_dir={tmp_path / 'runs'}"]
     assert main([*args, "--results", str(out)]) == 0
-    assert "mlflow: run " in capsys.readouterr().out
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("mlflow: run ")]
     summary = json.loads(out.read_text())
     tracked = summary["mlflow"]
     assert tracked["tracking_uri"] == mlflow_store and tracked["experiment"] == "heart_disease"
@@ -80,6 +83,15 @@ def test_heart_disease_registers_one_servable_model_per_hospital(tmp_path, mlflo
     listing = capsys.readouterr().out.splitlines()
     assert len(listing) == 1 + len(HOSPITALS)
     assert all("champion,latest" in line and "@champion" in line for line in listing[1:])
+
+    # The printed command lists the models from anywhere, whatever the environment's store.
+    hint = shlex.split(line.split("; models: ")[1])
+    assert hint[:2] == ["silo-pfl", "models"], line
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    monkeypatch.chdir(tmp_path.parent)
+    assert main(hint[1:]) == 0
+    listed = capsys.readouterr().out
+    assert all(f"heart_disease-{h}" in listed for h in HOSPITALS), listed
 
 
 @pytest.mark.parametrize(
