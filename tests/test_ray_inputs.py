@@ -211,3 +211,40 @@ def test_a_connection_error_from_ray_init_is_one_line(monkeypatch):
         "ray.address: cannot start or reach Ray at a local instance: Failed to connect to Ray "
         "cluster"
     )
+
+
+def _auto(tmp_path: Path, current: str) -> tuple[subprocess.CompletedProcess, float]:
+    """The CLI with ray.address=auto, where the last `ray start` (its RAY_TMPDIR's
+    ray/ray_current_cluster, which `ray start` writes) named `current`; and its seconds."""
+    temp = tmp_path / "t"
+    (temp / "ray").mkdir(parents=True)
+    (temp / "ray" / "ray_current_cluster").write_text(current + "\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=str(temp), RAY_AUTH_MODE="token")
+    argv = [sys.executable, "-m", "silo_pfl", "run", JOB, "rounds=1", "tracking.enabled=false"]
+    argv += [f"output_dir={tmp_path / 'runs'}", "ray.address=auto", "--quiet"]
+    began = time.monotonic()
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=90, env=env, cwd=tmp_path)
+    return done, time.monotonic() - began
+
+
+def test_auto_joins_the_cluster_the_last_ray_start_named_and_says_which(ray_local, tmp_path):
+    address = ray_local._private.worker._global_node.gcs_address
+    done, _ = _auto(tmp_path, address)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = f'ray.address "auto": joining {address}, the cluster the last `ray start` here started'
+    assert said in done.stderr.splitlines(), done.stderr
+
+
+def test_auto_whose_cluster_is_gone_is_one_line_at_once(tmp_path):
+    """ "auto" gets the checks an explicit address gets: a cluster since stopped is named at once,
+    not after Ray's minutes of retries (nor is another cluster on the machine joined instead)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        gone = f"127.0.0.1:{probe.getsockname()[1]}"
+    done, seconds = _auto(tmp_path, gone)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines()[-1].startswith(
+        f"error: ray.address: nothing accepts a connection at {gone} ("
+    ), done.stderr
+    assert seconds < 30 and not (tmp_path / "runs").exists()

@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -41,6 +42,8 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
     address = ray_address(cfg.address)
     if address is not None:
         key = "ray.address" if cfg.address else "RAY_ADDRESS"
+        if address == "auto":
+            address = resolve_auto(key)
         check_reachable(address, key)
         check_token(address, key)
     try:
@@ -98,6 +101,33 @@ def _unreachable(exc: Exception, address: str | None) -> FederationError:
     )
 
 
+def resolve_auto(key: str = "ray.address") -> str:
+    """ "auto" as the `host:port` it stands for, so that the checks below run on it and the run
+    says which cluster it joins: the one the last `ray start` of this user started (its temp
+    dir's ray_current_cluster), else the one Ray GCS running on this machine. Where Ray itself
+    would join any of several clusters, or none runs, a one-line FederationError naming `key`."""
+    from ray._private import services
+
+    found = services.find_bootstrap_address(None)
+    origin = "the cluster the last `ray start` here started"
+    if not found:
+        running = sorted(services.find_gcs_addresses())
+        if len(running) != 1:
+            what = (
+                "no running Ray cluster"
+                if not running
+                else f"{len(running)} Ray clusters ({', '.join(running)}), and no `ray start` "
+                "of yours names one"
+            )
+            raise FederationError(
+                f'{key}: "auto" found {what} on this machine; give the head\'s GCS address, '
+                "host:port (ray start --head --port)"
+            )
+        found, origin = running[0], "the one Ray cluster running here"
+    print(f'{key} "auto": joining {found}, {origin}', file=sys.stderr, flush=True)
+    return found
+
+
 REACH_SECONDS = 10.0  # how long a cluster's address may take to accept a connection
 GCS_ANSWER_SECONDS = 3.0  # how long a GCS may take to answer the HTTP/2 preface
 # What an HTTP/2 client (gRPC's, Ray's GCS clients') sends first: the preface and its SETTINGS
@@ -113,7 +143,7 @@ def check_reachable(address: str, key: str = "ray.address", timeout: float = REA
     accepts a TCP connection within `timeout` and answers as a gRPC server, in HTTP/2. Ray itself
     retries an address nothing listens on, or something else listens on, for minutes. A one-line
     FederationError naming `key` otherwise: an http(s):// address too (a dashboard's, for Ray
-    Jobs). Any other form of address ("auto") is left to Ray. With RAY_USE_TLS, the TLS handshake
+    Jobs). "auto" comes here resolved (`resolve_auto`). With RAY_USE_TLS, the TLS handshake
     with this client's certificates is tried instead (`tls_probe.tls_problem`); without it, a GCS
     that speaks TLS is named as such."""
     scheme, _, rest = address.rpartition("://")
