@@ -245,18 +245,23 @@ def compare(
             waiting[pool.submit(execute, run.config, list(run.overrides))] = run
 
     def advance() -> None:
-        """Decide every unit whose candidates are all done; queue its winner's seeds."""
+        """Decide every unit whose candidates are all done, and every unit of one candidate at
+        once (there is nothing to choose); queue its winner's seeds."""
         progress = True
         while progress:
             progress = False
             for unit in units:
-                if unit.decided or not all(r.key in records for r in unit.first):
+                if unit.decided:
                     continue
-                results = [records[r.key].result for r in unit.first]
-                unit.chosen = choose_candidate(results)
+                if len(unit.first) == 1:
+                    unit.chosen = 0
+                elif all(r.key in records for r in unit.first):
+                    unit.chosen = choose_candidate([records[r.key].result for r in unit.first])
+                else:
+                    continue
                 unit.decided = progress = True
                 if unit.chosen is None:
-                    if any(result is not None for result in results):
+                    if any(records[r.key].result is not None for r in unit.first):
                         unit.error = NO_VALIDATION
                         log(f"{unit.job.label} {unit.row.label}: {NO_VALIDATION}")
                     continue

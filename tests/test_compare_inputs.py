@@ -192,6 +192,29 @@ def test_the_progress_total_is_given_only_when_known_before_any_run(tmp_path):
     assert progress_label(3, None) == "[3]" and progress_label(3, 8) == "[3/8]"
 
 
+def test_a_row_of_one_candidate_queues_every_seed_at_once(tmp_path):
+    """Nothing to choose: all its seeds are counted (and run) from the start, so the progress
+    has its total; a row of two candidates still waits for its choice."""
+    spec = parse_spec(
+        {
+            "baseline": None,
+            "jobs": {"heart": {"config": HEART, "seeds": [0, 1, 2]}},
+            "algorithms": {
+                "fedavg": {},
+                "ditto": {"candidates": [["train.lr=0.1"], ["train.lr=0.2"]]},
+            },
+        },
+        str(tmp_path / "spec.yaml"),
+    )
+    lines: list[str] = []
+    compare(spec, 1, tmp_path / "cache", log=lines.append, dry_run=True)
+    assert lines[-1] == (
+        "5 runs to compute, 0 from the cache; then up to 2 more once 1 choices are made"
+    )
+    fedavg = [x for x in lines if x.startswith("would run: heart fedavg seed ")]
+    assert len(fedavg) == 3, lines
+
+
 def descendants(pid: int) -> set[int]:
     """Every process below `pid` (its children, theirs, ...), from /proc."""
     parents: dict[int, int] = {}
