@@ -31,7 +31,8 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
 
     With no `ray.address`, a Ray Job's driver joins its cluster (Ray sets RAY_ADDRESS for it);
     anywhere else a fresh local instance is started, never a cluster left running on the machine.
-    A local instance never starts Ray's dashboard. With live metrics on (`metrics_interval_s`
+    A local instance starts without Ray's dashboard proper (Ray runs a reduced dashboard
+    process for its usage statistics alone). With live metrics on (`metrics_interval_s`
     given), its processes export every `metrics_interval_s` seconds (unless
     RAY_metrics_report_interval_ms says otherwise) to its metrics agent, which runs either way,
     and the run writes the Prometheus service-discovery file the dashboard would have written.
