@@ -402,7 +402,9 @@ class LocalCluster:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("silos", nargs="+", help="silo names, one node each")
-    parser.add_argument("--cpus-per-node", type=int, default=1)
+    parser.add_argument(
+        "--cpus-per-node", type=int, default=1, help="CPUs each node offers (default 1)"
+    )
     parser.add_argument("--info-file", help="also write the JSON line here")
     parser.add_argument("--dashboard-port", type=int, help="the Jobs API port (default: free)")
     parser.add_argument("--tracking-server", action="store_true", help="start mlflow server")

@@ -20,6 +20,11 @@
 # The script execs mlflow, so its pid is the server's: `kill <pid>` stops the server.
 set -euo pipefail
 
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
+    sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+    exit 0
+fi
+
 HOST="${HOST:-127.0.0.1}"
 PORT="${PORT:-5000}"
 MLFLOW_DIR="${MLFLOW_DIR:-runs/mlflow-server}"

@@ -126,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _debug(config)
     jobs = commands.add_parser("jobs", help="list the cluster's recent jobs")
-    jobs.add_argument("--limit", type=int, default=20, help="how many, newest first")
+    jobs.add_argument("--limit", type=int, default=20, help="how many, newest first (default 20)")
     _cluster_options(jobs)
     stop = commands.add_parser("stop", help="stop a job on the cluster")
     stop.add_argument("job_id", help="the id `silo-pfl submit` printed")

@@ -473,6 +473,22 @@ def test_tracking_server_script_parses():
     subprocess.run(["bash", "-n", str(CLUSTER / "tracking_server.sh")], check=True)
 
 
+def test_tracking_server_script_help_prints_its_usage_and_creates_nothing(tmp_path):
+    store = tmp_path / "store"
+    done = subprocess.run(
+        ["bash", str(CLUSTER / "tracking_server.sh"), "--help"],
+        env={"PATH": f"/usr/bin{os.pathsep}/bin", "MLFLOW_DIR": str(store)},
+        capture_output=True,
+        text=True,
+        timeout=20,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "cluster/tracking_server.sh [extra mlflow server options ...]" in done.stdout
+    assert "MLFLOW_DIR" in done.stdout and "set -euo" not in done.stdout
+    assert not store.exists() and list(tmp_path.iterdir()) == []
+
+
 def test_tracking_server_script_execs_mlflow(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
