@@ -4,11 +4,24 @@ output directories; and the order that keeps the cluster's life short."""
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import session_ray
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM (a CI's timeout, `kill`) ends the session as Ctrl-C does: pytest stops, and the
+    fixtures' teardowns stop the clusters and servers they started. Python's default would end
+    the process at once and leave them running."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one is enough: the teardowns must finish
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
