@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,21 @@ def test_an_unreachable_cluster_is_one_line_naming_the_address(command):
     assert "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: --address {address}: "), last
+
+
+@pytest.mark.parametrize("variable", ["RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"])
+def test_the_address_given_is_the_only_one_dialled(variable):
+    """Ray's Jobs client takes these variables over the address it is given: a stale one (here
+    a GCS address nothing listens on) made `silo-pfl jobs --address A` dial it for 40 s, print
+    Ray's warnings, and blame A."""
+    address = f"http://127.0.0.1:{free_port()}"
+    env = {"RAY_AUTH_TOKEN": "t", variable: f"127.0.0.1:{free_port()}"}
+    began = time.monotonic()
+    done = _cli("jobs", "--address", address, env=env)
+    assert time.monotonic() - began < 15
+    assert done.returncode == 1, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"error: --address {address}: Failed to connect to Ray at address"), line
 
 
 def test_overrides_may_follow_the_options():

@@ -93,6 +93,18 @@ def jobs_address(address: str | None) -> str:
 DEFAULT_TOKEN_FILE = "~/.ray/auth_token"
 
 
+@contextmanager
+def _without(names: Sequence[str]) -> Iterator[None]:
+    """The environment without `names` while inside. Ray's Jobs client takes RAY_API_SERVER_ADDRESS
+    or RAY_ADDRESS over the address it is given, and dials a GCS such a variable names for tens
+    of seconds: the address `jobs_address` chose from them (or --address) must be the only one."""
+    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
 def token_source(token_file: str | None = None) -> tuple[str, Path | None]:
     """Where this client's token comes from, named as a user would name it: --token-file F
     given on purpose, else as Ray's clients look ($RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH=F, the
@@ -236,7 +248,7 @@ class JobsClient:
             for name in QUIET_LOGGERS:  # "Uploading package ...", "WebSocket closed ..."
                 logging.getLogger(name).setLevel(logging.WARNING)
 
-            with self._errors():
+            with self._errors(), _without(ADDRESS_VARS):
                 self._client = JobSubmissionClient(self.address, headers=self.headers)
         return self._client
 
