@@ -17,7 +17,7 @@ import json
 import tempfile
 
 import numpy as np
-from common import job_parser, start_local_ray
+from common import job_parser, run_main, start_local_ray
 
 from silo_pfl.federation import Federation
 from silo_pfl.settings import load_config
@@ -30,25 +30,27 @@ def main() -> None:
     parser.add_argument("--out", help="write the table as JSON here")
     parser.add_argument("--baseline", help="an algorithm of --algorithms to compare each silo to")
     args = parser.parse_args()
-    start_local_ray()
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
+        plans = {}  # every config checked before Ray starts: a misspelt one is refused at once
         for spec in args.algorithms:
             label, own = _spec(spec)
             algorithm = label.split("@")[0]
+            common = ["tracking.enabled=false", *args.overrides, f"algorithm.name={algorithm}"]
+            plans[label] = (
+                own,
+                [
+                    (
+                        seed,
+                        load_config(args.job, [*common, *own, f"seed={seed}", f"output_dir={tmp}"]),
+                    )
+                    for seed in args.seeds
+                ],
+            )
+        start_local_ray()
+        for label, (own, configs) in plans.items():
             runs = []
-            for seed in args.seeds:
-                cfg = load_config(
-                    args.job,
-                    [
-                        "tracking.enabled=false",
-                        *args.overrides,
-                        f"algorithm.name={algorithm}",
-                        *own,
-                        f"seed={seed}",
-                        f"output_dir={tmp}",
-                    ],
-                )
+            for seed, cfg in configs:
                 result = Federation(cfg).run()
                 runs.append(result)
                 print(
@@ -152,4 +154,4 @@ def _gaps(rows: dict[str, dict], seeds: list[int]) -> dict[str, dict]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

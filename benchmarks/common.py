@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ from paths import in_repo
 from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig, RayConfig, to_dict
 from silo_pfl.data import silo_names
+from silo_pfl.errors import ConfigError, SiloPflError
 from silo_pfl.results import RoundSummary
 from silo_pfl.runtime.session import local_options
 from silo_pfl.server import Server
@@ -35,6 +38,19 @@ def job_parser(doc: str, default_job: str | None = None) -> argparse.ArgumentPar
 
 
 BENCHMARKS = str(Path(__file__).resolve().parent)
+
+
+def run_main(main: Callable[[], None]) -> None:
+    """A script's `main` under the CLI's convention: the project's own errors (a bad setting, a
+    run that failed) are one line, `error: ...`, exit 2 for a setting and 1 for a run;
+    BENCH_DEBUG=1 keeps the traceback."""
+    try:
+        main()
+    except SiloPflError as exc:
+        if os.environ.get("BENCH_DEBUG"):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2 if isinstance(exc, ConfigError) else 1)
 
 
 def start_local_ray() -> None:

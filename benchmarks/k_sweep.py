@@ -22,7 +22,7 @@ import os
 import tempfile
 
 import numpy as np
-from common import job_parser, start_local_ray
+from common import job_parser, run_main, start_local_ray
 
 from silo_pfl.algorithms import build_algorithm
 from silo_pfl.errors import ConfigError
@@ -133,4 +133,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 import ray
-from common import RoundClock, job_parser, start_local_ray
+from common import RoundClock, job_parser, run_main, start_local_ray
 
 from silo_pfl import durable
 from silo_pfl.aggregation import State, weighted_mean
@@ -312,4 +312,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

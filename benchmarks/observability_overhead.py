@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import job_parser
+from common import job_parser, run_main
 from paths import ROOT
 
 
@@ -78,4 +78,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

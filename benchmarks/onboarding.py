@@ -17,7 +17,7 @@ import json
 import tempfile
 
 import numpy as np
-from common import start_local_ray
+from common import run_main, start_local_ray
 
 from silo_pfl.federation import Federation
 from silo_pfl.settings import load_config
@@ -76,4 +76,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -19,7 +19,7 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from common import RoundClock, start_local_ray
+from common import RoundClock, run_main, start_local_ray
 from paths import in_repo
 
 from silo_pfl.federation import Federation
@@ -88,4 +88,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -16,7 +16,7 @@ import statistics
 import tempfile
 import time
 
-from common import in_process_federation, job_parser, start_local_ray
+from common import in_process_federation, job_parser, run_main, start_local_ray
 
 from silo_pfl import durable
 from silo_pfl.federation import Federation
@@ -80,4 +80,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -38,7 +38,7 @@ import tempfile
 from collections.abc import Sequence
 
 import numpy as np
-from common import RoundClock, start_local_ray
+from common import RoundClock, run_main, start_local_ray
 from limit import State, run_limit, same_model
 from machine import load_average, wait_for_quiet
 from paths import in_repo
@@ -127,4 +127,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -41,7 +41,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from common import RoundClock, start_local_ray
+from common import RoundClock, run_main, start_local_ray
 from limit import run_limit
 from machine import load_average, wait_for_quiet
 from paths import in_repo
@@ -193,4 +193,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -50,7 +50,7 @@ from typing import TypeVar
 
 import numpy as np
 import ray
-from common import RoundClock, job_parser, start_local_ray
+from common import RoundClock, job_parser, run_main, start_local_ray
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from machine import load_average, wait_for_quiet
@@ -420,4 +420,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -18,7 +18,7 @@ import statistics
 import tempfile
 import time
 
-from common import in_process_federation
+from common import in_process_federation, run_main
 from paths import in_repo
 
 from silo_pfl import durable
@@ -68,4 +68,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

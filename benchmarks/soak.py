@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from common import job_parser
+from common import job_parser, run_main
 from paths import ROOT
 
 from silo_pfl.callbacks import Callback
@@ -357,4 +357,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import ray
-from common import job_parser, start_local_ray
+from common import job_parser, run_main, start_local_ray
 
 from silo_pfl.federation import Federation
 from silo_pfl.settings import load_config
@@ -70,4 +70,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

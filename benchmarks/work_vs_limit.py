@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from common import in_process_federation, job_parser
+from common import in_process_federation, job_parser, run_main
 from limit import PlainSilo
 
 from silo_pfl import durable
@@ -99,4 +99,4 @@ def measure(job: str, extra: list[str], rounds: int, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

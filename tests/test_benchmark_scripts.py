@@ -45,3 +45,20 @@ def test_the_relay_is_measured_between_a_rounds_last_fit_and_first_evaluation(
     assert row, done.stdout
     median, q1, q3, round_ms = map(float, row.groups())
     assert 0 < q1 <= median <= q3 < round_ms
+
+
+def test_a_misspelt_algorithm_is_one_line_before_ray_starts(tmp_path: Path) -> None:
+    """The results scripts follow the CLI: a bad setting is one line, exit 2, no traceback; every
+    config is checked before the first run, so the last one's typo costs no earlier run."""
+    done = run_script(
+        "accuracy.py",
+        tmp_path,
+        str(ROOT / "jobs/heart_disease.yaml"),
+        "--algorithms",
+        "fedper",
+        "nosuch",
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stdout == ""
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("error: algorithm.name: got 'nosuch', expected one of "), line
