@@ -143,28 +143,41 @@ def _check_mlflow_tables(path: Path, key: str, uri: str) -> None:
     )
 
 
-def ensure_experiment(client: MlflowClient, uri: str, name: str, key: str) -> str:
-    """The id of experiment `name`, created if absent; its artifact location must take a file."""
+def check_experiment(client: MlflowClient, uri: str, name: str, key: str) -> str | None:
+    """The id of experiment `name` if it exists (None if not), checked as `ensure_experiment`
+    would use it, without creating it: not deleted, and its artifact location (or the one it
+    would get) takes a file."""
     experiment = client.get_experiment_by_name(name)
-    if experiment is not None and experiment.lifecycle_stage != "active":
-        raise ConfigError(
-            f"name: experiment {name!r} is deleted in {redact(uri)} ({key}); restore it "
-            f"(mlflow experiments restore) or choose another federation name"
-        )
     if experiment is None:
         location = artifact_dir(uri, name)
         if location is not None:
             _writable_dir(location, key)
-        try:
-            client.create_experiment(name, location.as_uri() if location else None)
-        except Exception as exc:
-            if client.get_experiment_by_name(name) is None:  # else another process won the race
-                raise FederationError(
-                    f"{key}: cannot create experiment {name!r} in {redact(uri)}: {one_line(exc)}"
-                ) from None
-        experiment = client.get_experiment_by_name(name)
+        return None
+    if experiment.lifecycle_stage != "active":
+        raise ConfigError(
+            f"name: experiment {name!r} is deleted in {redact(uri)} ({key}); restore it "
+            f"(mlflow experiments restore) or choose another federation name"
+        )
     check_artifact_dir(experiment.artifact_location, key)
-    return experiment.experiment_id
+    return str(experiment.experiment_id)
+
+
+def ensure_experiment(client: MlflowClient, uri: str, name: str, key: str) -> str:
+    """The id of experiment `name`, created if absent; its artifact location must take a file."""
+    found = check_experiment(client, uri, name, key)
+    if found is not None:
+        return found
+    location = artifact_dir(uri, name)
+    try:
+        client.create_experiment(name, location.as_uri() if location else None)
+    except Exception as exc:
+        if client.get_experiment_by_name(name) is None:  # else another process won the race
+            raise FederationError(
+                f"{key}: cannot create experiment {name!r} in {redact(uri)}: {one_line(exc)}"
+            ) from None
+    experiment = client.get_experiment_by_name(name)
+    check_artifact_dir(experiment.artifact_location, key)
+    return str(experiment.experiment_id)
 
 
 def check_artifact_dir(location: str, key: str) -> None:

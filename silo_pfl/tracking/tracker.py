@@ -32,7 +32,13 @@ from silo_pfl.results import FederationResult, RoundSummary
 from silo_pfl.settings import split_rules
 from silo_pfl.tracking import registry
 from silo_pfl.tracking.exporter import MODEL_NAME, LocalExporter, MlflowExporter
-from silo_pfl.tracking.store import check_artifact_dir, check_store, ensure_experiment, open_client
+from silo_pfl.tracking.store import (
+    check_artifact_dir,
+    check_experiment,
+    check_store,
+    ensure_experiment,
+    open_client,
+)
 from silo_pfl.tracking.trained_run import FEDERATION_FILE, federation_record
 from silo_pfl.tracking.uri import artifact_dir, redact
 
@@ -85,14 +91,17 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def _open(opening: Future[tuple[MlflowClient, str]], uri: str, name: str, silos: list[str]) -> None:
+def _open(
+    opening: Future[tuple[MlflowClient, str | None]], uri: str, name: str, silos: list[str]
+) -> None:
     """Open the store, check that the registered names of `silos` (those whose models it
-    registers) are no other federation's or silo's, then open the experiment; the result or
+    registers) are no other federation's or silo's, then check the experiment (its id, or None:
+    it is made once the silos have set up, so a run refused before leaves none); the result or
     the error goes to `opening`."""
     try:
         client = open_client(uri, "tracking.uri")
         registry.check_owner(client, name, silos, f"tracking.uri {redact(uri)}")
-        opening.set_result((client, ensure_experiment(client, uri, name, "tracking.uri")))
+        opening.set_result((client, check_experiment(client, uri, name, "tracking.uri")))
     except BaseException as exc:
         opening.set_exception(exc)
 
@@ -121,7 +130,7 @@ class MlflowTracker(Callback):
         self.central = cfg.privacy.central_models  # what of the models the central store gets
         # A federation's silos are known now; a joining silo's name only at on_start.
         founders = self._central(silo_names(cfg.data)) if joined == registry.FOUNDER else []
-        self.opening: Future[tuple[MlflowClient, str]] = Future()
+        self.opening: Future[tuple[MlflowClient, str | None]] = Future()
         args = (self.opening, self.uri, cfg.name, founders)
         threading.Thread(target=_open, args=args, name="mlflow-open", daemon=True).start()
         self.run_id = ""
@@ -187,7 +196,10 @@ class MlflowTracker(Callback):
     ) -> None:
         from mlflow.entities import Param
 
-        self.client, self.experiment_id = self.opening.result()
+        self.client, found = self.opening.result()
+        self.experiment_id = found or ensure_experiment(
+            self.client, self.uri, config.name, "tracking.uri"
+        )
         if self.joined != registry.FOUNDER:  # a federation's silos were checked as it opened
             joining = self._central(info.silo for info in silos)
             registry.check_owner(
