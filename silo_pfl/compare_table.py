@@ -135,6 +135,8 @@ def _row(unit: Unit, records: dict[str, Record], base: dict[int, dict[str, Any]]
     ok = [v for v in per_seed.values() if "error" not in v]
     row["seeds"] = per_seed
     row["failed_seeds"] = {s: v["error"] for s, v in per_seed.items() if "error" in v}
+    if not ok:
+        row["error"] = "every seed failed (each one's error below)"
     for figure in ("mean_test_accuracy", "worst_test_accuracy", "std_test_accuracy"):
         row[figure] = _mean_std([v[figure] for v in ok])
     row["mean_val_accuracy"] = _mean_std(

@@ -215,6 +215,26 @@ def test_a_row_of_one_candidate_queues_every_seed_at_once(tmp_path):
     assert len(fedavg) == 3, lines
 
 
+def test_a_row_whose_every_seed_failed_says_so(tmp_path):
+    """A row of one candidate runs every seed at once, so its first seed may fail beside others
+    that ran: each failed seed is named, and a row with none left says every seed failed."""
+    spec = parse_spec(
+        {
+            "baseline": None,
+            "jobs": {"heart": {"config": HEART, "seeds": [0, 1]}},
+            "algorithms": {"fedavg": {}},
+        },
+        str(tmp_path / "spec.yaml"),
+    )
+    (unit,) = plan(spec)[0]
+    unit.chosen, unit.decided = 0, True
+    unit.seeds = [unit.first[0], make_run(unit.job, unit.row, (), 1)]
+    records = {run.key: Record(None, f"DataError: seed {run.seed}") for run in unit.seeds}
+    row = compare_table._row(unit, records, {})
+    assert row["error"] == "every seed failed (each one's error below)"
+    assert row["failed_seeds"] == {"0": "DataError: seed 0", "1": "DataError: seed 1"}
+
+
 def descendants(pid: int) -> set[int]:
     """Every process below `pid` (its children, theirs, ...), from /proc."""
     parents: dict[int, int] = {}
