@@ -19,7 +19,7 @@ from silo_pfl.config import FederationConfig, RayConfig, to_dict
 from silo_pfl.data import silo_names
 from silo_pfl.errors import ConfigError, SiloPflError
 from silo_pfl.results import RoundSummary
-from silo_pfl.runtime.session import local_options
+from silo_pfl.runtime.session import local_options, quiet_token_notice
 from silo_pfl.server import Server
 from silo_pfl.server_start import new_server
 from silo_pfl.silo import Silo
@@ -58,7 +58,8 @@ def start_local_ray() -> None:
     workers import this directory's modules too (the actors of `ray_limit.py`)."""
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join([BENCHMARKS, *(p for p in paths if p != BENCHMARKS)])
-    ray.init(**local_options(RayConfig()))
+    with quiet_token_notice():
+        ray.init(**local_options(RayConfig()))
 
 
 def in_process_federation(cfg: FederationConfig) -> tuple[list[Silo], Server]:

@@ -297,7 +297,7 @@ def _ensure_ray() -> None:
 
     from silo_pfl.config import RayConfig
     from silo_pfl.runtime.ray_token import ensure_local_token
-    from silo_pfl.runtime.session import local_options, shutdown_local
+    from silo_pfl.runtime.session import local_options, quiet_token_notice, shutdown_local
 
     ensure_local_token()
     for attempt in range(1, RAY_START_ATTEMPTS + 1):
@@ -305,7 +305,8 @@ def _ensure_ray() -> None:
             return
         try:
             config = RayConfig(num_cpus=_WORKER_RAY.get("num_cpus", 1))
-            ray.init(**local_options(config), object_store_memory=512 * 1024**2)
+            with quiet_token_notice():  # else each worker's Ray repeats it on the terminal
+                ray.init(**local_options(config), object_store_memory=512 * 1024**2)
         except Exception:
             shutdown_local()
             if attempt == RAY_START_ATTEMPTS:

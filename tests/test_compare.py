@@ -62,15 +62,16 @@ def cached_results(root: Path) -> dict[str, dict]:
     return {entry["config"]["algorithm"]["name"]: entry["result"] for entry in entries}
 
 
-def test_a_comparison_runs_caches_and_writes_only_its_region(tmp_path, capsys):
+def test_a_comparison_runs_caches_and_writes_only_its_region(tmp_path, capfd):
     spec = write_spec(tmp_path / "spec.yaml")
     (tmp_path / "RESULTS.md").write_text(
         f"# Results\nkept above\n{BEGIN}\nold\n{END}\nkept below\n"
     )
 
-    code, out, err = compare(capsys, tmp_path, spec)
+    code, out, err = compare(capfd, tmp_path, spec)
     assert code == 0, err
     assert "2 runs computed, 0 from the cache" in out
+    assert "Token authentication is enabled" not in err, err  # the workers' Ray says it not
 
     text = (tmp_path / "RESULTS.md").read_text()
     assert text.startswith("# Results\nkept above\n" + BEGIN + "\n")
@@ -102,7 +103,7 @@ def test_a_comparison_runs_caches_and_writes_only_its_region(tmp_path, capsys):
     assert rows["local"]["mean_val_accuracy"] == pytest.approx(mean_val_accuracy(local))
 
     # Nothing changed: no federation runs, the same figures come back.
-    code, out, err = compare(capsys, tmp_path, spec)
+    code, out, err = compare(capfd, tmp_path, spec)
     assert code == 0, err
     assert "0 runs computed, 2 from the cache" in out
     again = json.loads((tmp_path / "compare.json").read_text())
@@ -121,7 +122,7 @@ def test_a_comparison_runs_caches_and_writes_only_its_region(tmp_path, capsys):
 
     # One algorithm's override changes: only that algorithm runs again.
     write_spec(spec, "{candidates: [[train.lr=0.02]]}")
-    code, out, err = compare(capsys, tmp_path, spec)
+    code, out, err = compare(capfd, tmp_path, spec)
     assert code == 0, err
     assert "1 runs computed, 1 from the cache" in out
     assert "heart fedavg [train.lr=0.02] seed 0" in out

@@ -53,7 +53,7 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
             with (
                 signals_held() as held,
                 _export_interval(metrics_interval_s),
-                _quiet_token_notice(),
+                quiet_token_notice(),
             ):
                 try:
                     ray.init(**local_options(cfg))
@@ -356,7 +356,7 @@ def stop_autoscaler_monitor() -> None:
 
 
 @contextmanager
-def _quiet_token_notice() -> Iterator[None]:
+def quiet_token_notice() -> Iterator[None]:
     """While a local Ray starts: without Ray's warning line that token authentication is on
     (it stays on). On stderr it stood before every local run's output, one-line errors too."""
     notice = logging.getLogger("ray._private.authentication.authentication_token_setup")
