@@ -173,3 +173,21 @@ print(json.dumps([export_interval_s(), ray.get(worker.remote())]))
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.splitlines()[-1]) == [1.0, 1000]
+
+
+def test_auto_with_several_clusters_and_no_ray_start_of_ones_own_is_one_line(
+    ray_local, cluster, env, tmp_path
+):
+    """The session's local Ray and the loopback cluster both run here, and this user's temp dir
+    names neither (no `ray start` of theirs): Ray's "auto" would join either; the run asks for
+    the address instead, in one line, before anything starts."""
+    temp = tmp_path / "t"
+    temp.mkdir()
+    done = _run(tmp_path, "auto", "rounds=1", env={**env, "RAY_TMPDIR": str(temp)})
+    assert done.returncode == 1, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith('error: ray.address: "auto" found '), line
+    port = cluster["address"].rsplit(":", 1)[1]
+    assert f":{port}" in line and "and no `ray start` of yours naming one;" in line, line
+    assert line.endswith("give the head's GCS address, host:port (ray start --head --port)")
+    assert not (tmp_path / "runs").exists()

@@ -115,14 +115,14 @@ def resolve_auto(key: str = "ray.address") -> str:
         running = sorted(services.find_gcs_addresses())
         if len(running) != 1:
             what = (
-                "no running Ray cluster"
+                "no running Ray cluster on this machine"
                 if not running
-                else f"{len(running)} Ray clusters ({', '.join(running)}), and no `ray start` "
-                "of yours names one"
+                else f"{len(running)} Ray clusters on this machine ({', '.join(running)}) and "
+                "no `ray start` of yours naming one"
             )
             raise FederationError(
-                f'{key}: "auto" found {what} on this machine; give the head\'s GCS address, '
-                "host:port (ray start --head --port)"
+                f'{key}: "auto" found {what}; give the head\'s GCS address, host:port '
+                "(ray start --head --port)"
             )
         found, origin = running[0], "the one Ray cluster running here"
     print(f'{key} "auto": joining {found}, {origin}', file=sys.stderr, flush=True)
