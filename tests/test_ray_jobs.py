@@ -44,9 +44,13 @@ def cluster(loopback_cluster):
     return loopback_cluster
 
 
+def _silo_pfl(*args: str) -> list[str]:
+    return [sys.executable, "-m", "silo_pfl", *args]
+
+
 def _cli(env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "silo_pfl", *args],
+        _silo_pfl(*args),
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -110,10 +114,6 @@ def _serve_and_score(tmp_path: Path, uri: str, model: str, silo: str, rows_file:
     with served(model, uri, tmp_path / "serve.log") as url:
         predictions = predict(url, data.raw_columns, data.x_test_raw.tolist())
     return float(np.mean(predictions == data.y_test))
-
-
-def _silo_pfl(*args: str) -> list[str]:
-    return [sys.executable, "-m", "silo_pfl", *args]
 
 
 def _team_plugin(base: Path) -> None:

@@ -19,10 +19,8 @@ def speaks_tls(where: tuple[str, int], timeout: float) -> bool:
     """Whether the server at `where` answers a TLS client hello as a TLS server: it completes
     the handshake or ends it with a TLS alert (one that asks a client certificate, say). A
     plain gRPC server answers with HTTP/2 bytes, which no TLS client reads as a record."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.check_hostname = False
+    context = _client_context()
     context.verify_mode = ssl.CERT_NONE
-    context.set_alpn_protocols(["h2"])
     try:
         with (
             socket.create_connection(where, timeout=timeout) as conn,
@@ -45,9 +43,7 @@ def tls_problem(where: tuple[str, int], timeout: float) -> str | None:
         return f"RAY_USE_TLS=1 also needs {', '.join(missing)}; {SETUP_HINT}"
     ca, cert = paths["RAY_TLS_CA_CERT"], paths["RAY_TLS_SERVER_CERT"]
     key = paths["RAY_TLS_SERVER_KEY"]
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.check_hostname = False  # gRPC checks the name; here only the chain of trust
-    context.set_alpn_protocols(["h2"])
+    context = _client_context()
     try:
         context.load_verify_locations(cafile=ca)
     except (OSError, ssl.SSLError) as exc:
@@ -81,6 +77,15 @@ def tls_problem(where: tuple[str, int], timeout: float) -> str | None:
     except OSError:
         return None
     return None
+
+
+def _client_context() -> ssl.SSLContext:
+    """A TLS client's context as gRPC's: HTTP/2 by ALPN. The host name is not checked (gRPC
+    checks it); only the chain of trust, unless the caller turns that off too."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.set_alpn_protocols(["h2"])
+    return context
 
 
 def _reason(exc: BaseException) -> str:
