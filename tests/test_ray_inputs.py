@@ -236,6 +236,40 @@ def test_auto_joins_the_cluster_the_last_ray_start_named_and_says_which(ray_loca
     assert said in done.stderr.splitlines(), done.stderr
 
 
+def _pid_namespace() -> list[str] | None:
+    """`unshare` into a fresh PID namespace, where no Ray of this machine's is seen; None where
+    the kernel or container refuses it."""
+    argv = ["unshare", "--pid", "--fork", "--mount-proc"]
+    try:
+        done = subprocess.run([*argv, "true"], capture_output=True, timeout=30)
+    except FileNotFoundError:
+        return None
+    return argv if done.returncode == 0 else None
+
+
+def test_auto_with_no_cluster_running_is_one_line_at_once(tmp_path):
+    """No `ray start` of the user's named a cluster and no Ray GCS runs (a PID namespace hides the
+    machine's): "auto" is refused in one line naming the key, and no run is left behind."""
+    namespace = _pid_namespace()
+    if namespace is None:
+        pytest.skip("unshare cannot make a PID namespace here (needs root or user namespaces)")
+    temp = tmp_path / "t"
+    temp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=str(temp), RAY_AUTH_MODE="token")
+    argv = [sys.executable, "-m", "silo_pfl", "run", JOB, "rounds=1", "tracking.enabled=false"]
+    argv += [f"output_dir={tmp_path / 'runs'}", "ray.address=auto", "--quiet"]
+    done = subprocess.run(
+        [*namespace, *argv], capture_output=True, text=True, timeout=90, env=env, cwd=tmp_path
+    )
+    assert done.returncode == 1, done.stderr
+    assert done.stderr == (
+        'error: ray.address: "auto" found no running Ray cluster on this machine; give the '
+        "head's GCS address, host:port (ray start --head --port)\n"
+    )
+    assert not (tmp_path / "runs").exists()
+
+
 def test_auto_whose_cluster_is_gone_is_one_line_at_once(tmp_path):
     """ "auto" gets the checks an explicit address gets: a cluster since stopped is named at once,
     not after Ray's minutes of retries (nor is another cluster on the machine joined instead)."""
