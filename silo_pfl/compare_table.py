@@ -246,13 +246,18 @@ def _job_table(label: str, job: dict[str, Any]) -> list[str]:
         header.append("published")
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     scored = [r for r in rows if rows[r].get("mean_test_accuracy", {}).get("mean") is not None]
-    scored.sort(key=lambda r: -rows[r]["mean_test_accuracy"]["mean"])
-    best = scored[0] if scored else None
+    # A row some of whose seeds failed is ranked after every row that has them all: its mean is
+    # over the seeds that finished, which may be the easy ones.
+    scored.sort(key=lambda r: (bool(_failed(rows[r])), -rows[r]["mean_test_accuracy"]["mean"]))
+    best = scored[0] if scored and not _failed(rows[scored[0]]) else None
     for name in [*scored, *[r for r in rows if r not in scored]]:
         row = rows[name]
         cells = [name, _hyper(row)]
         if name in scored:
             mean = _pm(row["mean_test_accuracy"])
+            if _failed(row):
+                finished = [s for s in row["seeds"] if s not in _failed(row)]
+                mean += f" (seed{'s' if len(finished) > 1 else ''} {' '.join(finished)} only)"
             cells += [
                 f"**{mean}**" if name == best else mean,
                 _pm(row["worst_test_accuracy"]),
@@ -282,6 +287,11 @@ def _job_table(label: str, job: dict[str, Any]) -> list[str]:
             + (f" {published['note'].strip()}." if published.get("note") else ""),
         ]
     return lines
+
+
+def _failed(row: dict[str, Any]) -> dict[str, str]:
+    """The row's seeds that failed: {seed: error}."""
+    return row.get("failed_seeds") or {}
 
 
 def _hyper(row: dict[str, Any]) -> str:

@@ -235,6 +235,40 @@ def test_a_row_whose_every_seed_failed_says_so(tmp_path):
     assert row["failed_seeds"] == {"0": "DataError: seed 0", "1": "DataError: seed 1"}
 
 
+def test_a_row_with_a_failed_seed_is_ranked_after_the_complete_rows_and_names_its_seeds(tmp_path):
+    """Its mean is over the seeds that finished, which may be the easy ones: it is not ranked
+    (nor set in bold) above rows that have every seed, and its mean says which seeds it holds."""
+    spec = parse_spec(
+        {
+            "baseline": None,
+            "jobs": {"heart": {"config": HEART, "seeds": [0, 1]}},
+            "algorithms": {"fedavg": {}, "scaffold": {}},
+        },
+        str(tmp_path / "spec.yaml"),
+    )
+    units = plan(spec)[0]
+    scores = {("fedavg", 0): 0.70, ("fedavg", 1): 0.72, ("scaffold", 0): 0.95}
+    records = {}
+    for unit in units:
+        unit.chosen, unit.decided = 0, True
+        unit.seeds = [unit.first[0], make_run(unit.job, unit.row, (), 1)]
+        for run in unit.seeds:
+            score = scores.get((unit.row.label, run.seed))
+            records[run.key] = (
+                Record(result({"a": score, "b": score}, {"a": score, "b": score}))
+                if score is not None
+                else Record(None, "FederationError: training diverged")
+            )
+    rows = {unit.row.label: compare_table._row(unit, records, {}) for unit in units}
+    job = {"config": HEART, "seeds": [0, 1], "overrides": [], "baseline": None}
+    job.update(algorithms=rows, not_run={}, published=None)
+    table = [line for line in compare_table._job_table("heart", job) if line.startswith("| ")]
+    names = [line.split(" | ")[0][2:] for line in table[1:]]
+    assert names == ["fedavg", "scaffold"]
+    assert "| **0.7100 ± 0.0100** |" in table[1]
+    assert "| 0.9500 (seed 0 only) |" in table[2]
+
+
 def descendants(pid: int) -> set[int]:
     """Every process below `pid` (its children, theirs, ...), from /proc."""
     parents: dict[int, int] = {}
