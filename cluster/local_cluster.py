@@ -20,9 +20,14 @@ agent: a run's end waits that long for its last figures to be sent.
 
 The token is $RAY_AUTH_TOKEN, else ~/.ray/auth_token (created if absent, as Ray itself does).
 It prints one JSON line {"address", "dashboard", "head", "nodes": {silo: node_id},
-"tracking_uri", "env", "marker"} (also to --info-file), then runs until SIGINT or SIGTERM and
-stops every process it started, and only those: each carries the environment variable
+"tracking_uri", "env", "marker"} (also to --info-file), then runs until SIGINT, SIGTERM or
+SIGHUP and stops every process it started, and only those: each carries the environment variable
 SILO_PFL_CLUSTER=<marker>, which is how they are found, the Ray workers included.
+
+A silo's node that died (its raylet gone) comes back on SIGUSR1 (`kill -USR1 <pid>`), as an
+institution restarts its node: with its label and environment, on fresh ports; the JSON line is
+printed (and --info-file written) again with its new node id. A run that lost the node then
+finishes with `--resume`.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT = 180.0
 GCS_NAME = "gcs_server"  # a Ray GCS process's name (/proc/<pid>/comm)
+RAYLET_NAME = "raylet"  # a Ray node's raylet (/proc/<pid>/comm): the node lives while it does
 STOP_POLL_SECONDS = 0.1
 EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 PORT_FLOOR = 20000  # above Ray's worker ports (10002-19999)
@@ -157,12 +163,17 @@ def _processes_marked(marker: str, node: str | None = None) -> list[int]:
     return sorted(marked)
 
 
-def _is_gcs(pid: int) -> bool:
-    """Whether `pid` is a Ray GCS server (by its executable's name, as `ray stop` finds it)."""
+def _named(pid: int, name: str) -> bool:
+    """Whether process `pid`'s executable is called `name` (as `ray stop` finds Ray's)."""
     try:
-        return Path(f"/proc/{pid}/comm").read_text().strip() == GCS_NAME
+        return Path(f"/proc/{pid}/comm").read_text().strip() == name
     except OSError:
         return False
+
+
+def _is_gcs(pid: int) -> bool:
+    """Whether `pid` is a Ray GCS server."""
+    return _named(pid, GCS_NAME)
 
 
 def _stop(pids: Callable[[], list[int]], grace: float) -> None:
@@ -192,15 +203,17 @@ def stop_marked(marker: str, grace: float = 15.0, node: str | None = None) -> li
     return _processes_marked(marker, node)
 
 
-# Prints the live nodes as JSON once exactly `count` of them are alive (or after START_TIMEOUT):
-# a node whose start failed, and was stopped, may be listed alive until the GCS misses it.
+# Prints the live nodes as JSON once exactly `count` of them are alive (or after START_TIMEOUT),
+# not counting the node ids of argv[3] (nodes known dead): a node whose start failed, and was
+# stopped, or that died, may be listed alive until the GCS misses it (15 s or more).
 _NODES_SCRIPT = f"""
 import json, sys, time
 import ray
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+dead = set(json.loads(sys.argv[3]))
 deadline = time.monotonic() + {START_TIMEOUT}
 while True:
-    alive = [n for n in ray.nodes() if n["Alive"]]
+    alive = [n for n in ray.nodes() if n["Alive"] and n["NodeID"] not in dead]
     if len(alive) == int(sys.argv[2]) or time.monotonic() > deadline:
         break
     time.sleep(0.5)
@@ -229,6 +242,9 @@ class LocalCluster:
         }
         self._ports_given: set[int] = set()
         self._ports_lock = threading.Lock()
+        self.node_names = {silo: f"n{i + 1}" for i, silo in enumerate(args.silos)}
+        self._starts: dict[str, int] = {}  # `ray start`s of each node so far: its temp dirs
+        self.info: dict = {}
         self.tracking_port = args.tracking_port or self._ports(1)[0]
         self.gcs_port = self.client_port = self.dashboard_port = 0  # set as the head starts
         self.tracking_uri: str | None = None
@@ -247,8 +263,9 @@ class LocalCluster:
         processes and no other node's, and made again with fresh ports and a fresh temp dir;
         `options()` gives each attempt its own options."""
         for attempt in range(1, NODE_START_ATTEMPTS + 1):
+            self._starts[node] = self._starts.get(node, 0) + 1
             try:
-                self._ray_start(f"{node}.{attempt}", options(), {**env, NODE_VAR: node})
+                self._ray_start(f"{node}.{self._starts[node]}", options(), {**env, NODE_VAR: node})
                 return
             except RuntimeError as failed:
                 stop_marked(self.marker, node=node)
@@ -306,25 +323,13 @@ class LocalCluster:
         registers well within Ray's 30 s), the tracking server meanwhile; return the cluster
         info."""
         tracking = self._launch_tracking_server() if self.args.tracking_server else None
-        silos = self.args.silos
         self._start_node("head", self._head_options, self.env)
         address = f"{HOST}:{self.gcs_port}"
-        with ThreadPoolExecutor(max_workers=min(len(silos), os.cpu_count() or 1)) as pool:
-            starts = [
-                pool.submit(
-                    self._start_node,
-                    f"n{i + 1}",
-                    lambda silo=silo: [f"--address={address}", f"--labels={SILO_LABEL}={silo}"],
-                    self._node_env(silo),
-                )
-                for i, silo in enumerate(silos)
-            ]
-            for started in starts:
-                started.result()
+        self._start_silo_nodes(self.args.silos, address)
         if tracking:
             self.tracking_uri = self._await_tracking_server(*tracking)
         head, nodes = self._node_ids(address)
-        return {
+        self.info = {
             "address": address,
             "dashboard": f"http://{HOST}:{self.dashboard_port}",
             "head": head,
@@ -333,14 +338,55 @@ class LocalCluster:
             "env": {"RAY_AUTH_MODE": "token", **self.tls},
             "marker": self.marker,
         }
+        return self.info
 
-    def _node_ids(self, address: str) -> tuple[str, dict[str, str]]:
-        """Wait until every node is alive; the head's node id and each silo's.
+    def _start_silo_nodes(self, silos: list[str], address: str) -> None:
+        """`ray start` these silos' nodes into the cluster at `address`, as many at once as there
+        are cores, each labelled silo=<name> with its silo's environment."""
+        with ThreadPoolExecutor(max_workers=min(len(silos), os.cpu_count() or 1)) as pool:
+            starts = [
+                pool.submit(
+                    self._start_node,
+                    self.node_names[silo],
+                    lambda silo=silo: [f"--address={address}", f"--labels={SILO_LABEL}={silo}"],
+                    self._node_env(silo),
+                )
+                for silo in silos
+            ]
+            for started in starts:
+                started.result()
+
+    def lost(self) -> list[str]:
+        """The silos whose node has no raylet running: it died, or was killed."""
+        return [
+            silo
+            for silo, node in self.node_names.items()
+            if not any(_named(pid, RAYLET_NAME) for pid in _processes_marked(self.marker, node))
+        ]
+
+    def restart_lost(self) -> list[str]:
+        """Start again the silos' nodes that died, each as it first started (its label and
+        environment, fresh ports and a fresh temp dir), after stopping what is left of it; the
+        info's node ids are then the new ones. Returns the silos restarted."""
+        silos = self.lost()
+        if not silos:
+            return []
+        for silo in silos:
+            stop_marked(self.marker, node=self.node_names[silo])
+        self._start_silo_nodes(silos, self.info["address"])
+        dead = [self.info["nodes"][silo] for silo in silos]
+        self.info["head"], self.info["nodes"] = self._node_ids(self.info["address"], dead)
+        return silos
+
+    def _node_ids(self, address: str, dead: list[str] = ()) -> tuple[str, dict[str, str]]:
+        """Wait until every node is alive (not counting the nodes `dead` names, which the GCS may
+        still list); the head's node id and each silo's.
 
         Asked by a fresh Python process: one that already ran with other settings can keep
         Ray's authentication mode from before its environment changed."""
+        count = str(1 + len(self.args.silos))
         done = subprocess.run(
-            [sys.executable, "-c", _NODES_SCRIPT, address, str(1 + len(self.args.silos))],
+            [sys.executable, "-c", _NODES_SCRIPT, address, count, json.dumps(list(dead))],
             env={k: v for k, v in self.env.items() if k != MARKER_VAR},
             capture_output=True,
             text=True,
@@ -400,7 +446,12 @@ class LocalCluster:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="It prints the cluster's JSON line and runs until SIGINT, SIGTERM or SIGHUP, then "
+        "stops every process it started. SIGUSR1 starts the silos' nodes that died again and "
+        "prints the line again, with their new node ids.",
+    )
     parser.add_argument("silos", nargs="+", help="silo names, one node each")
     parser.add_argument(
         "--cpus-per-node", type=int, default=1, help="CPUs each node offers (default 1)"
@@ -421,7 +472,40 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}  # a closed terminal stops it too
+RESTART_SIGNAL = signal.SIGUSR1  # start the silos' nodes that died again
+
+
+def _announce(info: dict, info_file: str | None) -> None:
+    """Print the cluster's JSON line, and write it to `info_file` (whole, then renamed)."""
+    line = json.dumps(info)
+    if info_file:
+        written = Path(f"{info_file}.tmp")
+        written.write_text(line + "\n")
+        written.replace(info_file)
+    print(line, flush=True)
+
+
+def _serve(cluster: LocalCluster, info_file: str | None, requested: list[int]) -> None:
+    """Until a stop signal: on RESTART_SIGNAL, start the lost nodes again and announce the new
+    info. The signals are blocked and waited for, so none that came in between is lost; while
+    nodes start they are not (a process inherits its parent's mask), and the stop signal's
+    handler notes one that comes then."""
+    waited = STOP_SIGNALS | {RESTART_SIGNAL}
+    while True:
+        signal.pthread_sigmask(signal.SIG_BLOCK, waited)
+        if requested or signal.sigwait(waited) != RESTART_SIGNAL:
+            return
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, waited)
+        try:
+            restarted = cluster.restart_lost()
+        except (RuntimeError, subprocess.SubprocessError) as exc:  # the other nodes stay up
+            print(f"error: a lost node did not start again: {exc}", file=sys.stderr, flush=True)
+            continue
+        names = ", ".join(restarted) if restarted else "none: every node is alive"
+        print(f"nodes started again: {names}", file=sys.stderr, flush=True)
+        if restarted:
+            _announce(cluster.info, info_file)
 
 
 def main() -> None:
@@ -456,15 +540,11 @@ def main() -> None:
     requested: list[int] = []
     for signum in STOP_SIGNALS:
         signal.signal(signum, lambda number, _frame: requested.append(number))
+    signal.signal(RESTART_SIGNAL, lambda _number, _frame: None)  # no node is lost yet
     cluster = LocalCluster(args)
     try:
-        line = json.dumps(cluster.start())
-        if args.info_file:
-            Path(args.info_file).write_text(line + "\n")
-        print(line, flush=True)
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        if not requested:
-            signal.sigwait(STOP_SIGNALS)
+        _announce(cluster.start(), args.info_file)
+        _serve(cluster, args.info_file, requested)
     except Exception as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)

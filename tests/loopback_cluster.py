@@ -38,10 +38,10 @@ def cluster_script(name: str) -> ModuleType:
     return module
 
 
-def stop_group(proc: subprocess.Popen, timeout: float) -> None:
-    """SIGTERM a process we started in its own session; SIGKILL its group if it lingers."""
+def stop_group(proc: subprocess.Popen, timeout: float, signum: int = signal.SIGTERM) -> None:
+    """`signum` to a process we started in its own session; SIGKILL its group if it lingers."""
     if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -53,9 +53,11 @@ def start(
     base: Path,
     hospitals: tuple[str, ...] = HOSPITALS,
     options: tuple[str, ...] = ("--tracking-server",),
+    stop_signal: int = signal.SIGTERM,
 ) -> Iterator[SimpleNamespace]:
     """Start the cluster under `base`, a node per hospital (with its rows) and the head, with
-    local_cluster.py's `options`; yield info, the clients' env and base; then stop it."""
+    local_cluster.py's `options`; yield info, the clients' env, base, the script's process and
+    its info file; then stop it with `stop_signal`, which must end it cleanly."""
     hospital_data = cluster_script("hospital_data")
     for hospital in hospitals:
         hospital_data.write_hospital(base / "nodes", hospital)
@@ -79,7 +81,9 @@ def start(
             pytest.fail(f"local_cluster.py did not come up: {errors.read_text()[-2000:]}")
         time.sleep(0.5)
     info = json.loads(info_file.read_text())
-    yield SimpleNamespace(info=info, env={**env, **info["env"]}, base=base)
-    stop_group(proc, 90)
+    yield SimpleNamespace(
+        info=info, env={**env, **info["env"]}, base=base, proc=proc, info_file=info_file
+    )
+    stop_group(proc, 90, stop_signal)
     assert proc.returncode == 0, errors.read_text()[-2000:]
     assert cluster_script("local_cluster")._processes_marked(info["marker"]) == []

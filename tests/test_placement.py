@@ -3,15 +3,19 @@ and on a real loopback cluster, the CPUs a pinned silo reserves against its labe
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from loopback_cluster import start
+from loopback_cluster import cluster_script, start
 
 from silo_pfl.errors import FederationError
 from silo_pfl.runtime.placement import (
@@ -57,12 +61,13 @@ def test_a_label_no_live_node_carries_is_one_line_naming_the_actor(ray_local):
     assert "ray start --labels=silo=b" in message and "\n" not in message
 
 
-@pytest.fixture
-def one_silo_cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
+@pytest.fixture(scope="module")
+def one_silo_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
     """A real two-node cluster on loopback (cluster/local_cluster.py): the head and one 1-CPU
-    node labelled silo=cleveland, token authentication on; its info, plus the clients' env."""
-    for cluster in start(tmp_path, ("cleveland",), ("--cpus-per-node", "1")):
-        yield {**cluster.info, "client_env": cluster.env}
+    node labelled silo=cleveland, token authentication on; its info, the clients' env, the
+    script's process and its info file. A hangup (SIGHUP) stops it, and must leave nothing."""
+    base = tmp_path_factory.mktemp("one_silo_cluster")
+    yield from start(base, ("cleveland",), ("--cpus-per-node", "1"), signal.SIGHUP)
 
 
 @pytest.mark.slow
@@ -70,14 +75,14 @@ def test_more_cpus_than_a_silos_labelled_node_has_is_one_line_at_once(one_silo_c
     """per_node on a cluster: silo cleveland may run only on its 1-CPU node, so ray.silo_cpus=2
     can never be met; the run says so at once rather than after round.call_timeout_s."""
     argv = [sys.executable, "-m", "silo_pfl", "run", JOB, "rounds=1", "tracking.enabled=false"]
-    argv += [f"output_dir={tmp_path / 'runs'}", f"ray.address={one_silo_cluster['address']}"]
+    argv += [f"output_dir={tmp_path / 'runs'}", f"ray.address={one_silo_cluster.info['address']}"]
     argv += ["ray.placement=per_node", "data.late_silos=[hungarian,switzerland,va]"]
     argv += ["round.call_timeout_s=60", "ray.silo_cpus=2"]
     began = time.monotonic()
     done = subprocess.run(
         argv,
         cwd=ROOT,
-        env=one_silo_cluster["client_env"],
+        env=one_silo_cluster.env,
         capture_output=True,
         text=True,
         timeout=180,
@@ -88,3 +93,41 @@ def test_more_cpus_than_a_silos_labelled_node_has_is_one_line_at_once(one_silo_c
         "labelled silo=cleveland has (CPUs: 1); expected at most 1, or 0 to let silos share cores"
     )
     assert time.monotonic() - began < 45
+
+
+def _info(cluster: SimpleNamespace) -> dict[str, Any]:
+    return json.loads(cluster.info_file.read_text())
+
+
+@pytest.mark.slow
+def test_a_silo_node_that_died_starts_again_on_sigusr1(one_silo_cluster):
+    """The node is killed, raylet and all, as a machine that crashes; SIGUSR1 to local_cluster.py
+    starts it again, labelled as before, and the info file names its new node id. (The fixture's
+    end then stops the cluster with a hangup and checks that nothing of it is left.)"""
+    local_cluster = cluster_script("local_cluster")
+    marker, old = one_silo_cluster.info["marker"], _info(one_silo_cluster)["nodes"]["cleveland"]
+    for pid in local_cluster._processes_marked(marker, "n1"):
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while local_cluster._processes_marked(marker, "n1"):
+        assert time.monotonic() < deadline, "the killed node's processes did not go"
+        time.sleep(0.1)
+    one_silo_cluster.proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 150
+    while _info(one_silo_cluster)["nodes"]["cleveland"] == old:
+        assert one_silo_cluster.proc.poll() is None, "local_cluster.py ended"
+        assert time.monotonic() < deadline, "the node was not started again"
+        time.sleep(0.2)
+    new = _info(one_silo_cluster)
+    assert new["nodes"]["cleveland"] not in (old, new["head"])
+    assert {k: v for k, v in new.items() if k != "nodes"} == {
+        k: v for k, v in one_silo_cluster.info.items() if k != "nodes"
+    }
+    raylets = [
+        pid
+        for pid in local_cluster._processes_marked(marker, "n1")
+        if local_cluster._named(pid, local_cluster.RAYLET_NAME)
+    ]
+    assert len(raylets) == 1
+    errors = (one_silo_cluster.base / "cluster.err").read_text()
+    assert "nodes started again: cleveland\n" in errors
