@@ -1,9 +1,12 @@
-"""A silo's node that dies for good, on the real loopback cluster: the rounds go on without the
-silo at once (round.min_silos allowing), rather than each waiting round.call_timeout_s for Ray to
-restart an actor that no live node may host; the run's end names the silo and the label."""
+"""A silo's node that dies, on the real loopback cluster: the rounds go on without the silo at
+once (round.min_silos allowing), rather than each waiting round.call_timeout_s for Ray to
+restart an actor that no live node may host; the run's end names the silo and the label. Once
+the node is back, `--resume` finishes the run, the silo's model selected as its checkpoints
+say."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -39,18 +42,18 @@ def _start_spare_node(local_cluster, address: str, env: dict[str, str], marker: 
     return temp
 
 
-def test_a_silo_whose_node_died_is_left_out_at_once_and_named_at_the_end(
+def test_a_silo_whose_node_died_is_left_out_at_once_named_at_the_end_and_resumed_once_back(
     loopback_cluster, tmp_path
 ):
     local_cluster = cluster_script("local_cluster")
     info, env = loopback_cluster.info, loopback_cluster.env
     marker = secrets.token_hex(8)
-    temp = _start_spare_node(local_cluster, info["address"], env, marker)
+    temps = [_start_spare_node(local_cluster, info["address"], env, marker)]
     command = [sys.executable, "-m", "silo_pfl.cli", "run", "jobs/heart_disease.yaml"]
     command += [f"ray.address={info['address']}", "ray.placement=per_node"]
     command += [f"silos.va.node_label={{silo: {LABEL}}}", "round.min_silos=3", "rounds=6"]
     command += ["round.call_timeout_s=200", "tracking.enabled=false"]
-    command += [f"output_dir={tmp_path / 'runs'}"]
+    command += [f"output_dir={tmp_path / 'runs'}", f"--results={tmp_path / 'results.json'}"]
     proc = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -64,12 +67,17 @@ def test_a_silo_whose_node_died_is_left_out_at_once_and_named_at_the_end(
                     os.kill(pid, signal.SIGKILL)  # the node crashes: raylet, workers and all
                 break
         rest, _ = proc.communicate(timeout=300)
+        temps.append(_start_spare_node(local_cluster, info["address"], env, marker))
+        resumed = subprocess.run(
+            [*command, "--resume"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        )
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
         local_cluster.stop_marked(marker)
-        shutil.rmtree(temp, ignore_errors=True)
+        for temp in temps:
+            shutil.rmtree(temp, ignore_errors=True)
     printed = "".join(lines) + rest
     assert proc.returncode != 0, printed[-3000:]
     reason = f"no live Ray node carries its label silo={LABEL}"
@@ -80,3 +88,9 @@ def test_a_silo_whose_node_died_is_left_out_at_once_and_named_at_the_end(
     last = printed.strip().splitlines()[-1]
     assert last.startswith(f"error: the final selection failed (va: {reason}); once such a node")
     assert "Traceback" not in printed
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [r["round"] for r in results["history"]] == [1, 2, 3, 4, 5, 6]
+    va = results["silos"]["va"]
+    assert 1 <= va["selected_round"] <= va["rounds_taken_part"] < 6, va  # it missed rounds
+    assert va["node_id"] not in (info["head"], *info["nodes"].values())
