@@ -149,18 +149,35 @@ class Outcome:
     workers: int
 
     @property
+    def unchosen(self) -> list[str]:
+        """The rows whose runs finished but could not choose a candidate, and why."""
+        return [f"{u.job.label} {u.row.label}: {u.error}" for u in self.units if u.error]
+
+    @property
+    def failed_runs(self) -> list[str]:
+        """The runs that failed, and why (each once)."""
+        runs = {r.key: r for u in self.units for r in [*u.first, *u.seeds]}
+        return [
+            f"{run.describe()}: {record.error}"
+            for key, run in runs.items()
+            if (record := self.records.get(key)) is not None and record.error
+        ]
+
+    @property
     def failures(self) -> list[str]:
-        runs = [r for u in self.units for r in [*u.first, *u.seeds]]
-        seen: dict[str, str] = {
-            f"{u.job.label} {u.row.label}": f"{u.job.label} {u.row.label}: {u.error}"
-            for u in self.units
-            if u.error
-        }
-        for run in runs:
-            record = self.records.get(run.key)
-            if record is not None and record.error and run.key not in seen:
-                seen[run.key] = f"{run.describe()}: {record.error}"
-        return list(seen.values())
+        """What the tables show as failed: rows that chose nothing, then runs that failed."""
+        return [*self.unchosen, *self.failed_runs]
+
+    def failure_line(self) -> str | None:
+        """One line counting the failed runs and the rows that chose nothing, apart; None if
+        there are neither."""
+        runs, rows = self.failed_runs, self.unchosen
+        counts = [f"{len(runs)} run{'s' if len(runs) != 1 else ''} failed"] if runs else []
+        if rows:
+            counts.append(f"{len(rows)} row{'s' if len(rows) != 1 else ''} chose no candidate")
+        if not counts:
+            return None
+        return f"error: {' and '.join(counts)} (shown in the tables): {'; '.join(self.failures)}"
 
 
 def _stop_workers(pool: cf.ProcessPoolExecutor, grace: float = 120.0) -> None:
@@ -417,11 +434,8 @@ def main(args: argparse.Namespace) -> int:
         f"{outcome.computed} runs computed, {outcome.cached} from the cache {args.cache}, in "
         f"{outcome.wall_seconds:.0f} s; tables in {args.out}, figures in {args.json}"
     )
-    failures = outcome.failures
-    if failures:
-        print(
-            f"error: {len(failures)} runs failed (shown in the tables): {'; '.join(failures)}",
-            file=sys.stderr,
-        )
+    failed = outcome.failure_line()
+    if failed:
+        print(failed, file=sys.stderr)
         return 1
     return 0

@@ -20,6 +20,7 @@ import pytest
 from silo_pfl import compare_table
 from silo_pfl.compare import (
     NO_VALIDATION,
+    Outcome,
     choose_candidate,
     compare,
     known_total,
@@ -107,6 +108,9 @@ def test_a_comparison_of_silos_without_validation_rows_reads_back_from_the_cache
     assert rows["ditto"]["chosen"] is None and rows["ditto"]["error"] == NO_VALIDATION
     assert lines == [f"heart ditto: {NO_VALIDATION}"]
     assert outcome.failures == [f"heart ditto: {NO_VALIDATION}"]
+    assert outcome.failure_line() == (  # its runs finished: none is counted as failed
+        f"error: 1 row chose no candidate (shown in the tables): heart ditto: {NO_VALIDATION}"
+    )
     assert "nan" not in text.lower()
     assert "train.lr=0.01 (val n/a), **train.lr=0.1** (val 0.8000)" not in text
     assert "train.lr=0.01 (val 0.6000), **train.lr=0.1** (val 0.8000)" in text
@@ -267,6 +271,11 @@ def test_a_row_with_a_failed_seed_is_ranked_after_the_complete_rows_and_names_it
     assert names == ["fedavg", "scaffold"]
     assert "| **0.7100 ± 0.0100** |" in table[1]
     assert "| 0.9500 (seed 0 only) |" in table[2]
+    outcome = Outcome(spec, units, records, {}, 0, 3, 1.0, 1)
+    assert outcome.failure_line() == (
+        "error: 1 run failed (shown in the tables): heart scaffold seed 1: "
+        "FederationError: training diverged"
+    )
 
 
 def descendants(pid: int) -> set[int]:
