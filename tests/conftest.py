@@ -10,6 +10,7 @@ import pytest
 import session_ray
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault(session_ray.NODE_ONLY_VAR, "premises")  # before any Ray starts
 
 
 def _stop_on_sigterm(signum: int, frame: object) -> None:

@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+# An environment variable that conftest sets before any Ray of the session starts, so that its
+# workers (the silos' "nodes") have it; a test removes it from the driver to show that a silo
+# fills in its own $VARS (test_tracking).
+NODE_ONLY_VAR = "SILO_PFL_TEST_PREMISES"
+
 
 def start() -> None:
     """Start a fresh local Ray in this process as a run starts its own (`local_options`), with

@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from mlflow import MlflowClient
+from session_ray import NODE_ONLY_VAR
 
 from silo_pfl.cli import main
 from silo_pfl.data import load_silo_data
@@ -113,16 +114,22 @@ def test_personal_models_beyond_the_head_are_registered_and_served(
         assert abs(raw_test_accuracy(uri, hospital) - reported) <= 0.005, hospital
 
 
-def test_silo_with_its_own_store_keeps_its_model_out_of_the_central_one(tmp_path, job, monkeypatch):
-    central, own = tmp_path / "central" / "mlflow.db", tmp_path / "va_premises" / "mlflow.db"
+def test_silo_with_its_own_store_keeps_its_model_out_of_the_central_one(
+    ray_local, tmp_path, job, monkeypatch
+):
+    """va's store is named with a variable of its node's environment, which the driver lacks:
+    the silo fills it in, and the driver and the results keep the name."""
+    central, own = tmp_path / "central" / "mlflow.db", tmp_path / "premises" / "mlflow.db"
     central.parent.mkdir()
     own.parent.mkdir()
+    configured = f"sqlite:///{tmp_path}/${NODE_ONLY_VAR}/mlflow.db"
+    monkeypatch.delenv(NODE_ONLY_VAR)  # the session's Ray, and so the silos, started with it
     result = Federation(
         job(
             "jobs/heart_disease.yaml",
             "rounds=2",
             f"tracking.uri=sqlite:///{central}",
-            f"silos.va.tracking_uri=sqlite:///{own}",
+            f"silos.va.tracking_uri={configured}",
         )
     ).run()
     others = [h for h in HOSPITALS if h != "va"]
@@ -144,7 +151,7 @@ def test_silo_with_its_own_store_keeps_its_model_out_of_the_central_one(tmp_path
 
     tracked = result.extras["mlflow"]
     assert tracked["models"]["va"] == "models:/heart_disease-va/1"
-    assert tracked["silo_tracking_uris"] == {"va": f"sqlite:///{own}"}
+    assert tracked["silo_tracking_uris"] == {"va": configured}
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{own}")
     accuracy = raw_test_accuracy("models:/heart_disease-va@champion", "va")
     assert accuracy == pytest.approx(result.silos["va"].test_accuracy, abs=0.005)
@@ -163,6 +170,11 @@ def test_tracking_disabled_writes_no_store(tmp_path, capsys):
     ("override", "expected"),
     [
         ("silos.va.tracking_uri=sqlite:///{tmp}/nowhere/mlflow.db", "silos.va.tracking_uri"),
+        (
+            "silos.va.tracking_uri=sqlite:///{tmp}/$SILO_PFL_ON_NO_NODE/mlflow.db",
+            "error: silos.va.tracking_uri: environment variable SILO_PFL_ON_NO_NODE is not set on "
+            "silo va's node; set it where that node's `ray start` runs",
+        ),
         ("tracking.uri=postgresql://nobody@127.0.0.1:1/db", "cannot open the MLflow store"),
     ],
 )

@@ -9,7 +9,8 @@ the silo's process straight into that one store, never through the driver:
   tracker then registers it (`registry.publish`). The silo needs no access to the registry.
 - its own store (silos.<name>.tracking_uri): the silo does it all there, through the same
   `registry.publish`: a run, the logged model, its files, the registered version. The central
-  store never sees the model.
+  store never sees the model. Its `$VARS` are filled in from the silo's node's environment, so
+  the store's address and credentials need not be in the federation's config.
 
 A silo imports MLflow in `check`, before round 1: a node that cannot import it fails before
 training, and the import overlaps the server actor's start-up, which round 1 waits for anyway,
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from silo_pfl.errors import ConfigError
 from silo_pfl.tracking import registry
 from silo_pfl.tracking.store import check_artifact_dir, ensure_experiment, open_client
-from silo_pfl.tracking.uri import redact, sqlite_path
+from silo_pfl.tracking.uri import node_uri, redact, sqlite_path
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -44,7 +45,7 @@ MODEL_NAME = "model"  # the logged model's name inside its run
 class MlflowExporter:
     """Where one silo's model goes. Plain data: it is pickled to the silo's actor."""
 
-    uri: str  # the store: tracking.uri, or the silo's own silos.<name>.tracking_uri
+    uri: str  # the store: tracking.uri, or the silo's own silos.<name>.tracking_uri ($VARS kept)
     key: str  # the config key naming that store, for errors
     experiment: str  # the federation's name
     parent_run_id: str  # the federation's run in the central store, for cross-reference
@@ -63,9 +64,10 @@ class MlflowExporter:
         """Before round 1, from the silo's node: its store (or artifact location) is usable,
         and, in its own store, its registered name is no other silo's."""
         if self.own_store:
-            client = open_client(self.uri, self.key)
-            ensure_experiment(client, self.uri, self.experiment, self.key)
-            registry.check_owner(client, self.experiment, [silo], f"{self.key} {redact(self.uri)}")
+            uri = node_uri(self.uri, self.key, silo)
+            client = open_client(uri, self.key)
+            ensure_experiment(client, uri, self.experiment, self.key)
+            registry.check_owner(client, self.experiment, [silo], f"{self.key} {redact(uri)}")
         else:
             path = sqlite_path(self.uri)
             if path is not None and not path.is_file():
@@ -89,8 +91,9 @@ class MlflowExporter:
                 model, str(self.model_id), str(self.run_id), str(self.artifact_location), self.uri
             )
             return {"model_id": str(self.model_id), **scores}
-        client = open_client(self.uri, self.key)
-        experiment_id = ensure_experiment(client, self.uri, self.experiment, self.key)
+        uri = node_uri(self.uri, self.key, model.silo)
+        client = open_client(uri, self.key)
+        experiment_id = ensure_experiment(client, uri, self.experiment, self.key)
         run_id = self._own_run(client, experiment_id, model)
         algorithm = model.config.algorithm["name"]
         logged = client.create_logged_model(
@@ -99,7 +102,7 @@ class MlflowExporter:
             source_run_id=run_id,
             tags={registry.SILO: model.silo, registry.ALGORITHM: algorithm},
         )
-        write_model(model, logged.model_id, run_id, logged.artifact_location, self.uri)
+        write_model(model, logged.model_id, run_id, logged.artifact_location, uri)
         tags = registry.version_tags(
             model.config.name,
             model.silo,
@@ -113,6 +116,7 @@ class MlflowExporter:
         name = registry.model_name(self.experiment, model.silo)
         receipt = registry.publish(client, name, logged.model_id, logged.artifact_location, tags)
         client.set_terminated(run_id)
+        # As configured: with $VARS, what the node filled in stays on the node.
         return {**receipt, **scores, "tracking_uri": redact(self.uri), "run_id": run_id}
 
     def _own_run(self, client: MlflowClient, experiment_id: str, model: PersonalizedModel) -> str:
