@@ -378,7 +378,7 @@ class LocalCluster:
         self.info["head"], self.info["nodes"] = self._node_ids(self.info["address"], dead)
         return silos
 
-    def _node_ids(self, address: str, dead: list[str] = ()) -> tuple[str, dict[str, str]]:
+    def _node_ids(self, address: str, dead: Collection[str] = ()) -> tuple[str, dict[str, str]]:
         """Wait until every node is alive (not counting the nodes `dead` names, which the GCS may
         still list); the head's node id and each silo's.
 
