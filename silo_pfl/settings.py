@@ -340,7 +340,8 @@ def _check_silos(cfg: FederationConfig) -> None:
     """Every silo's name must be fit for paths (config.check_name); silos.<name> must name a silo
     of this federation; store URIs must be usable; secure aggregation's settings must fit its
     silos."""
-    from silo_pfl.tracking.uri import check_uri, names_node_variables, resolve_uri
+    from silo_pfl.node_env import names_variables
+    from silo_pfl.tracking.uri import check_uri, resolve_uri
 
     given = getattr(cfg.data, "paths", None) or {}
     for silo in all_silo_names(cfg.data):
@@ -363,7 +364,7 @@ def _check_silos(cfg: FederationConfig) -> None:
         if settings.tracking_uri is not None:
             key, uri = f"silos.{silo}.tracking_uri", str(settings.tracking_uri).strip()
             # With $VARS it is checked on the silo's node, where they are set (uri.node_uri).
-            settings.tracking_uri = uri if names_node_variables(uri) else check_uri(uri, key)
+            settings.tracking_uri = uri if names_variables(uri) else check_uri(uri, key)
         check_node_label(settings.node_label, f"silos.{silo}.node_label")
     check_node_label(cfg.server.node_label, "server.node_label")
     _check_nodes_apart(cfg, every)

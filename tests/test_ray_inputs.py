@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -213,18 +213,24 @@ def test_a_connection_error_from_ray_init_is_one_line(monkeypatch):
     )
 
 
-def _auto(tmp_path: Path, current: str) -> tuple[subprocess.CompletedProcess, float]:
-    """The CLI with ray.address=auto, where the last `ray start` (its RAY_TMPDIR's
-    ray/ray_current_cluster, which `ray start` writes) named `current`; and its seconds."""
+def _auto(
+    tmp_path: Path, current: str | None, prefix: Sequence[str] = ()
+) -> tuple[subprocess.CompletedProcess, float]:
+    """The CLI with ray.address=auto (run under `prefix`, if any), where the last `ray start`
+    (its RAY_TMPDIR's ray/ray_current_cluster, which `ray start` writes) named `current`, or none
+    did; and its seconds."""
     temp = tmp_path / "t"
     (temp / "ray").mkdir(parents=True)
-    (temp / "ray" / "ray_current_cluster").write_text(current + "\n")
+    if current is not None:
+        (temp / "ray" / "ray_current_cluster").write_text(current + "\n")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_TMPDIR=str(temp), RAY_AUTH_MODE="token")
     argv = [sys.executable, "-m", "silo_pfl", "run", JOB, "rounds=1", "tracking.enabled=false"]
     argv += [f"output_dir={tmp_path / 'runs'}", "ray.address=auto", "--quiet"]
     began = time.monotonic()
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=90, env=env, cwd=tmp_path)
+    done = subprocess.run(
+        [*prefix, *argv], capture_output=True, text=True, timeout=90, env=env, cwd=tmp_path
+    )
     return done, time.monotonic() - began
 
 
@@ -253,15 +259,7 @@ def test_auto_with_no_cluster_running_is_one_line_at_once(tmp_path):
     namespace = _pid_namespace()
     if namespace is None:
         pytest.skip("unshare cannot make a PID namespace here (needs root or user namespaces)")
-    temp = tmp_path / "t"
-    temp.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_TMPDIR=str(temp), RAY_AUTH_MODE="token")
-    argv = [sys.executable, "-m", "silo_pfl", "run", JOB, "rounds=1", "tracking.enabled=false"]
-    argv += [f"output_dir={tmp_path / 'runs'}", "ray.address=auto", "--quiet"]
-    done = subprocess.run(
-        [*namespace, *argv], capture_output=True, text=True, timeout=90, env=env, cwd=tmp_path
-    )
+    done, _ = _auto(tmp_path, None, namespace)
     assert done.returncode == 1, done.stderr
     assert done.stderr == (
         'error: ray.address: "auto" found no running Ray cluster on this machine; give the '

@@ -173,7 +173,7 @@ def test_tracking_disabled_writes_no_store(tmp_path, capsys):
         (
             "silos.va.tracking_uri=sqlite:///{tmp}/$SILO_PFL_ON_NO_NODE/mlflow.db",
             "error: silos.va.tracking_uri: environment variable SILO_PFL_ON_NO_NODE is not set on "
-            "silo va's node; set it where that node's `ray start` runs",
+            "silo va's node; set it where its own node's `ray start` runs",
         ),
         ("tracking.uri=postgresql://nobody@127.0.0.1:1/db", "cannot open the MLflow store"),
     ],

@@ -17,13 +17,13 @@ from __future__ import annotations
 import csv
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from silo_pfl import node_env
 from silo_pfl.config import DataConfig
 from silo_pfl.data.base import SiloData, assemble, fit_preprocessing
 from silo_pfl.data.partitioners import holdout
@@ -207,13 +207,11 @@ def read_silo_csv(
 def node_path(silo: str, path: str | Path) -> Path:
     """The silo's path as its own node sees it: `~` and `$VARS` expanded from that node's
     environment (e.g. `$SILO_PFL_DATA_DIR/heart.csv`), so each node may keep its data elsewhere."""
-    expanded = os.path.expandvars(os.path.expanduser(str(path)))
-    unset = re.search(r"\$\{?(\w+)", expanded)
+    expanded, unset = node_env.expand(os.path.expanduser(str(path)))
     if unset:
         raise DataError(
-            f"silo {silo}, file {path}: environment variable {unset.group(1)} is not set on the "
-            "node the silo ran on; set it where its own node's `ray start` runs, and pin the silo "
-            f"there (ray.placement=per_node, or silos.{silo}.node_label)"
+            f"silo {silo}, file {path}: environment variable {unset} is not set on the node the "
+            f"silo ran on; {node_env.pin_hint(silo)}"
         )
     return Path(expanded)
 

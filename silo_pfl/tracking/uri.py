@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from silo_pfl import node_env
 from silo_pfl.errors import ConfigError
 
 DEFAULT_URI = "sqlite:///mlflow.db"
@@ -40,26 +41,15 @@ def check_uri(uri: str, key: str) -> str:
     return uri
 
 
-NODE_VARIABLE = re.compile(r"\$\{?(\w+)")  # $NAME or ${NAME}
-
-
-def names_node_variables(uri: str) -> bool:
-    """Whether the URI names environment variables ($NAME, ${NAME}), which the silo's node fills
-    in (`node_uri`): a silo's own store, its credentials kept off the driver."""
-    return NODE_VARIABLE.search(uri) is not None
-
-
 def node_uri(uri: str, key: str, silo: str) -> str:
     """A silo's own store URI as its node sees it: `$NAME`s filled in from this process's
     environment (the silo's, on its node), then checked as `check_uri` does. A variable the node
     does not set is a one-line ConfigError naming it, the key and the silo."""
-    expanded = os.path.expandvars(uri)
-    unset = NODE_VARIABLE.search(expanded)
+    expanded, unset = node_env.expand(uri)
     if unset:
         raise ConfigError(
-            f"{key}: environment variable {unset.group(1)} is not set on silo {silo}'s node; set "
-            "it where that node's `ray start` runs, and pin the silo there "
-            f"(ray.placement=per_node, or silos.{silo}.node_label)"
+            f"{key}: environment variable {unset} is not set on silo {silo}'s node; "
+            f"{node_env.pin_hint(silo)}"
         )
     return check_uri(expanded, key)
 
