@@ -100,6 +100,7 @@ class PersonalizedModel:
     raw_columns: tuple[str, ...]  # the raw layout the model answers on (see data.raw_encoder)
     example: np.ndarray  # a synthetic raw row from the schema (data.input_example), no real value
     outcome: SiloOutcome
+    val_rows: str  # SiloData.validation_digest: which versions' validation scores compare
 
 
 class SiloExporter(Protocol):
@@ -677,6 +678,7 @@ class Silo:
             raw_columns=self.data.raw_columns,
             example=input_example(self.cfg.data.source, self.data.raw_columns),
             outcome=self.outcome(),
+            val_rows=self.data.validation_digest(),
         )
 
 

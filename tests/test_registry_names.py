@@ -58,7 +58,9 @@ def test_registration_refuses_another_silos_model_of_the_same_name(tmp_path):
     client = _taken(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.create_run(client.create_experiment("heart-disease"))
     logged = client.create_logged_model(run.info.experiment_id, source_run_id=run.info.run_id)
-    tags = registry.version_tags("heart-disease", "va", "fedper", run.info.run_id, 1, 0.5, 0.5)
+    tags = registry.version_tags(
+        "heart-disease", "va", "fedper", run.info.run_id, 1, 0.5, 0.5, "rows"
+    )
     with pytest.raises(FederationError, match="belongs to federation heart, silo disease-va"):
         registry.register(client, TAKEN, logged.model_id, logged.artifact_location, tags)
     assert client.search_model_versions(f"name = '{TAKEN}'") == []
@@ -71,7 +73,7 @@ def test_models_attributes_each_version_by_its_own_tags(tmp_path):
     name = "clinic-north-a"
     client.create_registered_model(name, tags={"federation": "clinic", "silo": "north-a"})
     for federation, silo in (("clinic", "north-a"), ("clinic-north", "a")):
-        tags = registry.version_tags(federation, silo, "fedper", "r", 1, 0.5, 0.5)
+        tags = registry.version_tags(federation, silo, "fedper", "r", 1, 0.5, 0.5, "rows")
         client.create_model_version(name, source=str(tmp_path), tags=tags)
     north = model_rows(client, "clinic-north", every_version=True)
     assert [(r.federation, r.silo, r.version) for r in north] == [("clinic-north", "a", 2)]

@@ -63,6 +63,8 @@ def test_heart_disease_registers_one_servable_model_per_hospital(
         assert champion.tags["run_id"] == children[hospital].info.run_id
         assert int(champion.tags["round"]) == reported["selected_round"]
         assert float(champion.tags["test_accuracy"]) == reported["test_accuracy"]
+        rows = load_silo_data(load_config("jobs/heart_disease.yaml").data, hospital, 0)
+        assert champion.tags["val_rows"] == rows.validation_digest()
         delta = raw_test_accuracy(f"models:/{name}@champion", hospital) - reported["test_accuracy"]
         assert abs(delta) <= 0.005, (hospital, delta)
 

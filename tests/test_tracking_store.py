@@ -19,7 +19,7 @@ from silo_pfl.server_start import new_server
 from silo_pfl.settings import load_config
 from silo_pfl.silo import Silo
 from silo_pfl.tracking.exporter import MlflowExporter
-from silo_pfl.tracking.registry import CHAMPION, LATEST, promote
+from silo_pfl.tracking.registry import CHAMPION, LATEST, VAL_ACCURACY, VAL_ROWS, promote
 
 
 def _closed_port() -> int:
@@ -94,10 +94,11 @@ def test_mlflow_is_imported_only_when_tracking_is_enabled():
     assert done.returncode == 0, done.stderr
 
 
-def _trained_silo(tmp_path, silo: str) -> Silo:
+def _trained_silo(tmp_path, silo: str, *overrides: str) -> Silo:
     """A silo and a server in this process, two rounds: the plain classes, no Ray."""
     cfg = load_config(
-        "jobs/heart_disease.yaml", [f"output_dir={tmp_path / 'runs'}", "round.min_silos=1"]
+        "jobs/heart_disease.yaml",
+        [f"output_dir={tmp_path / 'runs'}", "round.min_silos=1", *overrides],
     )
     node = Silo(to_dict(cfg), silo)
     info = node.setup()
@@ -133,18 +134,57 @@ def test_silo_exports_its_model_to_its_store_without_ray(tmp_path, monkeypatch):
         model.predict(rows.drop(columns=["chol"]))
 
 
-def test_champion_moves_only_when_a_version_beats_it(tmp_path):
+def test_champion_is_the_best_version_on_the_newest_versions_validation_rows(tmp_path):
+    """On the champion's rows a version must beat it; on other rows (another split) the alias
+    goes to the best version scored on those rows, and back when a version on the first rows
+    comes again; a version with no validation rows' digest is never compared."""
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     client.create_registered_model("fed-silo")
-    champions = []
-    for accuracy in (0.8, 0.7, 0.8, 0.9):
-        version = client.create_model_version(
-            "fed-silo", source=str(tmp_path), tags={"val_accuracy": repr(accuracy)}
-        ).version
-        promote(client, "fed-silo", version, accuracy)
+    steps = [
+        (0.8, "a"),  # 1: the first version
+        (0.7, "a"),  # 2: worse on the same rows
+        (0.8, "a"),  # 3: equal: the champion stays
+        (0.6, "b"),  # 4: other rows: the only version scored on them
+        (0.5, "b"),  # 5: worse on b
+        (0.9, "b"),  # 6: better on b
+        (0.1, "a"),  # 7: rows a again: the best on a, version 1
+        (0.95, None),  # 8: no digest, nothing to compare it with: the newest takes the alias
+    ]
+    champions, claimed = [], []
+    for accuracy, rows in steps:
+        tags = {VAL_ACCURACY: repr(accuracy), **({VAL_ROWS: rows} if rows else {})}
+        version = client.create_model_version("fed-silo", source=str(tmp_path), tags=tags).version
+        claimed.append(promote(client, "fed-silo", version))
         champions.append(str(client.get_model_version_by_alias("fed-silo", CHAMPION).version))
-    assert champions == ["1", "1", "1", "4"]
-    assert str(client.get_model_version_by_alias("fed-silo", LATEST).version) == "4"
+    assert champions == ["1", "1", "1", "4", "4", "6", "1", "8"]
+    assert claimed == [True, False, False, True, False, True, False, True]
+    assert str(client.get_model_version_by_alias("fed-silo", LATEST).version) == "8"
+
+
+def test_a_version_scored_on_another_seeds_validation_rows_is_not_ranked_against_them(tmp_path):
+    """Two seeds split the silo's rows differently: the second seed's version takes the alias
+    although its validation accuracy is not higher, and the first seed's again gives it back to
+    the first version (the same rows, an equal score)."""
+    store = f"sqlite:///{tmp_path / 'own' / 'mlflow.db'}"
+    (tmp_path / "own").mkdir()
+    trained = [
+        _trained_silo(tmp_path / str(seed), "switzerland", f"seed={seed}") for seed in (0, 1)
+    ]
+    first, second = sorted(trained, key=lambda silo: -silo.outcome().val_accuracy)
+    assert first.data.validation_digest() != second.data.validation_digest()
+    receipts = []
+    for silo in (first, second, first):
+        exporter = MlflowExporter(store, "silos.switzerland.tracking_uri", "heart_disease", "-")
+        silo.attach({"mlflow": exporter})
+        receipts.append(silo.export()["mlflow"])
+    assert [r["champion"] for r in receipts] == ["true", "true", "false"]
+    client = MlflowClient(store)
+    champion = client.get_model_version_by_alias("heart_disease-switzerland", CHAMPION)
+    assert str(champion.version) == "1"
+    for version, silo in zip(("1", "2", "3"), (first, second, first), strict=True):
+        tags = client.get_model_version("heart_disease-switzerland", version).tags
+        assert tags[VAL_ROWS] == silo.data.validation_digest()
+        assert float(tags[VAL_ACCURACY]) == silo.outcome().val_accuracy
 
 
 def _other_sqlite(path) -> bytes:
@@ -190,7 +230,7 @@ def test_models_lists_every_page_of_registered_models(tmp_path, monkeypatch, cap
         for silo in silos:
             name = registry.model_name(federation, silo)
             client.create_registered_model(name, tags={"federation": federation, "silo": silo})
-            tags = registry.version_tags(federation, silo, "fedper", "r", 1, 0.5, 0.5)
+            tags = registry.version_tags(federation, silo, "fedper", "r", 1, 0.5, 0.5, "rows")
             for _ in range(3):
                 client.create_model_version(name, source=str(tmp_path), tags=tags)
     monkeypatch.setattr(registry, "PAGE_SIZE", 2)

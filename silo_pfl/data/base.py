@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,15 @@ class SiloData:
     def input_shape(self) -> tuple[int, ...]:
         """Shape of one input example."""
         return tuple(self.x_train.shape[1:])
+
+    def validation_digest(self) -> str:
+        """A SHA-256 of the validation rows as the model sees them (inputs and labels, with their
+        dtypes and shapes): two validation accuracies compare only when their digests match."""
+        digest = hashlib.sha256()
+        for array in (self.x_val, self.y_val):
+            digest.update(f"{array.dtype.str}{array.shape}".encode())
+            digest.update(np.ascontiguousarray(array).data)
+        return digest.hexdigest()
 
     def __post_init__(self) -> None:
         for split in ("train", "val", "test"):

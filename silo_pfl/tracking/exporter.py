@@ -85,6 +85,7 @@ class MlflowExporter:
             registry.ROUND: str(outcome.selected_round),
             registry.VAL_ACCURACY: repr(outcome.val_accuracy),
             registry.TEST_ACCURACY: repr(outcome.test_accuracy),
+            registry.VAL_ROWS: model.val_rows,
         }
         if not self.own_store:
             write_model(
@@ -111,6 +112,7 @@ class MlflowExporter:
             outcome.selected_round,
             outcome.val_accuracy,
             outcome.test_accuracy,
+            model.val_rows,
             self.joined,
         )
         name = registry.model_name(self.experiment, model.silo)

@@ -4,8 +4,11 @@ Each silo's personalized model is registered as `<federation>-<silo>`. Both name
 two federations can reach one name (`clinic` + `north-a`, `clinic-north` + `a`): the registered
 model's tags say whose it is, and a run whose name is another's fails before round 1
 (`check_owner`), and `register` refuses to add a version to it. Aliases:
-  champion  the version with the best validation accuracy so far; moved only when a new version
-            beats the champion version's `val_accuracy` tag.
+  champion  the version with the best validation accuracy on the newest version's validation
+            rows (`val_rows`, a digest of them): a score counts only against scores on the same
+            rows. On the same rows as the champion's, a new version takes the alias only when
+            it beats it; on other rows (another seed's split, new data), the alias goes to the
+            best version scored on those rows, the newest one if it is the only one.
   latest    the newest version. MLflow reserves this alias and resolves it by itself, so
             `models:/<name>@latest` always works and needs no update.
 """
@@ -27,6 +30,7 @@ LATEST = "latest"
 FEDERATION, SILO, ALGORITHM = "federation", "silo", "algorithm"
 RUN_ID, ROUND = "run_id", "round"
 VAL_ACCURACY, TEST_ACCURACY = "val_accuracy", "test_accuracy"
+VAL_ROWS = "val_rows"  # SiloData.validation_digest of the rows val_accuracy was measured on
 # How the silo joined: with the federation that trained (founder), or later (onboard).
 JOINED, FOUNDER, ONBOARD = "joined", "founder", "onboard"
 # A parent run's kind: a federation's training, or a silo's onboarding onto a trained one.
@@ -93,20 +97,40 @@ def tag_value(tags: dict[str, str], key: str) -> float:
         return math.nan
 
 
-def promote(client: MlflowClient, name: str, version: str, val_accuracy: float) -> bool:
-    """Point `champion` at `version` if it beats the champion's validation accuracy tag."""
+def promote(client: MlflowClient, name: str, version: str) -> bool:
+    """Point `champion` at the best version scored on `version`'s validation rows (see the
+    module docstring); True when that is `version`.
+
+    Among versions of equal accuracy on those rows the earliest wins, and a champion on those
+    rows keeps the alias against an equal one. A version without a `val_rows` tag (registered
+    before scores carried one) or without a validation accuracy is never compared: with no
+    version to compare, the newest takes the alias.
+    """
     from mlflow.exceptions import MlflowException
 
     try:
-        champion = client.get_model_version_by_alias(name, CHAMPION)
+        current = client.get_model_version_by_alias(name, CHAMPION)
     except MlflowException:
-        champion = None
-    if champion is not None:
-        best = tag_value(champion.tags, VAL_ACCURACY)
-        if not math.isnan(best) and not val_accuracy > best:
-            return False
-    client.set_registered_model_alias(name, CHAMPION, version)
-    return True
+        current = None
+    rows = client.get_model_version(name, version).tags.get(VAL_ROWS)
+
+    def score(v: Any) -> tuple[float, int]:
+        return tag_value(v.tags, VAL_ACCURACY), -int(v.version)
+
+    peers = [
+        v
+        for v in pages(client.search_model_versions, f"name = '{name}'")
+        if rows and v.tags.get(VAL_ROWS) == rows and not math.isnan(score(v)[0])
+    ]
+    chosen = str(version)
+    if peers:
+        best = max(peers, key=score)
+        chosen = str(best.version)
+        if current is not None and any(v.version == current.version for v in peers):
+            chosen = str(current.version) if score(current)[0] >= score(best)[0] else chosen
+    if current is None or str(current.version) != chosen:
+        client.set_registered_model_alias(name, CHAMPION, chosen)
+    return chosen == str(version)
 
 
 def version_tags(
@@ -117,9 +141,11 @@ def version_tags(
     round_: int,
     val: float,
     test: float,
+    val_rows: str,
     joined: str = FOUNDER,
 ) -> dict[str, str]:
-    """The tags of a registered version; accuracies as exact float reprs."""
+    """The tags of a registered version; accuracies as exact float reprs, and the digest of the
+    validation rows `val` was measured on."""
     return {
         FEDERATION: federation,
         SILO: silo,
@@ -128,6 +154,7 @@ def version_tags(
         ROUND: str(round_),
         VAL_ACCURACY: repr(float(val)),
         TEST_ACCURACY: repr(float(test)),
+        VAL_ROWS: val_rows,
         JOINED: joined,
     }
 
@@ -175,7 +202,7 @@ def publish(
     """The one registration path, for the tracker and for a silo's own store alike.
 
     A logged model whose files are written becomes READY and an output of its run at its round,
-    then a new version of `name`, then champion if it beats the current one.
+    then a new version of `name`, then champion by `promote`'s rule.
     """
     from mlflow.entities import LoggedModelOutput, LoggedModelStatus
 
@@ -183,7 +210,7 @@ def publish(
     step = int(tags[ROUND])
     client.log_outputs(tags[RUN_ID], [LoggedModelOutput(model_id, step=step)])
     version = register(client, name, model_id, location, tags)
-    champion = promote(client, name, version, float(tags[VAL_ACCURACY]))
+    champion = promote(client, name, version)
     return {
         "model_uri": f"models:/{name}/{version}",
         "registered_model": name,

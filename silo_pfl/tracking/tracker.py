@@ -340,6 +340,7 @@ class MlflowTracker(Callback):
                     int(receipt[registry.ROUND]),
                     float(receipt[registry.VAL_ACCURACY]),
                     float(receipt[registry.TEST_ACCURACY]),
+                    receipt[registry.VAL_ROWS],
                     self.joined,
                 )
                 name = registry.model_name(self.cfg.name, silo)
