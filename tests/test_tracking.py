@@ -86,6 +86,11 @@ def test_heart_disease_registers_one_servable_model_per_hospital(
     listing = capsys.readouterr().out.splitlines()
     assert len(listing) == 1 + len(HOSPITALS)
     assert all("champion,latest" in line and "@champion" in line for line in listing[1:])
+    assert "val rows" in listing[0]
+    for hospital in HOSPITALS:
+        rows = load_silo_data(load_config("jobs/heart_disease.yaml").data, hospital, 0)
+        (row,) = [x for x in listing[1:] if f"heart_disease-{hospital}@" in x]
+        assert f" {rows.validation_digest()[:8]} " in row, row
 
     # The printed command lists the models from anywhere, whatever the environment's store.
     hint = shlex.split(line.split("; models: ")[1])

@@ -18,12 +18,15 @@ from silo_pfl.tracking.registry import (
     SILO,
     TEST_ACCURACY,
     VAL_ACCURACY,
+    VAL_ROWS,
     pages,
     tag_value,
 )
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
+
+ROWS_SHOWN = 8  # hex digits of a version's val_rows digest in the table: enough to tell them apart
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class ModelRow:
     val_accuracy: float
     test_accuracy: float
     joined: str = FOUNDER  # founder, or onboard (joined the trained federation later)
+    val_rows: str = ""  # the validation rows' digest: versions with the same one are ranked
 
     @property
     def serve_uri(self) -> str:
@@ -99,13 +103,14 @@ def _row(
         val_accuracy=tag_value(tags, VAL_ACCURACY),
         test_accuracy=tag_value(tags, TEST_ACCURACY),
         joined=tags.get(JOINED, FOUNDER),
+        val_rows=tags.get(VAL_ROWS, ""),
     )
 
 
 def format_table(rows: list[ModelRow]) -> str:
     """A fixed-width table of model rows."""
     header = ("federation", "silo", "joined", "version", "aliases", "algorithm", "val acc")
-    header += ("test acc",)
+    header += ("val rows", "test acc")
     lines = [(*header, "serve")]
     for r in rows:
         lines.append(
@@ -117,6 +122,7 @@ def format_table(rows: list[ModelRow]) -> str:
                 ",".join(r.aliases) or "-",
                 r.algorithm,
                 f"{r.val_accuracy:.3f}",
+                r.val_rows[:ROWS_SHOWN] or "-",
                 f"{r.test_accuracy:.3f}",
                 r.serve_uri,
             )
