@@ -44,10 +44,11 @@ class SiloStore:
         self.dir = directory
 
     def start_fresh(self) -> None:
-        """An empty directory for a fresh run: whatever an earlier run left there is removed."""
+        """A fresh run: whatever an earlier run left in the directory is removed. The directory
+        itself is made by the first file written into it (round 0's checkpoint, in `build`), so
+        that a run whose set-up fails, at this silo or another, leaves nothing on this node."""
         if self.dir.exists():
             shutil.rmtree(self.dir)
-        self.dir.mkdir(parents=True)
 
     def rounds(self) -> list[int]:
         """The rounds with a checkpoint, oldest first."""

@@ -26,11 +26,12 @@ from plain_federation import federation, play_round
 
 from silo_pfl import checkpoint, checkpoint_format, durable
 from silo_pfl.cli import main
-from silo_pfl.config import FederationConfig
+from silo_pfl.config import FederationConfig, to_dict
 from silo_pfl.errors import ConfigError
 from silo_pfl.federation import Federation
 from silo_pfl.run_dir import RunDir, check_resumable
 from silo_pfl.settings import load_config
+from silo_pfl.silo import Silo
 from silo_pfl.silo_store import SELECTED
 
 
@@ -193,6 +194,21 @@ def test_a_silo_restores_only_the_selected_model_its_checkpoint_vouches_for(job,
     silo.selected_path.unlink()
     with pytest.raises(checkpoint.CheckpointError, match=r"round-000002.pt: not found"):
         silo.restore(2)
+
+
+def test_a_silo_makes_its_directory_with_its_first_checkpoint_not_at_set_up(job, tmp_path):
+    """A fresh silo's set-up writes nothing on its node, and removes what an earlier run left
+    in its directory: when another silo's set-up fails, the driver discards the run's directory
+    on its own node, and a silo on another node has made none to leave behind."""
+    config = to_dict(job("jobs/heart_disease.yaml", f"output_dir={tmp_path / 'runs'}"))
+    silo = Silo(config, "va")
+    (silo.dir / "checkpoints").mkdir(parents=True)
+    (silo.dir / "checkpoints" / "stale").write_text("an earlier run's")
+    info = silo.setup()
+    assert not silo.dir.exists()
+    silo.build(info.input_shape, info.num_classes)
+    assert silo.store.rounds() == [0]
+    assert sorted(p.name for p in (silo.dir / "checkpoints").iterdir()) == ["round-000000.ckpt"]
 
 
 def test_a_model_file_is_torch_s_own_and_checked_against_the_digest_given(tmp_path):
