@@ -26,8 +26,9 @@ SILO_PFL_CLUSTER=<marker>, which is how they are found, the Ray workers included
 
 A silo's node that died (its raylet gone) comes back on SIGUSR1 (`kill -USR1 <pid>`), as an
 institution restarts its node: with its label and environment, on fresh ports; the JSON line is
-printed (and --info-file written) again with its new node id. A run that lost the node then
-finishes with `--resume`.
+printed (and --info-file written) again with its new node id. A SIGUSR1 that comes while nodes
+start again is done once they are up. A run that lost the node then finishes with `--resume`.
+The head is not started again: its GCS held the cluster, whose loss ends every run on it.
 """
 
 from __future__ import annotations
@@ -486,15 +487,22 @@ def _announce(info: dict, info_file: str | None) -> None:
     print(line, flush=True)
 
 
-def _serve(cluster: LocalCluster, info_file: str | None, requested: list[int]) -> None:
+def _serve(
+    cluster: LocalCluster, info_file: str | None, requested: list[int], restarts: list[int]
+) -> None:
     """Until a stop signal: on RESTART_SIGNAL, start the lost nodes again and announce the new
     info. The signals are blocked and waited for, so none that came in between is lost; while
-    nodes start they are not (a process inherits its parent's mask), and the stop signal's
-    handler notes one that comes then."""
+    nodes start they are not (a process inherits its parent's mask), and the handlers note one
+    that comes then: a stop ends the serving, a restart (another node may have died meanwhile)
+    is done once the one under way is."""
     waited = STOP_SIGNALS | {RESTART_SIGNAL}
     while True:
         signal.pthread_sigmask(signal.SIG_BLOCK, waited)
-        if requested or signal.sigwait(waited) != RESTART_SIGNAL:
+        if requested:
+            return
+        if restarts:
+            restarts.clear()
+        elif signal.sigwait(waited) != RESTART_SIGNAL:
             return
         signal.pthread_sigmask(signal.SIG_UNBLOCK, waited)
         try:
@@ -538,13 +546,15 @@ def main() -> None:
     # Event.set there can deadlock with the wait it interrupts); then the main thread blocks the
     # signals and waits for one, so one that came in between is not lost.
     requested: list[int] = []
+    restarts: list[int] = []
     for signum in STOP_SIGNALS:
         signal.signal(signum, lambda number, _frame: requested.append(number))
-    signal.signal(RESTART_SIGNAL, lambda _number, _frame: None)  # no node is lost yet
+    signal.signal(RESTART_SIGNAL, lambda number, _frame: restarts.append(number))
     cluster = LocalCluster(args)
     try:
         _announce(cluster.start(), args.info_file)
-        _serve(cluster, args.info_file, requested)
+        restarts.clear()  # no node was lost before the cluster was up
+        _serve(cluster, args.info_file, requested, restarts)
     except Exception as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
