@@ -126,7 +126,7 @@ def promote(client: MlflowClient, name: str, version: str) -> bool:
     if peers:
         best = max(peers, key=score)
         chosen = str(best.version)
-        if current is not None and any(v.version == current.version for v in peers):
+        if current is not None and str(current.version) in {str(v.version) for v in peers}:
             chosen = str(current.version) if score(current)[0] >= score(best)[0] else chosen
     if current is None or str(current.version) != chosen:
         client.set_registered_model_alias(name, CHAMPION, chosen)
