@@ -112,15 +112,14 @@ def promote(client: MlflowClient, name: str, version: str) -> bool:
         current = client.get_model_version_by_alias(name, CHAMPION)
     except MlflowException:
         current = None
-    rows = client.get_model_version(name, version).tags.get(VAL_ROWS)
+    versions = list(pages(client.search_model_versions, f"name = '{name}'"))
+    rows = next((v.tags.get(VAL_ROWS) for v in versions if str(v.version) == str(version)), None)
 
     def score(v: Any) -> tuple[float, int]:
         return tag_value(v.tags, VAL_ACCURACY), -int(v.version)
 
     peers = [
-        v
-        for v in pages(client.search_model_versions, f"name = '{name}'")
-        if rows and v.tags.get(VAL_ROWS) == rows and not math.isnan(score(v)[0])
+        v for v in versions if rows and v.tags.get(VAL_ROWS) == rows and not math.isnan(score(v)[0])
     ]
     chosen = str(version)
     if peers:
