@@ -127,6 +127,34 @@ def test_scaffold_corrects_local_steps_by_the_control_variates(job):
     assert same == [True, False]
 
 
+def test_a_scaffold_round_follows_algorithm_one_option_two_written_by_hand(job):
+    """Round 2, from the server's x and c and each silo's c_i before it (Karimireddy et al.,
+    Alg. 1): the local steps follow g - c_i + c; after K of them (2 epochs of batches of 16)
+    c_i+ = c_i - c + (x - y) / (lr * steps_moved(K, m)); the silo sends (c_i+ - c_i) / n_i."""
+    silos, server = federation(job, "scaffold", silos=HOSPITALS)
+    play_round(silos, server, 1, commit=True)
+    x = {k: torch.from_numpy(v.copy()) for k, v in server.global_state().items()}
+    c = {k: torch.from_numpy(v.copy()) for k, v in server.broadcast()["control_variate"].items()}
+    before = {s.name: {k: v.clone() for k, v in s.algorithm.c_local.items()} for s in silos}
+    updates = play_round(silos, server, 2, commit=True)[0]
+    for silo, update in zip(silos, updates, strict=True):
+        algorithm, n = silo.algorithm, update.num_examples
+        c_i = before[silo.name]
+        assert algorithm.steps == 2 * -(-n // 16), silo.name
+        moved = 0.05 * steps_moved(algorithm.steps, 0.9)
+        for key, start in x.items():
+            y = start + torch.from_numpy(update.delta[key])
+            expected = c_i[key] - c[key] + (start - y) / moved
+            torch.testing.assert_close(algorithm.c_local[key], expected, rtol=1e-4, atol=1e-5)
+            sent = torch.from_numpy(update.extras["control_variate"][key])
+            torch.testing.assert_close(sent, (expected - c_i[key]) / n, rtol=1e-4, atol=1e-7)
+        silo.model.zero_grad()
+        algorithm.extra_loss(silo.model, x).backward()
+        for name, param in silo.model.named_parameters():
+            torch.testing.assert_close(param.grad, c[name] - c_i[name], rtol=0, atol=1e-7)
+    assert max(float((c[k] - before["va"][k]).abs().max()) for k in c) > 1e-3  # it corrects
+
+
 @pytest.mark.parametrize("optimizer", ["adam", "yogi", "adagrad"])
 def test_one_round_of_a_server_optimizer_equals_the_optimizer_written_by_hand(job, optimizer):
     silos, server = federation(job, f"fed{optimizer}", "server.lr=0.05", silos=HOSPITALS)
