@@ -44,15 +44,18 @@ class PlainSilo:
         self.val = torch.from_numpy(data.x_val), torch.from_numpy(data.y_val)
         self.test = torch.from_numpy(data.x_test), torch.from_numpy(data.y_test)
         self.model = init_model(cfg, data.input_shape, data.num_classes)
-        self.loss = 0.0
+        self.loss, self.steps = 0.0, 0
 
     def load(self, state: State) -> dict[str, torch.Tensor]:
         incoming = {k: torch.tensor(v) for k, v in state.items()}
         self.model.load_state_dict(incoming)
         return incoming
 
-    def fit(self, state: State, round_: int) -> tuple[State, int]:
-        """FedAvg's local epochs from `state`: the delta of every key, and the rows trained on."""
+    def fit(
+        self, state: State, round_: int, correction: dict[str, torch.Tensor] | None = None
+    ) -> tuple[State, int]:
+        """FedAvg's local epochs from `state`: the delta of every key, and the rows trained on.
+        With `correction` (SCAFFOLD's c - c_i, by parameter name), each step follows g + it."""
         reference = self.load(state)
         train = self.cfg.train
         optimizer = SGD(self.model.parameters(), train.lr, train.momentum, train.weight_decay)
@@ -60,7 +63,7 @@ class PlainSilo:
         generator = torch.Generator().manual_seed(seed)
         x, y = self.train
         self.model.train()
-        self.loss = 0.0
+        self.loss, self.steps = 0.0, 0
         for _ in range(train.local_epochs):
             order = torch.randperm(len(x), generator=generator)
             for start in range(0, len(x), train.batch_size):
@@ -68,7 +71,11 @@ class PlainSilo:
                 optimizer.zero_grad()
                 loss = nn.functional.cross_entropy(self.model(x[idx]), y[idx])
                 loss.backward()
+                if correction is not None:
+                    for name, param in self.model.named_parameters():
+                        param.grad += correction[name]
                 optimizer.step()
+                self.steps += 1
                 self.loss += float(loss.detach())
         after = self.model.state_dict()
         return {k: (after[k] - reference[k]).numpy() for k in reference}, len(y)
