@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
+
+# The loop's closure: the current batch's loss, with its gradients, at the parameters as they
+# are now (torch.optim's convention). Only an optimizer that needs more than one gradient of a
+# batch calls it (Per-FedAvg's Hessian-free step).
+Closure = Callable[[], torch.Tensor]
 
 
 class Optimizer(ABC):
@@ -34,8 +39,8 @@ class Optimizer(ABC):
             yield i, p, p.grad.add(p, alpha=weight_decay) if weight_decay else p.grad
 
     @abstractmethod
-    def step(self) -> None:
-        """Update the parameters from their gradients."""
+    def step(self, closure: Closure | None = None) -> None:
+        """Update the parameters from their gradients (`closure`: see Closure)."""
 
     def finish(self) -> None:
         """Called once after the loop's last step: an optimizer that leaves the parameters at a
@@ -58,7 +63,7 @@ class SGD(Optimizer):
         self.buffers: dict[int, torch.Tensor] = {}
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, closure: Closure | None = None) -> None:
         for i, p, grad in self._gradients(self.weight_decay):
             if self.momentum:
                 buf = self.buffers.get(i)
@@ -87,7 +92,7 @@ class Adam(Optimizer):
         self.steps: dict[int, int] = {}
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, closure: Closure | None = None) -> None:
         beta1, beta2 = self.betas
         for i, p, grad in self._gradients(self.weight_decay):
             if i not in self.state:

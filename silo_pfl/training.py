@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -63,18 +64,49 @@ def train_epochs(
             idx = order[start : start + batch_size]
             if len(idx) < min_batch:
                 continue
-            optimizer.zero_grad()
-            loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
-            if extra_loss is not None:
-                extra = extra_loss(model)
-                if extra is not None:
-                    loss = loss + extra
-            loss.backward()
-            optimizer.step()
+            batch = (model, x[idx], y[idx], optimizer, extra_loss)
+            loss = _backward(*batch)
+            optimizer.step(partial(_backward_again, *batch))
             total += float(loss.detach())
             steps += 1
     optimizer.finish()
     return total / steps if steps else float("nan")
+
+
+def _backward(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    optimizer: Optimizer,
+    extra_loss: ExtraLoss | None,
+) -> torch.Tensor:
+    """A step's loss on the batch (x, y), with the algorithm's extra term, and its gradients."""
+    optimizer.zero_grad()
+    loss = nn.functional.cross_entropy(model(x), y)
+    if extra_loss is not None:
+        extra = extra_loss(model)
+        if extra is not None:
+            loss = loss + extra
+    loss.backward()
+    return loss
+
+
+def _backward_again(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    optimizer: Optimizer,
+    extra_loss: ExtraLoss | None,
+) -> torch.Tensor:
+    """The optimizer's closure: `_backward` on the same batch at the parameters as they are now.
+    The model's buffers (BatchNorm's running statistics) are put back as the step's own pass
+    left them: only the step's pass counts as having seen the batch."""
+    buffers = [b.clone() for b in model.buffers()]
+    loss = _backward(model, x, y, optimizer, extra_loss)
+    with torch.no_grad():
+        for buffer, saved in zip(model.buffers(), buffers, strict=True):
+            buffer.copy_(saved)
+    return loss
 
 
 def evaluate(

@@ -1,5 +1,6 @@
-"""Per-FedAvg (first order) on the plain Silo and Server classes: its FO-MAML step against a hand
-computation, its reduction to FedAvg, the adapted personalized model, and its layer-wise variant."""
+"""Per-FedAvg on the plain Silo and Server classes: its FO-MAML and Hessian-free steps against
+hand computations, its reduction to FedAvg, the adapted personalized model, and its layer-wise
+variant."""
 
 from __future__ import annotations
 
@@ -83,6 +84,146 @@ def test_the_shared_loop_ends_a_meta_step_it_started(job):
     mw, mb = _grad(w - alpha * gw, b - alpha * gb, x, y)
     torch.testing.assert_close(model.weight.detach(), w - beta * mw)
     torch.testing.assert_close(model.bias.detach(), b - beta * mb)
+
+
+def _closure(model: nn.Module, optimizer, x: torch.Tensor, y: torch.Tensor):
+    """The loop's closure, by hand: the batch's loss and gradients at the model's parameters."""
+
+    def again() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    return again
+
+
+def test_hessian_free_maml_step_matches_a_hand_computation(job):
+    """Per-FedAvg (HF), Fallah et al. (2020): over batches D, D', D'', w' = w - a grad f(w; D),
+    v = grad f(w'; D'), and the outer step follows v - a (grad f(w + d v; D'') - grad f(w - d v;
+    D'')) / 2d; a meta-step left unfinished is undone."""
+    alpha, beta, momentum, delta = 0.3, 0.1, 0.9, 0.01
+    algorithm = _algorithm(
+        job,
+        f"algorithm.perfedavg.inner_lr={alpha}",
+        "algorithm.perfedavg.variant=hf",
+        f"algorithm.perfedavg.hf_delta={delta}",
+        f"train.lr={beta}",
+        f"train.momentum={momentum}",
+    )
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    batches = [(torch.randn(4, 3), torch.randint(0, 2, (4,))) for _ in range(8)]
+    w, b = model.weight.detach().clone(), model.bias.detach().clone()
+    optimizer = algorithm.optimizer(list(model.parameters()), Phase("all", 1), "")
+    for x, y in batches:
+        _closure(model, optimizer, x, y)()
+        optimizer.step(_closure(model, optimizer, x, y))
+
+    buffers = None
+    for (x, y), (x2, y2), (x3, y3) in (batches[0:3], batches[3:6]):
+        gw, gb = _grad(w, b, x, y)
+        vw, vb = _grad(w - alpha * gw, b - alpha * gb, x2, y2)
+        pw, pb = _grad(w + delta * vw, b + delta * vb, x3, y3)
+        mw, mb = _grad(w - delta * vw, b - delta * vb, x3, y3)
+        meta = (vw - alpha * (pw - mw) / (2 * delta), vb - alpha * (pb - mb) / (2 * delta))
+        buffers = (
+            meta
+            if buffers is None
+            else [momentum * m + g for m, g in zip(buffers, meta, strict=True)]
+        )
+        w, b = w - beta * buffers[0], b - beta * buffers[1]
+    # Batches 7 and 8 began a third meta-step: after D' the parameters are back at w.
+    torch.testing.assert_close(model.weight.detach(), w)
+    optimizer.finish()
+    torch.testing.assert_close(model.weight.detach(), w)
+    torch.testing.assert_close(model.bias.detach(), b)
+    assert optimizer.saved is None and optimizer.v is None
+
+
+def test_hessian_free_maml_follows_the_second_order_maml_gradient(job):
+    """In float64, HF's meta-gradient is MAML's own, (I - a H(w; D'')) grad f(w'; D'), with the
+    Hessian-vector product from autograd, within the central difference's error; first-order
+    MAML's is grad f(w'; D') alone, which is not."""
+    alpha, delta = 0.5, 1e-4
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    batches = [(torch.randn(16, 4).double(), torch.randint(0, 3, (16,))) for _ in range(3)]
+    start = [p.detach().clone() for p in model.parameters()]
+
+    def loss_at(flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        params, at = {}, 0
+        for name, p in model.named_parameters():
+            params[name] = flat[at : at + p.numel()].view_as(p)
+            at += p.numel()
+        logits = torch.func.functional_call(model, params, (x,))
+        return nn.functional.cross_entropy(logits, y)
+
+    w = torch.cat([p.reshape(-1) for p in start])
+    g = torch.autograd.functional.jacobian(lambda f: loss_at(f, *batches[0]), w)
+    v = torch.autograd.functional.jacobian(lambda f: loss_at(f, *batches[1]), w - alpha * g)
+    hvp = torch.autograd.functional.hvp(lambda f: loss_at(f, *batches[2]), w, v)[1]
+    maml = v - alpha * hvp
+
+    algorithm = _algorithm(
+        job,
+        f"algorithm.perfedavg.inner_lr={alpha}",
+        "algorithm.perfedavg.variant=hf",
+        f"algorithm.perfedavg.hf_delta={delta}",
+        "train.lr=1",
+        "train.momentum=0",
+    )
+    optimizer = algorithm.optimizer(list(model.parameters()), Phase("all", 1), "")
+    for x, y in batches:
+        _closure(model, optimizer, x, y)()
+        optimizer.step(_closure(model, optimizer, x, y))
+    moved = w - torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    torch.testing.assert_close(moved, maml, rtol=1e-6, atol=1e-8)
+    assert float((maml - v).norm()) > 1e-3 * float(maml.norm())  # the Hessian's term counts
+
+
+def test_the_loops_closure_leaves_batchnorm_statistics_to_the_steps_own_pass(job):
+    """Three steps of Per-FedAvg (HF) in train_epochs: the closure's two passes on D'' train the
+    Hessian-vector product but do not count as batches BatchNorm has seen."""
+    algorithm = _algorithm(
+        job, "algorithm.perfedavg.inner_lr=0.1", "algorithm.perfedavg.variant=hf"
+    )
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    x, y = torch.randn(24, 3), torch.randint(0, 2, (24,))
+    optimizer = algorithm.optimizer(list(model.parameters()), Phase("all", 1), "")
+    generator = torch.Generator().manual_seed(0)
+    start = copy.deepcopy(model)
+    train_epochs(model, x, y, epochs=1, batch_size=8, optimizer=optimizer, generator=generator)
+    assert int(model[1].num_batches_tracked) == 3
+    # The statistics are those of the steps' own passes: at w, w' and w, on D, D' and D''.
+    order = torch.randperm(24, generator=torch.Generator().manual_seed(0))
+    seen = [x[order[i : i + 8]] for i in (0, 8, 16)]
+    inner = copy.deepcopy(start)
+    nn.functional.cross_entropy(inner(seen[0]), y[order[0:8]]).backward()
+    with torch.no_grad():
+        for p in inner.parameters():
+            p -= 0.1 * p.grad
+        passes = [start[:1](seen[0]), inner[:1](seen[1]), start[:1](seen[2])]
+    mean = torch.zeros(4)
+    for hidden in passes:
+        mean = 0.9 * mean + 0.1 * hidden.mean(dim=0)
+    torch.testing.assert_close(model[1].running_mean, mean)
+
+
+def test_hessian_free_per_fedavg_trains_differently_and_the_same_twice(job):
+    options = ("algorithm.perfedavg.inner_lr=0.05",)
+    hf, hf_server = federation(job, "perfedavg", *options, "algorithm.perfedavg.variant=hf")
+    again, again_server = federation(job, "perfedavg", *options, "algorithm.perfedavg.variant=hf")
+    fo, fo_server = federation(job, "perfedavg", *options)
+    for round_ in (1, 2):
+        h_updates, _, h_evals = play_round(hf, hf_server, round_, commit=True)
+        a_updates, _, a_evals = play_round(again, again_server, round_, commit=True)
+        f_updates = play_round(fo, fo_server, round_, commit=True)[0]
+        assert same_updates(h_updates, a_updates)
+        assert [e.val_loss for e in h_evals] == [e.val_loss for e in a_evals]
+        assert not same_updates(h_updates, f_updates)
+        assert all(np.isfinite(v).all() for u in h_updates for v in u.delta.values())
 
 
 @pytest.mark.parametrize("inner_steps", [0, 3])
@@ -169,6 +310,9 @@ def test_layerwise_adapts_only_the_local_head_and_sends_the_body(job):
         (["layerwise=true", "inner_steps=0"], "algorithm.perfedavg.inner_steps"),
         (["layerwise=true", "inner_lr=0"], "algorithm.perfedavg.inner_lr"),
         (["inner_step=2"], "algorithm.perfedavg.inner_step"),
+        (["variant=so"], "algorithm.perfedavg.variant"),
+        (["variant=hf", "hf_delta=0"], "algorithm.perfedavg.hf_delta"),
+        (["layerwise=true", "variant=hf"], "algorithm.perfedavg.variant"),
     ],
 )
 def test_a_bad_option_is_a_one_line_config_error_naming_it(job, overrides, key):

@@ -28,7 +28,7 @@ from silo_pfl.algorithms import register
 from silo_pfl.algorithms.base import Algorithm, Phase, SiloTrainer, require_at_least
 from silo_pfl.config import FederationConfig, TrainConfig
 from silo_pfl.errors import ConfigError
-from silo_pfl.optim import Optimizer
+from silo_pfl.optim import Closure, Optimizer
 from silo_pfl.training import evaluate
 
 PREFIX = "apfl.personal."
@@ -115,7 +115,7 @@ class ProjectedAlpha(Optimizer):
         self.inner, self.alpha, self.lr = inner, alpha, lr
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, closure: Closure | None = None) -> None:
         self.inner.step()
         if self.alpha.grad is not None:
             self.alpha.sub_(self.lr * self.alpha.grad).clamp_(0.0, 1.0)

@@ -1,10 +1,13 @@
-"""Per-FedAvg (Fallah et al., 2020), first order: a global model trained so that a few gradient
-steps on a silo's own data make a good personal model; each silo is judged by that adaptation.
+"""Per-FedAvg (Fallah et al., 2020): a global model trained so that a few gradient steps on a
+silo's own data make a good personal model; each silo is judged by that adaptation.
 
-Local training is first-order MAML, done by the optimizer of the shared loop (`FirstOrderMAML`):
-the loop takes one batch per step, and the optimizer alternates an inner step on a batch D with
-an outer step on the next batch D'. The silo's personalized model is a copy of the round's model
-after `inner_steps` plain SGD steps of `inner_lr` on its training rows.
+Local training is MAML, done by the optimizer of the shared loop, which takes one batch per step.
+`variant=fo` (first order, `FirstOrderMAML`) alternates an inner step on a batch D with an outer
+step on the next batch D'. `variant=hf` (Hessian-free, `HessianFreeMAML`) takes a third batch D''
+and follows the MAML gradient (I - alpha * H(w; D'')) grad f(w'; D'), with the Hessian-vector
+product from two more gradients of D'' (the loop's closure), as in the paper. The silo's
+personalized model is a copy of the round's model after `inner_steps` plain SGD steps of
+`inner_lr` on its training rows.
 
 `inner_lr = 0` has no inner step: every batch is an outer step, the training and the model are
 FedAvg's exactly, whatever `inner_steps`. `inner_steps = 0` judges the unadapted model.
@@ -29,9 +32,10 @@ from torch import nn
 from silo_pfl.algorithms import register
 from silo_pfl.algorithms.base import Algorithm, Phase, SiloTrainer, require_at_least
 from silo_pfl.errors import ConfigError
-from silo_pfl.optim import SGD, Optimizer
+from silo_pfl.optim import SGD, Closure, Optimizer
 
 ADAPT = "adapt"  # the purpose of the personalized model's adaptation
+VARIANTS = ("fo", "hf")
 
 
 @dataclass
@@ -41,9 +45,23 @@ class PerFedAvgParams:
     inner_steps: int = 5  # SGD steps adapting the personalized model (the fast weights)
     inner_lr: float = 0.01  # alpha: the inner step's size, in training and in adaptation
     layerwise: bool = False  # only the local layers adapt; the shared ones follow Reptile
+    variant: str = "fo"  # the meta-gradient: fo (first order) or hf (Hessian-free)
+    hf_delta: float = 0.001  # delta of hf's Hessian-vector product by central differences
 
     def validate(self) -> None:
         require_at_least("algorithm.perfedavg", self, 0, "inner_steps", "inner_lr")
+        if self.variant not in VARIANTS:
+            raise ConfigError(
+                f"algorithm.perfedavg.variant: got {self.variant!r}, expected one of "
+                f"{', '.join(VARIANTS)}"
+            )
+        if not self.hf_delta > 0:
+            raise ConfigError(f"algorithm.perfedavg.hf_delta: got {self.hf_delta}, expected > 0")
+        if self.layerwise and self.variant != "fo":
+            raise ConfigError(
+                f"algorithm.perfedavg.variant: got {self.variant}, but layerwise=true meta-learns "
+                "the shared layers by Reptile, which has no Hessian; use variant=fo with it"
+            )
         if self.layerwise and self.inner_steps < 1:
             raise ConfigError(
                 f"algorithm.perfedavg.inner_steps: got {self.inner_steps}, expected >= 1 with "
@@ -72,7 +90,7 @@ class FirstOrderMAML(Optimizer):
         self.saved: list[torch.Tensor] | None = None  # w during an inner step
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, closure: Closure | None = None) -> None:
         if self.saved is None:
             self.saved = [p.detach().clone() for p in self.params]
             for p in self.params:
@@ -92,6 +110,72 @@ class FirstOrderMAML(Optimizer):
         for p, saved in zip(self.params, self.saved, strict=True):
             p.copy_(saved)
         self.saved = None
+
+
+class HessianFreeMAML(Optimizer):
+    """Per-FedAvg (HF) over the shared loop's consecutive batches D, D', D''.
+
+    On D: keep w, then w' = w - alpha * grad f(w; D). On D': v = grad f(w'; D'), and w is put
+    back. On D'': the loop's closure gives grad f(w + delta v; D'') and grad f(w - delta v; D''),
+    their difference over 2 delta is H(w; D'') v, and `outer` (the job's optimizer) steps from w
+    with v - alpha * H(w; D'') v. `finish` undoes a meta-step the loop's batches did not complete.
+    """
+
+    def __init__(
+        self, params: list[nn.Parameter], inner_lr: float, delta: float, outer: Optimizer
+    ) -> None:
+        super().__init__(params)
+        self.inner_lr, self.delta, self.outer = inner_lr, delta, outer
+        self.saved: list[torch.Tensor] | None = None  # w, from the inner step on
+        self.v: list[torch.Tensor | None] | None = None  # grad f(w'; D'), once taken
+
+    @torch.no_grad()
+    def step(self, closure: Closure | None = None) -> None:
+        if self.saved is None:
+            self.saved = [p.detach().clone() for p in self.params]
+            for p in self.params:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-self.inner_lr)
+        elif self.v is None:
+            self.v = [None if p.grad is None else p.grad.clone() for p in self.params]
+            self._put_back()
+        else:
+            if closure is None:
+                raise RuntimeError("HessianFreeMAML needs the loop's closure on its third batch")
+            plus, minus = (
+                self._gradient_at(closure, self.delta),
+                self._gradient_at(closure, -self.delta),
+            )
+            for p, v, g_plus, g_minus in zip(self.params, self.v, plus, minus, strict=True):
+                hvp = (
+                    None
+                    if g_plus is None or g_minus is None
+                    else (g_plus - g_minus) / (2 * self.delta)
+                )
+                p.grad = None if v is None else (v if hvp is None else v - self.inner_lr * hvp)
+            self._put_back()
+            self.saved, self.v = None, None
+            self.outer.step()
+
+    def finish(self) -> None:
+        if self.saved is not None:
+            self._put_back()
+        self.saved, self.v = None, None
+
+    def _gradient_at(self, closure: Closure, scale: float) -> list[torch.Tensor | None]:
+        """The closure's gradients at w + scale * v."""
+        assert self.saved is not None and self.v is not None
+        for p, w, v in zip(self.params, self.saved, self.v, strict=True):
+            p.copy_(w if v is None else w + scale * v)
+        with torch.enable_grad():
+            closure()
+        return [None if p.grad is None else p.grad.clone() for p in self.params]
+
+    @torch.no_grad()
+    def _put_back(self) -> None:
+        assert self.saved is not None
+        for p, w in zip(self.params, self.saved, strict=True):
+            p.copy_(w)
 
 
 @register
@@ -125,6 +209,8 @@ class PerFedAvg(Algorithm):
         outer = super().optimizer(params, phase, purpose)
         if self.params.layerwise or inner_lr == 0:
             return outer
+        if self.params.variant == "hf":
+            return HessianFreeMAML(params, inner_lr, self.params.hf_delta, outer)
         return FirstOrderMAML(params, inner_lr, outer)
 
     def personalized_model(self, silo: SiloTrainer, round_: int) -> nn.Module:
