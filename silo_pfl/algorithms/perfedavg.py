@@ -180,7 +180,8 @@ class HessianFreeMAML(Optimizer):
 
 @register
 class PerFedAvg(Algorithm):
-    """FedAvg of first-order MAML updates; each silo is judged by a few adaptation steps."""
+    """FedAvg of MAML updates (first order or Hessian-free); each silo is judged by a few
+    adaptation steps."""
 
     name = "perfedavg"
     Params = PerFedAvgParams
