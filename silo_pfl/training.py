@@ -64,9 +64,9 @@ def train_epochs(
             idx = order[start : start + batch_size]
             if len(idx) < min_batch:
                 continue
-            batch = (model, x[idx], y[idx], optimizer, extra_loss)
-            loss = _backward(*batch)
-            optimizer.step(partial(_backward_again, *batch))
+            backward = partial(_backward, model, x[idx], y[idx], optimizer, extra_loss)
+            loss = backward()
+            optimizer.step(partial(_keeping_buffers, model, backward))
             total += float(loss.detach())
             steps += 1
     optimizer.finish()
@@ -91,18 +91,12 @@ def _backward(
     return loss
 
 
-def _backward_again(
-    model: nn.Module,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    optimizer: Optimizer,
-    extra_loss: ExtraLoss | None,
-) -> torch.Tensor:
-    """The optimizer's closure: `_backward` on the same batch at the parameters as they are now.
-    The model's buffers (BatchNorm's running statistics) are put back as the step's own pass
-    left them: only the step's pass counts as having seen the batch."""
+def _keeping_buffers(model: nn.Module, backward: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The optimizer's closure: `backward()` (`_backward` on the step's batch, at the parameters
+    as they are now), with the model's buffers (BatchNorm's running statistics) put back as the
+    step's own pass left them: only that pass counts as having seen the batch."""
     buffers = [b.clone() for b in model.buffers()]
-    loss = _backward(model, x, y, optimizer, extra_loss)
+    loss = backward()
     with torch.no_grad():
         for buffer, saved in zip(model.buffers(), buffers, strict=True):
             buffer.copy_(saved)

@@ -87,32 +87,41 @@ class FirstOrderMAML(Optimizer):
     def __init__(self, params: list[nn.Parameter], inner_lr: float, outer: Optimizer) -> None:
         super().__init__(params)
         self.inner_lr, self.outer = inner_lr, outer
-        self.saved: list[torch.Tensor] | None = None  # w during an inner step
+        self.saved: list[torch.Tensor] | None = None  # w, from the inner step on
 
     @torch.no_grad()
     def step(self, closure: Closure | None = None) -> None:
         if self.saved is None:
-            self.saved = [p.detach().clone() for p in self.params]
-            for p in self.params:
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-self.inner_lr)
+            self._inner_step()
         else:
-            self._restore()
-            self.outer.step()
+            self._outer_step()
 
     def finish(self) -> None:
         if self.saved is not None:
-            self._restore()
-
-    @torch.no_grad()
-    def _restore(self) -> None:
-        assert self.saved is not None
-        for p, saved in zip(self.params, self.saved, strict=True):
-            p.copy_(saved)
+            self._put_back()
         self.saved = None
 
+    def _inner_step(self) -> None:
+        """Keep w, then w' = w - inner_lr * the batch's gradient."""
+        self.saved = [p.detach().clone() for p in self.params]
+        for p in self.params:
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-self.inner_lr)
 
-class HessianFreeMAML(Optimizer):
+    def _outer_step(self) -> None:
+        """Put w back and let `outer` step from it with the gradients the parameters hold."""
+        self._put_back()
+        self.saved = None
+        self.outer.step()
+
+    @torch.no_grad()
+    def _put_back(self) -> None:
+        assert self.saved is not None
+        for p, w in zip(self.params, self.saved, strict=True):
+            p.copy_(w)
+
+
+class HessianFreeMAML(FirstOrderMAML):
     """Per-FedAvg (HF) over the shared loop's consecutive batches D, D', D''.
 
     On D: keep w, then w' = w - alpha * grad f(w; D). On D': v = grad f(w'; D'), and w is put
@@ -124,18 +133,14 @@ class HessianFreeMAML(Optimizer):
     def __init__(
         self, params: list[nn.Parameter], inner_lr: float, delta: float, outer: Optimizer
     ) -> None:
-        super().__init__(params)
-        self.inner_lr, self.delta, self.outer = inner_lr, delta, outer
-        self.saved: list[torch.Tensor] | None = None  # w, from the inner step on
+        super().__init__(params, inner_lr, outer)
+        self.delta = delta
         self.v: list[torch.Tensor | None] | None = None  # grad f(w'; D'), once taken
 
     @torch.no_grad()
     def step(self, closure: Closure | None = None) -> None:
         if self.saved is None:
-            self.saved = [p.detach().clone() for p in self.params]
-            for p in self.params:
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-self.inner_lr)
+            self._inner_step()
         elif self.v is None:
             self.v = [None if p.grad is None else p.grad.clone() for p in self.params]
             self._put_back()
@@ -153,14 +158,12 @@ class HessianFreeMAML(Optimizer):
                     else (g_plus - g_minus) / (2 * self.delta)
                 )
                 p.grad = None if v is None else (v if hvp is None else v - self.inner_lr * hvp)
-            self._put_back()
-            self.saved, self.v = None, None
-            self.outer.step()
+            self.v = None
+            self._outer_step()
 
     def finish(self) -> None:
-        if self.saved is not None:
-            self._put_back()
-        self.saved, self.v = None, None
+        super().finish()
+        self.v = None
 
     def _gradient_at(self, closure: Closure, scale: float) -> list[torch.Tensor | None]:
         """The closure's gradients at w + scale * v."""
@@ -170,12 +173,6 @@ class HessianFreeMAML(Optimizer):
         with torch.enable_grad():
             closure()
         return [None if p.grad is None else p.grad.clone() for p in self.params]
-
-    @torch.no_grad()
-    def _put_back(self) -> None:
-        assert self.saved is not None
-        for p, w in zip(self.params, self.saved, strict=True):
-            p.copy_(w)
 
 
 @register
