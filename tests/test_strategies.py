@@ -149,9 +149,11 @@ def test_a_scaffold_round_follows_algorithm_one_option_two_written_by_hand(job):
             sent = torch.from_numpy(update.extras["control_variate"][key])
             torch.testing.assert_close(sent, (expected - c_i[key]) / n, rtol=1e-4, atol=1e-7)
         silo.model.zero_grad()
+        steps = algorithm.steps
         algorithm.extra_loss(silo.model, x).backward()
         for name, param in silo.model.named_parameters():
             torch.testing.assert_close(param.grad, c[name] - c_i[name], rtol=0, atol=1e-7)
+        assert algorithm.steps == steps  # K counts the optimizer's steps, not the loss's terms
     assert max(float((c[k] - before["va"][k]).abs().max()) for k in c) > 1e-3  # it corrects
 
 

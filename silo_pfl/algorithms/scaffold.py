@@ -23,9 +23,10 @@ import torch
 from torch import nn
 
 from silo_pfl.algorithms import register
-from silo_pfl.algorithms.base import Algorithm, SiloTrainer
+from silo_pfl.algorithms.base import Algorithm, Phase, SiloTrainer
 from silo_pfl.config import FederationConfig
 from silo_pfl.errors import ConfigError
+from silo_pfl.optim import Closure, Optimizer
 from silo_pfl.strategy import CONTROL_VARIATE as EXTRA
 from silo_pfl.strategy import ControlVariates
 from silo_pfl.training import shared_tensors
@@ -40,6 +41,21 @@ def steps_moved(steps: int, momentum: float) -> float:
     if momentum == 0:
         return float(steps)
     return (steps - momentum * (1 - momentum**steps) / (1 - momentum)) / (1 - momentum)
+
+
+class CountedSteps(Optimizer):
+    """The job's optimizer, counting its steps into `scaffold.steps` (K of the c_i update)."""
+
+    def __init__(self, inner: Optimizer, scaffold: Scaffold) -> None:
+        super().__init__(inner.params)
+        self.inner, self.scaffold = inner, scaffold
+
+    def step(self, closure: Closure | None = None) -> None:
+        self.inner.step(closure)
+        self.scaffold.steps += 1
+
+    def finish(self) -> None:
+        self.inner.finish()
 
 
 @register
@@ -75,10 +91,12 @@ class Scaffold(Algorithm):
         self.correction = {k: server[k] - self.c_local[k] for k in floating}
         self.steps = 0
 
+    def optimizer(self, params: list[nn.Parameter], phase: Phase, purpose: str) -> Optimizer:
+        return CountedSteps(super().optimizer(params, phase, purpose), self)
+
     def extra_loss(
         self, model: nn.Module, reference: dict[str, torch.Tensor]
     ) -> torch.Tensor | None:
-        self.steps += 1
         terms = [
             (param * self.correction[name]).sum()
             for name, param in model.named_parameters()
