@@ -182,6 +182,10 @@ def test_tracking_disabled_writes_no_store(tmp_path, capsys):
             "error: silos.va.tracking_uri: environment variable SILO_PFL_ON_NO_NODE is not set on "
             "silo va's node; set it where its own node's `ray start` runs",
         ),
+        (
+            "silos.va.tracking_uri=sqlite:///{tmp}/pa$SILO_PFL_WORD/mlflow.db",
+            "A literal $ in the URI (in a password, say) is written %24, as URIs escape it",
+        ),
         ("tracking.uri=postgresql://nobody@127.0.0.1:1/db", "cannot open the MLflow store"),
     ],
 )

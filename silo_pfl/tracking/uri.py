@@ -49,7 +49,8 @@ def node_uri(uri: str, key: str, silo: str) -> str:
     if unset:
         raise ConfigError(
             f"{key}: environment variable {unset} is not set on silo {silo}'s node; "
-            f"{node_env.pin_hint(silo)}"
+            f"{node_env.pin_hint(silo)}. A literal $ in the URI (in a password, say) is written "
+            "%24, as URIs escape it"
         )
     return check_uri(expanded, key)
 
