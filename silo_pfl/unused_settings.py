@@ -85,6 +85,11 @@ def _rules(cfg: FederationConfig, local_rules: list[str]) -> Iterator[Finding]:
             ("tracking.uri", "tracking.report", "privacy.central_models", "silos.*.tracking_uri"),
             "nothing is recorded in MLflow",
         )
+    name = cfg.algorithm["name"]
+    own_rules = getattr(cfg.algorithm[name], "unused", None)  # the chosen algorithm's own
+    for condition, keys, why in own_rules() if own_rules else ():
+        section = f"algorithm.{name}"
+        yield f"{section}.{condition}", tuple(f"{section}.{key}" for key in keys), why
 
 
 def _other_algorithms(cfg: FederationConfig) -> Finding:
@@ -124,15 +129,21 @@ def unused(
 
 
 def _chosen(cfg: FederationConfig, key: str) -> bool:
-    """Whether the dotted key holds a value (not null) other than its default."""
+    """Whether the dotted key holds a value (not null) other than its default: FederationConfig's,
+    or else that of the options class its section is (an algorithm's Params)."""
     value = _value(cfg, key)
-    return value is not None and value != _default(key)
+    default = _default(key)
+    section, _, leaf = key.rpartition(".")
+    options = _value(cfg, section)
+    if default is NO_DEFAULT and dataclasses.is_dataclass(options):
+        default = _default(leaf, type(options))
+    return value is not None and value != default
 
 
-def _default(key: str) -> Any:
-    """The dataclass default of a dotted key of FederationConfig; a marker of no default where
-    it has none (a required key, or one in a free-form section such as data.* or silos.*)."""
-    value: Any = FederationConfig
+def _default(key: str, root: type = FederationConfig) -> Any:
+    """The dataclass default of a dotted key of `root`; a marker of no default where it has none
+    (a required key, or one in a free-form section such as data.*, silos.* or algorithm.*)."""
+    value: Any = root
     for part in key.split("."):
         sections = dataclasses.is_dataclass(value)
         fields = {f.name: f for f in dataclasses.fields(value)} if sections else {}

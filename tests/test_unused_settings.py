@@ -79,6 +79,30 @@ CASES = [
         "algorithm.name is fedavg, so algorithm.fedprox.mu has no effect: only algorithm.fedavg.* "
         "is read",
     ),
+    (
+        ["algorithm.name=perfedavg", "algorithm.perfedavg.hf_delta=0.01"],
+        "algorithm.perfedavg.variant is fo, so algorithm.perfedavg.hf_delta has no effect: only "
+        "variant=hf reads it",
+    ),
+    (
+        [
+            "algorithm.name=perfedavg",
+            "algorithm.perfedavg.variant=hf",
+            "algorithm.perfedavg.inner_lr=0",
+        ],
+        "algorithm.perfedavg.inner_lr is 0, so algorithm.perfedavg.variant has no effect: there is "
+        "no inner step, and the training and the model are FedAvg's",
+    ),
+    (
+        ["algorithm.name=apfl", "algorithm.apfl.alpha_lr=0.1"],
+        "algorithm.apfl.alpha is grid, so algorithm.apfl.alpha_lr has no effect: only "
+        "alpha=learned reads it",
+    ),
+    (
+        ["algorithm.name=apfl", "algorithm.apfl.alpha_init=0.2", "algorithm.apfl.alpha=0.3"],
+        "algorithm.apfl.alpha is 0.3, so algorithm.apfl.alpha_init has no effect: only "
+        "alpha=grid or alpha=learned reads it",
+    ),
 ]
 
 
@@ -109,6 +133,20 @@ def test_silo_pfl_configs_output_run_as_a_job_warns_of_nothing(caplog, job, tmp_
     assert warnings_of(caplog, lambda: load_config(str(written), chosen)) == [
         "train.optimizer is adam, so train.momentum has no effect: only sgd reads it"
     ]
+
+
+@pytest.mark.parametrize("name", ["apfl", "perfedavg"])
+def test_an_algorithms_own_defaults_written_out_warn_of_nothing(caplog, name, tmp_path):
+    """`silo-pfl config` writes the chosen algorithm's every option (APFL's alpha_lr beside
+    alpha=grid, Per-FedAvg's hf_delta beside variant=fo): at their defaults they are no choice."""
+    from omegaconf import OmegaConf
+
+    from silo_pfl.settings import resolved_config
+
+    written = tmp_path / "resolved.yaml"
+    cfg = load_config(JOB, [f"algorithm.name={name}"])
+    written.write_text(OmegaConf.to_yaml(resolved_config(cfg)))
+    assert warnings_of(caplog, lambda: load_config(str(written))) == []
 
 
 @pytest.mark.parametrize("job", sorted(str(p.relative_to(REPO)) for p in REPO.glob("jobs/*.yaml")))

@@ -49,6 +49,16 @@ class APFLParams:
     alpha_lr: float = 0.3  # learned: SGD step of alpha
     personal_epochs: int = 1  # epochs of v (and a learned alpha) each round
 
+    def unused(self) -> list[tuple[str, tuple[str, ...], str]]:
+        """Options the others make do nothing (silo_pfl.unused_settings)."""
+        condition = f"alpha is {self.alpha}"
+        if self.alpha == "grid":
+            return [(condition, ("alpha_lr",), "only alpha=learned reads {it}")]
+        if self.alpha == "learned":
+            return [(condition, ("grid",), "only alpha=grid reads {it}")]
+        keys = ("grid", "alpha_init", "alpha_lr")
+        return [(condition, keys, "only alpha=grid or alpha=learned reads {it}")]
+
     def fixed_alpha(self) -> float | None:
         """The fixed alpha, or None if it is learned or chosen on the grid."""
         return None if self.alpha in ("learned", "grid") else float(self.alpha)

@@ -48,6 +48,20 @@ class PerFedAvgParams:
     variant: str = "fo"  # the meta-gradient: fo (first order) or hf (Hessian-free)
     hf_delta: float = 0.001  # delta of hf's Hessian-vector product by central differences
 
+    def unused(self) -> list[tuple[str, tuple[str, ...], str]]:
+        """Options the others make do nothing (silo_pfl.unused_settings)."""
+        if self.inner_lr == 0:
+            return [
+                (
+                    "inner_lr is 0",
+                    ("inner_steps", "variant", "hf_delta"),
+                    "there is no inner step, and the training and the model are FedAvg's",
+                )
+            ]
+        if self.variant != "hf":
+            return [(f"variant is {self.variant}", ("hf_delta",), "only variant=hf reads {it}")]
+        return []
+
     def validate(self) -> None:
         require_at_least("algorithm.perfedavg", self, 0, "inner_steps", "inner_lr")
         if self.variant not in VARIANTS:
