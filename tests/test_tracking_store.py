@@ -134,6 +134,20 @@ def test_silo_exports_its_model_to_its_store_without_ray(tmp_path, monkeypatch):
         model.predict(rows.drop(columns=["chol"]))
 
 
+def test_a_sqlite_store_path_with_an_escaped_dollar_is_the_directory_sqlalchemy_opens(tmp_path):
+    """A literal $ in a silo's store URI is written %24 (a bare $NAME is a variable): the store,
+    its checks and its artifacts are all in the directory named with the $."""
+    own = tmp_path / "pa$word"
+    own.mkdir()
+    store = f"sqlite:///{tmp_path}/pa%24word/mlflow.db"
+    silo = _trained_silo(tmp_path, "va")
+    silo.attach({"mlflow": MlflowExporter(store, "silos.va.tracking_uri", "heart_disease", "-")})
+    assert silo.export()["mlflow"]["model_uri"] == "models:/heart_disease-va/1"
+    assert (own / "mlflow.db").is_file() and (own / "mlartifacts").is_dir()
+    # MLflow itself makes the raw name's directory, empty (mlflow.store.db.utils)
+    assert not any((tmp_path / "pa%24word").glob("*"))
+
+
 def test_champion_is_the_best_version_on_the_newest_versions_validation_rows(tmp_path):
     """On the champion's rows a version must beat it; on other rows (another split) the alias
     goes to the best version scored on those rows, and back when a version on the first rows

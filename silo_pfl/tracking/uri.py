@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from silo_pfl import node_env
 from silo_pfl.errors import ConfigError
@@ -63,8 +63,9 @@ def sqlite_target(uri: str) -> str:
 
 
 def sqlite_path(uri: str) -> Path | None:
-    """The database file of a SQLite URI, or None for other stores."""
-    return Path(sqlite_target(uri)) if uri.startswith(SQLITE_PREFIX) else None
+    """The database file of a SQLite URI, its %XX escapes decoded as SQLAlchemy decodes them (a
+    literal $ is %24), or None for other stores."""
+    return Path(unquote(sqlite_target(uri))) if uri.startswith(SQLITE_PREFIX) else None
 
 
 def resolve_uri(uri: str | None, key: str) -> str:
@@ -79,7 +80,7 @@ def resolve_uri(uri: str | None, key: str) -> str:
     path = sqlite_path(chosen)
     if path is not None and not path.is_absolute():
         query = chosen[len(SQLITE_PREFIX) + len(sqlite_target(chosen)) :]
-        chosen = f"{SQLITE_PREFIX}{path.resolve()}{query}"
+        chosen = f"{SQLITE_PREFIX}{quote(str(path.resolve()))}{query}"
     return chosen
 
 
