@@ -30,6 +30,7 @@ from silo_pfl.config import FederationConfig, TrainConfig
 from silo_pfl.errors import ConfigError
 from silo_pfl.optim import Closure, Optimizer
 from silo_pfl.training import evaluate
+from silo_pfl.unused_settings import Finding
 
 PREFIX = "apfl.personal."
 ALPHA = "apfl.alpha"
@@ -49,7 +50,7 @@ class APFLParams:
     alpha_lr: float = 0.3  # learned: SGD step of alpha
     personal_epochs: int = 1  # epochs of v (and a learned alpha) each round
 
-    def unused(self) -> list[tuple[str, tuple[str, ...], str]]:
+    def unused(self) -> list[Finding]:
         """Options the others make do nothing (silo_pfl.unused_settings)."""
         condition = f"alpha is {self.alpha}"
         if self.alpha == "grid":
@@ -126,7 +127,7 @@ class ProjectedAlpha(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Closure | None = None) -> None:
-        self.inner.step()
+        self.inner.step(closure)
         if self.alpha.grad is not None:
             self.alpha.sub_(self.lr * self.alpha.grad).clamp_(0.0, 1.0)
 

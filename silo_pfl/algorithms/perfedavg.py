@@ -33,6 +33,7 @@ from silo_pfl.algorithms import register
 from silo_pfl.algorithms.base import Algorithm, Phase, SiloTrainer, require_at_least
 from silo_pfl.errors import ConfigError
 from silo_pfl.optim import SGD, Closure, Optimizer
+from silo_pfl.unused_settings import Finding
 
 ADAPT = "adapt"  # the purpose of the personalized model's adaptation
 VARIANTS = ("fo", "hf")
@@ -48,7 +49,7 @@ class PerFedAvgParams:
     variant: str = "fo"  # the meta-gradient: fo (first order) or hf (Hessian-free)
     hf_delta: float = 0.001  # delta of hf's Hessian-vector product by central differences
 
-    def unused(self) -> list[tuple[str, tuple[str, ...], str]]:
+    def unused(self) -> list[Finding]:
         """Options the others make do nothing (silo_pfl.unused_settings)."""
         if self.inner_lr == 0:
             return [
