@@ -50,7 +50,10 @@ def train_epochs(
     max_steps: int | None = None,
 ) -> float:
     """Train `epochs` passes over (x, y) in shuffled mini-batches, stopping early after
-    `max_steps` optimizer steps if set, then `optimizer.finish()`; return the mean batch loss."""
+    `max_steps` optimizer steps if set, then `optimizer.finish()`; return the mean batch loss:
+    the task's cross-entropy alone, without the algorithm's extra term (FedProx's and Ditto's
+    proximal terms, SCAFFOLD's correction), which steers the gradients but is not a loss
+    comparable between algorithms (SCAFFOLD's is linear in the weights, of any sign)."""
     model.train()
     total, steps = 0.0, 0
     n = len(x)
@@ -80,15 +83,13 @@ def _backward(
     optimizer: Optimizer,
     extra_loss: ExtraLoss | None,
 ) -> torch.Tensor:
-    """A step's loss on the batch (x, y), with the algorithm's extra term, and its gradients."""
+    """The gradients of a step's loss on the batch (x, y), with the algorithm's extra term;
+    returns the batch's cross-entropy, the task's loss without that term."""
     optimizer.zero_grad()
-    loss = nn.functional.cross_entropy(model(x), y)
-    if extra_loss is not None:
-        extra = extra_loss(model)
-        if extra is not None:
-            loss = loss + extra
-    loss.backward()
-    return loss
+    task = nn.functional.cross_entropy(model(x), y)
+    extra = extra_loss(model) if extra_loss is not None else None
+    (task if extra is None else task + extra).backward()
+    return task
 
 
 def _keeping_buffers(model: nn.Module, backward: Callable[[], torch.Tensor]) -> torch.Tensor:

@@ -167,7 +167,8 @@ class Algorithm:
     def extra_loss(
         self, model: nn.Module, reference: dict[str, torch.Tensor]
     ) -> torch.Tensor | None:
-        """A term added to every batch's loss; `reference` is the round's incoming global state."""
+        """A term added to every batch's loss, for its gradients; `reference` is the round's
+        incoming global state. The loss a silo reports is the cross-entropy without it."""
         return None
 
     def after_fit(
