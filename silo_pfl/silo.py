@@ -66,6 +66,7 @@ from silo_pfl.split import Split, compute_split
 from silo_pfl.tensor_state import as_arrays, as_tensors, first_not_finite, local_digest, nbytes
 from silo_pfl.training import (
     ExtraLoss,
+    batches_per_epoch,
     copy_into,
     evaluate_parts,
     has_batchnorm,
@@ -205,6 +206,10 @@ class Silo:
                 "give the silo more rows (data.max_train_rows, data.val_fraction) or choose a "
                 "model without BatchNorm"
             )
+        per_epoch = batches_per_epoch(
+            self.num_examples, self.cfg.train.batch_size, has_batchnorm(self.model)
+        )
+        self.algorithm.check_batches(self.name, self.num_examples, per_epoch)
         self._loaded = None
         self.num_classes = num_classes
         self.split: Split = compute_split(self.model, split_rules(self.cfg))

@@ -37,6 +37,19 @@ def make_optimizer(params: Iterable[nn.Parameter], cfg: TrainConfig) -> Optimize
     return SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
+def batches_per_epoch(rows: int, batch_size: int, batchnorm: bool) -> int:
+    """The steps an epoch of `train_epochs` takes over `rows` rows: one a batch, less a batch of
+    one row where the model has BatchNorm, which cannot normalise it."""
+    full, rest = divmod(rows, batch_size)
+    smallest = _smallest_batch(rows, batchnorm)
+    return (full if batch_size >= smallest else 0) + (1 if rest >= smallest else 0)
+
+
+def _smallest_batch(rows: int, batchnorm: bool) -> int:
+    """A lone example cannot be batch-normalised in train mode; it is dropped from its epoch."""
+    return 2 if rows >= 2 and batchnorm else 1
+
+
 def train_epochs(
     model: nn.Module,
     x: torch.Tensor,
@@ -57,8 +70,7 @@ def train_epochs(
     model.train()
     total, steps = 0.0, 0
     n = len(x)
-    # A lone example cannot be batch-normalised in train mode; it is dropped from that epoch.
-    min_batch = 2 if n >= 2 and has_batchnorm(model) else 1
+    min_batch = _smallest_batch(n, has_batchnorm(model))
     for _ in range(epochs):
         order = torch.randperm(n, generator=generator)
         for start in range(0, n, batch_size):

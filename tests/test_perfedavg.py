@@ -5,6 +5,7 @@ variant."""
 from __future__ import annotations
 
 import copy
+import re
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from torch import nn
 
 from silo_pfl.algorithms import build_algorithm
 from silo_pfl.algorithms.base import Phase
-from silo_pfl.errors import ConfigError
+from silo_pfl.errors import ConfigError, FederationError
 from silo_pfl.training import evaluate, train_epochs
 
 
@@ -320,3 +321,32 @@ def test_a_bad_option_is_a_one_line_config_error_naming_it(job, overrides, key):
         job(JOB, "algorithm.name=perfedavg", *[f"algorithm.perfedavg.{o}" for o in overrides])
     message = str(error.value)
     assert message.startswith(f"{key}:") and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("variant", "epochs", "need"), [("fo", 1, 2), ("fo", 2, None), ("hf", 2, 3), ("hf", 3, None)]
+)
+def test_a_silo_whose_round_holds_no_whole_meta_step_is_refused_at_build(
+    job, variant, epochs, need
+):
+    """One batch an epoch (train.batch_size above the silo's rows): a round of fewer batches than
+    a meta-step takes would undo its inner step and send a zero update every round."""
+    overrides = (
+        "train.batch_size=4096",
+        f"train.local_epochs={epochs}",
+        f"algorithm.perfedavg.variant={variant}",
+    )
+    if need is None:
+        silos, server = federation(job, "perfedavg", *overrides)
+        updates = play_round(silos, server, 1)[0]
+        assert all(any(np.any(d != 0) for d in u.delta.values()) for u in updates)
+        return
+    with pytest.raises(FederationError) as caught:
+        federation(job, "perfedavg", *overrides)
+    assert re.fullmatch(
+        rf"silo cleveland: its \d+ training rows make {epochs} batch\(es\) a round "
+        rf"\(train.batch_size=4096, train.local_epochs={epochs}\), but a meta-step of perfedavg "
+        rf"\(variant={variant}\) takes {need}, so it would train nothing; lower train.batch_size "
+        "or raise train.local_epochs",
+        str(caught.value),
+    )

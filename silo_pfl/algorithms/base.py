@@ -120,6 +120,12 @@ class Algorithm:
                 "another algorithm"
             )
 
+    def check_batches(self, silo: str, rows: int, per_epoch: int) -> None:
+        """At a silo's build: raise a one-line FederationError naming `silo` if its `rows`
+        training rows, `per_epoch` batches an epoch, leave this procedure no step to take. The
+        loop's plain steps need one batch."""
+        return None
+
     def server_strategy(self, global_state: State) -> ServerStrategy:
         """The server's part of this algorithm, over the initial global keys."""
         return self.Strategy(global_state)

@@ -31,7 +31,7 @@ from torch import nn
 
 from silo_pfl.algorithms import register
 from silo_pfl.algorithms.base import Algorithm, Phase, SiloTrainer, require_at_least
-from silo_pfl.errors import ConfigError
+from silo_pfl.errors import ConfigError, FederationError
 from silo_pfl.optim import SGD, Closure, Optimizer
 from silo_pfl.unused_settings import Finding
 
@@ -213,6 +213,21 @@ class PerFedAvg(Algorithm):
         if self.params.layerwise:
             return [self._adaptation(), Phase("global", self.train.local_epochs)]
         return [Phase("all", self.train.local_epochs)]
+
+    def check_batches(self, silo: str, rows: int, per_epoch: int) -> None:
+        """A meta-step takes two batches (three with variant=hf); a round with fewer would
+        undo its inner step and send a zero update, weighted by the silo's rows, every round."""
+        if self.params.layerwise or self.params.inner_lr == 0:
+            return
+        need = 3 if self.params.variant == "hf" else 2
+        epochs, have = self.train.local_epochs, per_epoch * self.train.local_epochs
+        if have < need:
+            raise FederationError(
+                f"silo {silo}: its {rows} training rows make {have} batch(es) a round "
+                f"(train.batch_size={self.train.batch_size}, train.local_epochs={epochs}), but a "
+                f"meta-step of perfedavg (variant={self.params.variant}) takes {need}, so it "
+                "would train nothing; lower train.batch_size or raise train.local_epochs"
+            )
 
     def optimizer(self, params: list[nn.Parameter], phase: Phase, purpose: str) -> Optimizer:
         inner_lr = self.params.inner_lr

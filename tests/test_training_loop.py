@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from silo_pfl.optim import SGD
-from silo_pfl.training import train_epochs
+from silo_pfl.training import batches_per_epoch, train_epochs
 
 ROWS, BATCH, EPOCHS, SEED = 20, 8, 2, 3
 
@@ -71,3 +71,40 @@ def test_the_extra_term_still_steers_the_step():
     )
     for param, want in zip(model.parameters(), expected, strict=True):
         torch.testing.assert_close(param.detach(), want, rtol=1e-6, atol=1e-7)
+
+
+class CountingSGD(SGD):
+    """Plain SGD that counts the loop's steps."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, lr=0.0)
+        self.count = 0
+
+    def step(self, closure=None) -> None:
+        self.count += 1
+
+
+@pytest.mark.parametrize(
+    ("rows", "batch_size", "batchnorm"),
+    # one row alone with BatchNorm is refused at the silo's build, before any loop
+    [
+        (1, 4, False),
+        *(
+            (r, b, bn)
+            for r, b in ((2, 4), (8, 4), (9, 4), (10, 4), (5, 2), (7, 1))
+            for bn in (False, True)
+            if b > 1 or not bn
+        ),
+    ],
+)
+def test_batches_per_epoch_is_the_steps_an_epoch_of_the_loop_takes(rows, batch_size, batchnorm):
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 3)] + ([nn.BatchNorm1d(3)] if batchnorm else [])
+    model = nn.Sequential(*layers)
+    optimizer = CountingSGD(model.parameters())
+    x, y = torch.randn(rows, 4), torch.randint(0, 3, (rows,))
+    generator = torch.Generator().manual_seed(SEED)
+    train_epochs(
+        model, x, y, epochs=1, batch_size=batch_size, optimizer=optimizer, generator=generator
+    )
+    assert batches_per_epoch(rows, batch_size, batchnorm) == optimizer.count
