@@ -4,7 +4,9 @@ Modes (eval.selection):
   best_mean_val  one round for the whole federation: the best mean validation accuracy over silos
                  (ties: lower mean validation loss). For FedAvg this keeps one global model.
                  A round is compared with the models selected now, on the silos it evaluated:
-                 a round that left a weak silo out does not win by its absence.
+                 a round that left a weak silo out does not win by its absence. A silo with no
+                 model selected yet (left out of the rounds that won: rejected, late or dead)
+                 takes its first evaluated one, and is compared on from then on.
   best_val       each silo its own round: its best validation accuracy (ties: lower loss).
   last           the last round.
 A silo with no validation rows falls back to its last round.
@@ -16,7 +18,7 @@ resume, without a model to select.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
@@ -49,21 +51,24 @@ class Selector:
             return True
         return False
 
-    def choose(self, evals: Sequence[EvalMetrics]) -> list[str]:
-        """The silos whose model of this round becomes (or stays) their selected one."""
+    def choose(self, evals: Sequence[EvalMetrics], unselected: Collection[str] = ()) -> list[str]:
+        """The silos whose model of this round becomes (or stays) their selected one;
+        `unselected` are the silos with no model selected yet."""
         if self.mode == "last":
             return [e.silo for e in evals]
         if self.mode == "best_val":
             return [e.silo for e in evals if self._improves(e.silo, e.val_accuracy, e.val_loss)]
-        return [e.silo for e in evals] if self._round_improves(evals) else []
+        if self._round_improves(evals):
+            return [e.silo for e in evals]
+        first = [e for e in evals if e.silo in unselected]
+        self.best.update(_scores(first))
+        return [e.silo for e in first]
 
     def _round_improves(self, evals: Sequence[EvalMetrics]) -> bool:
         """best_mean_val: whether this round's mean beats the mean of the models selected now,
         over the silos with validation rows that both cover. `best` holds each silo's score of
         its selected model (a silo left out of a round keeps its earlier one)."""
-        scored = {
-            e.silo: (e.val_accuracy, -e.val_loss) for e in evals if np.isfinite(e.val_accuracy)
-        }
+        scored = _scores(evals)
         legacy = self.best.get(LEGACY_KEY)  # a checkpoint of an earlier version: a mean only
         common = list(scored) if legacy else [s for s in scored if s in self.best]
         if common:
@@ -73,6 +78,11 @@ class Selector:
         self.best.pop(LEGACY_KEY, None)
         self.best.update(scored)
         return True
+
+
+def _scores(evals: Sequence[EvalMetrics]) -> dict[str, tuple[float, float]]:
+    """(accuracy, -loss) on validation of each silo of `evals` that has validation rows."""
+    return {e.silo: (e.val_accuracy, -e.val_loss) for e in evals if np.isfinite(e.val_accuracy)}
 
 
 def _mean(scores: list[tuple[float, float]]) -> tuple[float, float]:

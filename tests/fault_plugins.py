@@ -62,30 +62,36 @@ class NanOnce(FedPer):
         return float("nan") * sum(param.sum() for param in model.parameters())
 
 
-@register
-class RaiseOnce(FedPer):
-    """FedPer, except that `silo`'s fit raises in round `round` (a bug, a full disk)."""
-
-    name = "raise_once"
-    Params = OnceParams
-
-    def __init__(self, params: OnceParams, train) -> None:
-        super().__init__(params, train)
-        self.raised = False
-
-    def begin_round(self, silo: SiloTrainer, reference, broadcast) -> None:
-        super().begin_round(silo, reference, broadcast)
-        if strikes_now(self.params, silo) and not self.raised:
-            self.raised = True
-            raise RuntimeError("disk full")
-
-
 @dataclass
 class SignalParams(OnceParams):
     """`marker`: a file that the fault creates as it strikes; it strikes only while the file is
     absent (so once, even across the restart of the process it killed)."""
 
     marker: str = ""
+
+
+@register
+class RaiseOnce(FedPer):
+    """FedPer, except that `silo`'s fit raises in round `round` (a bug, a full disk); with a
+    `marker`, only while that file is absent (once, across a resume too)."""
+
+    name = "raise_once"
+    Params = SignalParams
+
+    def __init__(self, params: SignalParams, train) -> None:
+        super().__init__(params, train)
+        self.raised = False
+
+    def begin_round(self, silo: SiloTrainer, reference, broadcast) -> None:
+        super().begin_round(silo, reference, broadcast)
+        marker = Path(self.params.marker) if self.params.marker else None
+        if strikes_now(self.params, silo) and not self.raised:
+            if marker is not None and marker.exists():
+                return
+            self.raised = True
+            if marker is not None:
+                marker.touch()
+            raise RuntimeError("disk full")
 
 
 # A fit sent ahead starts as soon as the silo's commit returns, while the commit's answer may

@@ -21,6 +21,7 @@ from drivers import joining_env, run_driver, start_driver
 
 from silo_pfl import checkpoint
 from silo_pfl.callbacks import Callback
+from silo_pfl.errors import FederationError
 from silo_pfl.federation import Federation
 from silo_pfl.progress import ProgressPrinter
 from silo_pfl.results import FederationResult
@@ -258,6 +259,32 @@ def test_a_silo_whose_training_turns_to_nan_sends_nothing_that_round(tmp_path, u
     third_before = undisturbed.history[2]
     assert scores(third, "cleveland")[:1] == scores(third_before, "cleveland")[:1]
     assert result.history[3].silos["cleveland"] != undisturbed.history[3].silos["cleveland"]
+
+
+def test_a_silo_left_out_of_every_evaluated_round_is_named_and_resume_selects_it(tmp_path):
+    """va's fit fails in round 1, the only round: it has no model to select. The run says so in
+    one line, not at its last step with a RuntimeError, and a resume with one more round gives va
+    its first evaluated model, whether or not that round wins for the others."""
+    overrides = [
+        "plugins=[tests.fault_plugins]",
+        "algorithm.name=raise_once",
+        "algorithm.raise_once.silo=va",
+        "algorithm.raise_once.round=1",
+        f"algorithm.raise_once.marker={tmp_path / 'raised'}",
+        "round.min_silos=3",
+        "tracking.enabled=false",
+        f"output_dir={tmp_path / 'runs'}",
+    ]
+    with pytest.raises(FederationError) as caught:
+        Federation(JOB, [*overrides, "rounds=1"]).run()
+    assert str(caught.value) == (
+        "silo va: left out of every evaluated round, it has no model to select; resume with "
+        "more rounds (--resume rounds=2 or more)"
+    )
+    result = Federation(JOB, [*overrides, "rounds=2"]).run(resume=True)
+    assert result.silos["va"].selected_round == 2
+    assert "va" not in result.history[0].participants and "va" in result.history[1].participants
+    assert {s.selected_round for n, s in result.silos.items() if n != "va"} <= {1, 2}
 
 
 def _kill_after_round(proc: subprocess.Popen, kill_after: int) -> None:

@@ -21,11 +21,13 @@ def ev(silo: str, round_: int, val_acc: float, val_loss: float, test_acc: float,
 
 
 def kept_rounds(mode: str, rounds: list[list[EvalMetrics]]) -> dict[str, int]:
-    """Drive a Selector as the round runner does (each round's evaluations in silo order, the
-    chosen silos keep that round's model); each silo's kept round at the end."""
+    """Drive a Selector as the round runner does (each round's evaluations in silo order, with
+    the silos that have no model kept yet; the chosen silos keep that round's model); each
+    silo's kept round at the end."""
     selector, kept = Selector(mode), {}
+    everyone = {e.silo for evals in rounds for e in evals}
     for evals in rounds:
-        chosen = selector.choose(evals)
+        chosen = selector.choose(evals, everyone - set(kept))
         assert set(chosen) <= {e.silo for e in evals}
         kept.update({e.silo: e.round for e in evals if e.silo in chosen})
     return kept
@@ -163,6 +165,19 @@ def test_best_mean_val_compares_a_round_with_the_models_selected_now_on_its_silo
         ["a", "b"],
         ["a", "b", "weak"],
     ]
+
+
+def test_best_mean_val_a_silo_missing_from_the_first_round_gets_a_model_and_counts_after():
+    """A silo left out of the round that won first (rejected, late or dead) takes its first
+    evaluated model though that round loses; its score then counts in the comparisons."""
+    rounds = [
+        [ev("b", 1, 0.8, 0.5, 0.5)],
+        [ev("a", 2, 0.95, 0.1, 0.5), ev("b", 2, 0.7, 0.6, 0.5), ev("no_val", 2, NAN, NAN, 0.5)],
+        # Mean 0.89 over a and b against the selected models' 0.875 (a of round 2, b of round
+        # 1); on b alone, 0.79 against 0.8, it would lose.
+        [ev("a", 3, 0.99, 0.1, 0.5), ev("b", 3, 0.79, 0.6, 0.5)],
+    ]
+    assert kept_rounds("best_mean_val", rounds) == {"a": 3, "b": 3, "no_val": 2}
 
 
 def test_best_mean_val_resumes_from_an_earlier_checkpoints_single_mean():

@@ -254,7 +254,8 @@ class Orchestrator:
         selector.best = {k: (float(v[0]), float(v[1])) for k, v in saved["selector"].items()}
         for name, party in parties.items():
             party.committed = int(saved["committed"][name])
-            party.selected = saved.get("selected", {}).get(name)  # None: its own checkpoint's
+            party.selected = saved.get("selected", {}).get(name)
+            party.selected_by_silo = "selected" not in saved
             party.restarts = int(saved["restarts"][name])
         for callback in self.callbacks:
             callback.restore(saved["callbacks"].get(type(callback).__name__, {}))

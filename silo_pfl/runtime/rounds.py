@@ -60,8 +60,16 @@ class Party:
     committed: int = 0
     aggregated: tuple[int, int] | None = None  # the last (round, attempt) its update was in
     selected: int | None = None  # the round whose model selection chose for it (None: none yet)
+    # Resumed from a checkpoint older than the driver's record of `selected`: the silo's own
+    # checkpoint holds its choice, which a None here leaves in place.
+    selected_by_silo: bool = False
     restarts: int = 0
     died: bool = False  # its process died: rejoin it before its next round
+
+    @property
+    def unselected(self) -> bool:
+        """Whether no model of this silo has been selected yet."""
+        return self.selected is None and not self.selected_by_silo
 
     def uncommitted(self) -> tuple[int, int] | None:
         """The (round, attempt) whose update was aggregated after its last commit, if any."""
@@ -336,7 +344,8 @@ class RoundRunner:
         for name in evals:
             self.parties[name].committed = round_
         if evaluating:
-            for name in self.selector.choose([evals[n] for n in sorted(evals)]):
+            unselected = {n for n, p in self.parties.items() if p.unselected}
+            for name in self.selector.choose([evals[n] for n in sorted(evals)], unselected):
                 self.parties[name].selected = round_
         for name, reason in sorted(absent.items()):
             log.warning("round %d: silo %s left out: %s", round_, name, reason)
@@ -407,6 +416,12 @@ class RoundRunner:
             raise FederationError(
                 f"the final selection failed{_reasons(self.down)}; once such a node is back, "
                 "resume the run (--resume)"
+            )
+        never = sorted(n for n, p in self.parties.items() if p.unselected)
+        if never:
+            raise FederationError(
+                f"silo {never[0]}: left out of every evaluated round, it has no model to select; "
+                f"resume with more rounds (--resume rounds={self.cfg.rounds + 1} or more)"
             )
         chosen = {n: p.selected for n, p in self.parties.items()}
         refs = call_many({n: p.actor for n, p in self.parties.items()}, "select", per_silo=chosen)
