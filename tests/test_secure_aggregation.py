@@ -180,13 +180,36 @@ def test_a_replayed_round_is_refused_at_every_step():
 
 
 def test_a_retried_attempt_masks_afresh():
+    """Attempt 1 fails after masking, before any silo reveals a share; attempt 2 masks with
+    fresh keys and gives the sum exactly."""
     _, clients, server = protocol_federation(3)
     payloads, weights = _payloads(clients), _weights(clients)
-    first, masked_first = run_round(clients, server, payloads, weights, attempt=1)
+    adverts = [c.advertise(1, 1) for c in clients.values()]
+    server.enroll(1, 1, adverts)
+    inbox = server.route([c.share_keys(adverts) for c in clients.values()])
+    masked_first = {n: c.mask(payloads[n], weights[n], 1, 1, inbox[n]) for n, c in clients.items()}
     again, masked_again = run_round(clients, server, payloads, weights, attempt=2)
-    assert np.array_equal(first, again)  # the same sum, exactly
+    _, others, other_server = protocol_federation(3)
+    assert np.array_equal(again, run_round(others, other_server, payloads, weights)[0])
     for name in clients:
         assert np.mean(masked_first[name] == masked_again[name]) < 0.01
+
+
+def test_a_round_once_unmasked_is_not_masked_again_in_another_attempt():
+    """Two sums of the same updates, the second without one silo, would give that silo's update
+    by difference: once a silo has revealed its shares for a round, no later attempt of it."""
+    _, clients, server = protocol_federation(3)
+    payloads, weights = _payloads(clients), _weights(clients)
+    run_round(clients, server, payloads, weights, attempt=1)
+    for name, client in clients.items():
+        with pytest.raises(FederationError) as caught:
+            client.advertise(1, 2)
+        assert str(caught.value) == (
+            f"silo {name}: asked to advertise round 1 attempt 2, but it revealed its shares for "
+            "round 1 attempt 1: a second sum of the same updates, without some silo, would give "
+            "that silo's update away"
+        )
+    run_round(clients, server, payloads, weights, round_=2)  # the next round is its own
 
 
 def test_the_server_takes_one_masked_vector_per_silo_that_shared_keys():

@@ -101,6 +101,7 @@ class SecureClient:
         self.trusted = dict(trusted)
         self._round: _Round | None = None
         self._last = (0, 0)  # the last round and attempt advertised
+        self._revealed: tuple[int, int] | None = None  # the last round and attempt it unmasked
 
     def _fail(self, message: str) -> FederationError:
         return FederationError(f"silo {self.silo}: {message}")
@@ -111,6 +112,12 @@ class SecureClient:
             raise self._fail(
                 f"asked to advertise round {round_} attempt {attempt}, but it has done round "
                 f"{self._last[0]} attempt {self._last[1]} (a replayed round)"
+            )
+        if self._revealed is not None and self._revealed[0] == round_:
+            raise self._fail(
+                f"asked to advertise round {round_} attempt {attempt}, but it revealed its "
+                f"shares for round {round_} attempt {self._revealed[1]}: a second sum of the "
+                "same updates, without some silo, would give that silo's update away"
             )
         self._last = (round_, attempt)
         state = self._round = _Round(round_, attempt)
@@ -271,4 +278,5 @@ class SecureClient:
             else:
                 raise self._fail(f"silo {owner} is neither a survivor nor dropped in the request")
         state.revealed = True
+        self._revealed = (request.round, request.attempt)
         return Reveal(self.silo, request.round, request.attempt, seeds, keys)
