@@ -39,6 +39,7 @@ BENCH_QUIET_WAIT_S). The silos' identity keys of the Ray runs live in a temporar
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import statistics
@@ -164,6 +165,7 @@ class Round:
     adverts: list[Advertisement]
     bundles: list[SealedShares]
     reveals: list[Reveal]
+    signatures: list[bytes]  # each survivor's confirmation of the unmask request
     pairwise: list[int]  # per masking silo: its pairwise streams
     server_streams: tuple[int, int]  # the server's self-mask and pairwise streams
 
@@ -181,7 +183,8 @@ def one_round(count: int, neighbors: int | None, values: int, drop: bool) -> Rou
     sharing its keys. Fails unless the unmasked sum is the survivors' encoded updates'."""
     clients, server = federation(count, neighbors)
     payload = {"x": np.random.default_rng(0).normal(0, 0.01, values).astype(np.float32)}
-    silo: dict[str, list[float]] = {s: [] for s in ("advertise", "share_keys", "mask", "unmask")}
+    steps = ("advertise", "share_keys", "mask", "confirm", "unmask")
+    silo: dict[str, list[float]] = {s: [] for s in steps}
     spent: dict[str, list[float]] = {s: [] for s in ("enroll", "route", "check", "unmask")}
     adverts = [timed(silo["advertise"], lambda c=c: c.advertise(1, 1)) for c in clients.values()]
     timed(spent["enroll"], lambda: server.enroll(1, 1, adverts))
@@ -197,6 +200,8 @@ def one_round(count: int, neighbors: int | None, values: int, drop: bool) -> Rou
     for name in masking:
         timed(spent["check"], lambda name=name: server.check(name, 1, 1))
     request = timed(spent["check"], lambda: server.unmask_request(masking))
+    signed = [(n, timed(silo["confirm"], lambda n=n: clients[n].confirm(request))) for n in masking]
+    request = dataclasses.replace(request, signatures=tuple(signed))
     reveals = [timed(silo["unmask"], lambda n=n: clients[n].unmask(request)) for n in masking]
     total = timed(spent["unmask"], lambda: server.unmask(vectors, reveals))
     expected = encode(payload, WEIGHT, count, "expected") * np.uint64(len(masking))
@@ -211,6 +216,7 @@ def one_round(count: int, neighbors: int | None, values: int, drop: bool) -> Rou
         adverts,
         bundles,
         reveals,
+        [signature for _, signature in signed],
         [len(inbox[n]) for n in masking],
         (len(masking), gone),
     )
@@ -250,11 +256,11 @@ def section_cost(values: int, repeats: int) -> None:
         f"each step's mean per silo); load average {load_average()}\n"
     )
     print(
-        "| N | mode | k | dropout | advertise | share_keys | mask | unmask | per silo | "
+        "| N | mode | k | dropout | advertise | share_keys | mask | confirm | unmask | per silo | "
         "server enroll + route | server unmask | server (all steps) | pairwise streams per "
         "silo | server streams (self + pairwise) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 
@@ -266,12 +272,14 @@ def bytes_row(count: int, neighbors: int | None, values: int) -> str:
     reveal = statistics.mean(
         sum(map(len, [*r.seeds.values(), *r.mask_keys.values()])) for r in sent.reveals
     )
+    confirm = statistics.mean(len(signature) for signature in sent.signatures)
     vector = 8 * (values + 1)
-    total = advert + sealed + reveal
+    total = advert + sealed + confirm + reveal
     mode = "full mesh" if neighbors is None else "SecAgg+"
     k = count - 1 if neighbors is None else neighbors
     return (
-        f"| {count} | {mode} | {k} | {advert:,.0f} | {sealed:,.0f} | {reveal:,.0f} | "
+        f"| {count} | {mode} | {k} | {advert:,.0f} | {sealed:,.0f} | {confirm:,.0f} | "
+        f"{reveal:,.0f} | "
         f"**{total:,.0f}** | {vector:,} | {100 * total / vector:.3f}% |"
     )
 
@@ -287,10 +295,10 @@ def section_bytes(values: int) -> None:
         f"\nbytes one silo sends per round (mean over silos), masked vector of {values:,} values\n"
     )
     print(
-        "| N | mode | k | advertisement | sealed shares | reveal | protocol total | masked vector "
-        "| protocol / vector |"
+        "| N | mode | k | advertisement | sealed shares | confirmation | reveal | protocol total "
+        "| masked vector | protocol / vector |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 

@@ -481,6 +481,11 @@ class Silo:
         self._secure_bytes += sum(len(v) for v in shares.sealed.values())
         return shares
 
+    def confirm(self, request: UnmaskRequest) -> bytes:
+        """Secure aggregation, the consistency round: this silo's signature of the unmask
+        request it is shown, the one it will reveal shares for."""
+        return self._protocol().confirm(request)
+
     def unmask(self, request: UnmaskRequest) -> Reveal:
         """Secure aggregation, step 4: the shares the server needs to remove the masks (after
         the fit, so not in its bytes_sent: 66 bytes a share)."""

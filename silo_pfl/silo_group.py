@@ -37,6 +37,7 @@ API = frozenset(
         "adapt",
         "advertise",
         "share_keys",
+        "confirm",
         "unmask",
     }
 )

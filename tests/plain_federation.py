@@ -3,6 +3,8 @@ algorithm's procedure: real hospitals' data, every update checked and aggregated
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from silo_pfl.config import to_dict
@@ -59,7 +61,10 @@ def aggregate(
     if report.unmask is None:
         return report
     by_name = {silo.name: silo for silo in silos}
-    reveals = [by_name[n].unmask(report.unmask) for n in report.unmask.survivors]
+    request = report.unmask
+    signatures = tuple((n, by_name[n].confirm(request)) for n in sorted(request.survivors))
+    request = replace(request, signatures=signatures)
+    reveals = [by_name[n].unmask(request) for n in request.survivors]
     if sent is not None:
         sent += reveals
     return server.unmask(*reveals)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -10,6 +11,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from silo_pfl.secure import identity
 from silo_pfl.secure.aggregator import SecureAggregator
 from silo_pfl.secure.client import SecureClient
+from silo_pfl.secure.messages import UnmaskRequest
 from silo_pfl.secure.params import SecureParams
 from silo_pfl.secure.topology import default_threshold
 
@@ -36,6 +38,7 @@ def run_round(
     before_sharing: Sequence[str] = (),
     before_masking: Sequence[str] = (),
     after_masking: Sequence[str] = (),
+    after_confirming: Sequence[str] = (),
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """One round; silos named in a drop list stop before that step. Returns the unmasked sum
     and every masked vector the server received."""
@@ -50,6 +53,17 @@ def run_round(
     }
     for name in masking:
         server.check(name, round_, attempt)
-    request = server.unmask_request(list(vectors))
-    reveals = [clients[n].unmask(request) for n in masking if n not in after_masking]
+    request = confirmed(clients, server.unmask_request(list(vectors)), after_masking)
+    gone = {*after_masking, *after_confirming}
+    reveals = [clients[n].unmask(request) for n in masking if n not in gone]
     return server.unmask(vectors, reveals), vectors
+
+
+def confirmed(
+    clients: Mapping[str, SecureClient], request: UnmaskRequest, gone: Sequence[str] = ()
+) -> UnmaskRequest:
+    """The consistency round as the driver runs it: `request` with the signature of each of its
+    survivors not in `gone`."""
+    signers = [n for n in request.survivors if n not in gone]
+    signatures = tuple((n, clients[n].confirm(request)) for n in sorted(signers))
+    return replace(request, signatures=signatures)

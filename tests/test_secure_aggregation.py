@@ -15,8 +15,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from plain_federation import aggregate, federation, fit_all
 from scipy import stats
+from secure_protocol import confirmed, run_round
 from secure_protocol import federation as protocol_federation
-from secure_protocol import run_round
 
 from silo_pfl.aggregation import weighted_mean
 from silo_pfl.cli import main
@@ -106,11 +106,19 @@ def test_below_the_threshold_a_round_fails_at_every_step_and_nothing_is_unmasked
     adverts = [clients[n].advertise(1, 1) for n in names]
     with pytest.raises(SecureRoundError, match=r"3 silos at key advertisement, fewer than .*=4"):
         server.enroll(1, 1, adverts[:3])
-    # Two silos lost after masking, one before: 3 of 6 reveal, 4 shares are needed.
-    with pytest.raises(SecureRoundError, match=r"shares of silo s0\d's .* arrived, 4 needed"):
+    # Two silos lost after masking, one before: 3 of 6 could confirm the unmask request, 4
+    # signatures are needed, so none reveals a share.
+    with pytest.raises(FederationError, match=r"only 3 survivors signed .*secure_threshold=4"):
         run_round(
             clients, server, payloads, weights, round_=2, before_masking=["s05"],
             after_masking=["s01", "s02"],
+        )  # fmt: skip
+    # Two lost once they had confirmed it: 3 of 6 reveal, 4 shares are needed.
+    _, clients, server = protocol_federation(6)
+    with pytest.raises(SecureRoundError, match=r"shares of silo s0\d's .* arrived, 4 needed"):
+        run_round(
+            clients, server, payloads, weights, before_masking=["s05"],
+            after_confirming=["s01", "s02"],
         )  # fmt: skip
     _, clients, server = protocol_federation(6)
     with pytest.raises(SecureRoundError, match="3 silos at masked input"):
@@ -154,6 +162,41 @@ def test_a_driver_that_shrinks_the_peer_set_is_caught():
         clients["s00"].share_keys(adverts[:2])
 
 
+def test_a_driver_that_shows_silos_different_survivor_sets_unmasks_nothing_of_one_silo():
+    """SecAgg+ (N = 10, k = 3, t = 7): to strip silo B's masks a coordinator needs B's
+    self-mask seed from B's holders, its neighbours, told that B survived, and the neighbours'
+    mask keys from silos told that they dropped. It shows each neighbour a request in which it
+    survived and the other silos one in which the neighbours dropped. Each silo signs the one
+    request it is shown: the neighbours' requests gather one signature each, so they reveal
+    nothing, and B's seed stays below its share threshold."""
+    params, clients, server = protocol_federation(10, neighbors=3)
+    names = list(clients)
+    payloads, weights = _payloads(clients), _weights(clients)
+    adverts = [c.advertise(1, 1) for c in clients.values()]
+    server.enroll(1, 1, adverts)
+    inbox = server.route([clients[n].share_keys(adverts) for n in names])
+    for name in names:
+        clients[name].mask(payloads[name], weights[name], 1, 1, inbox[name])
+    plan, victim = server.topology, names[0]
+    neighbours = set(plan.peers[victim])
+    shown = {}
+    for name in names:  # each silo its own story
+        dropped = tuple(sorted(neighbours - {name}))
+        shown[name] = UnmaskRequest(1, 1, tuple(sorted(set(names) - set(dropped))), dropped)
+    signatures = {n: clients[n].confirm(shown[n]) for n in names}
+    seed_shares = 0
+    for name in names:
+        signed = tuple((m, sig) for m, sig in signatures.items() if shown[m] == shown[name])
+        request = dataclasses.replace(shown[name], signatures=signed)
+        if name in neighbours:
+            with pytest.raises(FederationError, match=rf"silo {name}: only 1 survivors signed"):
+                clients[name].unmask(request)
+        else:
+            seed_shares += victim in clients[name].unmask(request).seeds
+    assert len(signatures) - len(neighbours) >= params.threshold  # the lie to the others holds
+    assert seed_shares < plan.threshold  # but B's seed cannot be rebuilt from it
+
+
 def test_a_replayed_round_is_refused_at_every_step():
     _, clients, server, adverts = _lying_setup()
     a = clients["s00"]
@@ -169,8 +212,18 @@ def test_a_replayed_round_is_refused_at_every_step():
         a.mask(payload, 7, 1, 1, inbox["s00"])
     names = tuple(sorted(clients))
     with pytest.raises(FederationError, match="asked for both secrets of s03"):
-        a.unmask(UnmaskRequest(1, 1, names, ("s03",)))
-    a.unmask(UnmaskRequest(1, 1, names, ()))
+        a.confirm(UnmaskRequest(1, 1, names, ("s03",)))
+    request = UnmaskRequest(1, 1, names, ())
+    signatures = [("s00", a.confirm(request))]
+    with pytest.raises(FederationError, match="refuses to confirm a second unmask request"):
+        a.confirm(UnmaskRequest(1, 1, names[:-1], names[-1:]))
+    for name in names[1:]:
+        clients[name].mask(payload, 5, 1, 1, inbox[name])
+        signatures.append((name, clients[name].confirm(request)))
+    other = UnmaskRequest(1, 1, names[:-1], names[-1:], tuple(signatures))
+    with pytest.raises(FederationError, match="for another survivor set than the one it confirmed"):
+        a.unmask(other)
+    a.unmask(dataclasses.replace(request, signatures=tuple(signatures)))
     with pytest.raises(FederationError, match="refuses to unmask round 1 attempt 1 twice"):
         a.unmask(UnmaskRequest(1, 1, names[:-1], names[-1:]))
     # Round 1's keys offered again in round 2 are refused by the peers.
@@ -252,8 +305,8 @@ def test_what_the_server_sees_is_indistinguishable_from_uniform():
         r = np.corrcoef(seen.view(np.int64)[:-1].astype(np.float64), truth)[0, 1]
         assert abs(r) < 6 / np.sqrt(truth.size)  # 6 standard errors of a zero correlation
     assert np.corrcoef(truth, truth)[0, 1] > 0.99
-    total = server.unmask(masked, [c.unmask(server.unmask_request(list(masked))) for c in
-                                   clients.values()])  # fmt: skip
+    request = confirmed(clients, server.unmask_request(list(masked)))
+    total = server.unmask(masked, [c.unmask(request) for c in clients.values()])
     _assert_weighted(total, payloads, weights, shapes)
 
 
@@ -402,7 +455,9 @@ def test_secure_silos_hand_the_server_only_masked_vectors_and_it_checks_them(job
     refused = server.aggregate(*updates[:3], plain)
     assert "silo va: aggregation.secure is on" in refused.rejected["va"]
     assert refused.unmask is not None and refused.unmask.survivors == HOSPITALS[:3]
-    server.unmask(*[s.unmask(refused.unmask) for s in silos[:3]])  # unmasks round 1 (3 silos)
+    signatures = tuple((s.name, s.confirm(refused.unmask)) for s in silos[:3])
+    request = dataclasses.replace(refused.unmask, signatures=signatures)
+    server.unmask(*[s.unmask(request) for s in silos[:3]])  # unmasks round 1 (3 silos)
     # va's vector of round 1, replayed in round 2 before any keys were shared, is refused.
     late = dataclasses.replace(updates[3], round=2)
     refused = server.aggregate(late).rejected["va"]

@@ -2,7 +2,8 @@
 
 Plain: the silos fit, the server aggregates. Secure (silo_pfl.secure): before the fit the
 silos advertise signed keys and share sealed secrets, relayed through the server, which fixes
-who may mask; after the fit the survivors reveal the shares that unmask the sum. The driver
+who may mask; after the fit the survivors sign the server's unmask request (the consistency
+round), and with the threshold's signatures on it reveal the shares that unmask the sum. The driver
 only relays: every message is signed or sealed between silos, or is a share the server may see.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from silo_pfl.messages import RoundReport
@@ -70,7 +71,7 @@ class PlainSteps:
 
 
 class SecureSteps(PlainSteps):
-    """Bonawitz et al.'s four steps around the fit: advertise, share keys, (mask), unmask."""
+    """Bonawitz et al.'s steps around the fit: advertise, share keys, (mask), confirm, unmask."""
 
     fits_alone = False  # each fit needs its round's keys and its peers' shares
 
@@ -112,8 +113,13 @@ class SecureSteps(PlainSteps):
                 then(first.report, first.inputs)
             return first
         survivors = {n: live[n] for n in request.survivors}
-        refs = call_many(survivors, "unmask", request)
-        reveals, absent, died = self.gather({n: r for n, (r,) in refs.items()}, self.timeout)
+        refs = call_many(survivors, "confirm", request)
+        signatures, absent, died = self.gather({n: r for n, (r,) in refs.items()}, self.timeout)
+        signed = replace(request, signatures=tuple(sorted(signatures.items())))
+        refs = call_many({n: live[n] for n in signatures}, "unmask", signed)
+        reveals, lost, gone = self.gather({n: r for n, (r,) in refs.items()}, self.timeout)
+        absent.update(lost)
+        died |= gone
         for name, reason in sorted(absent.items()):
             log.warning("round %d: silo %s revealed no shares: %s", round_, name, reason)
         report_ref, *inputs = self.server.unmask.options(num_returns=3).remote(*reveals.values())

@@ -3,9 +3,12 @@
 Per round and attempt: (1) `advertise` two fresh X25519 keys, signed by the silo's identity;
 (2) `share_keys`: verify every peer's signed advertisement and the peer set, then seal t-of-n
 shares of the self-mask seed and of the mask key to each peer; (3) `mask` the encoded update
-with the self mask and a pairwise mask per peer that shared; (4) `unmask`: reveal the seed
-shares of survivors and the mask-key shares of those that dropped after step 2, never both
-for one silo. Each step runs at most once per round and attempt, in that order.
+with the self mask and a pairwise mask per peer that shared; (4) `confirm` the server's unmask
+request by signing it, then `unmask`: reveal the seed shares of survivors and the mask-key shares
+of those that dropped after step 2, never both for one silo, and only for the request the silo
+confirmed and the threshold of survivors signed (Bonawitz et al.'s consistency round: a
+coordinator cannot show silos different survivor sets). Each step runs at most once per round
+and attempt, in that order.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class _Round:
     held: dict[str, tuple[int, int]] = field(default_factory=dict)  # owner -> its two shares
     paired: tuple[str, ...] = ()  # peers that shared keys: the pairwise masks
     masked: bool = False
+    confirmed: UnmaskRequest | None = None  # the one unmask request it signed
     revealed: bool = False
 
 
@@ -102,6 +106,46 @@ class SecureClient:
         self._round: _Round | None = None
         self._last = (0, 0)  # the last round and attempt advertised
         self._revealed: tuple[int, int] | None = None  # the last round and attempt it unmasked
+
+    def _check_request(self, state: _Round, request: UnmaskRequest) -> None:
+        """An unmask request this silo may answer: it survived, with at least the threshold of
+        enrolled survivors, and no silo both survived and dropped."""
+        survivors, dropped = set(request.survivors), set(request.dropped)
+        if survivors & dropped:
+            both = ", ".join(sorted(survivors & dropped))
+            raise self._fail(f"asked for both secrets of {both}; it reveals only one")
+        if self.silo not in survivors:
+            raise self._fail("not among the survivors it is asked to unmask for")
+        needed = self.params.threshold
+        if len(survivors) < needed:
+            raise self._fail(
+                f"{len(survivors)} survivors, fewer than aggregation.secure_threshold={needed}"
+            )
+        unknown = survivors - set(state.adverts)
+        if unknown:
+            raise self._fail(f"survivor {sorted(unknown)[0]} was not enrolled this round")
+
+    def _check_signatures(self, request: UnmaskRequest) -> None:
+        """At least the threshold of the request's survivors signed exactly this request."""
+        message = request.signed_bytes(self.params.federation)
+        signed = set()
+        for silo, signature in request.signatures:
+            identity = self.trusted.get(silo)
+            if silo not in request.survivors or identity is None:
+                continue
+            try:
+                Ed25519PublicKey.from_public_bytes(identity).verify(signature, message)
+            except InvalidSignature:
+                continue
+            signed.add(silo)
+        needed = self.params.threshold
+        if len(signed) < needed:
+            raise self._fail(
+                f"only {len(signed)} survivors signed the unmask request of round "
+                f"{request.round} attempt {request.attempt}, fewer than "
+                f"aggregation.secure_threshold={needed}; it reveals nothing (silos lost, or "
+                "shown other survivor sets)"
+            )
 
     def _fail(self, message: str) -> FederationError:
         return FederationError(f"silo {self.silo}: {message}")
@@ -246,8 +290,26 @@ class SecureClient:
         apply_streams(vector, keys)
         return vector
 
+    def confirm(self, request: UnmaskRequest) -> bytes:
+        """The consistency round: this silo's signature of the unmask request it is shown, the
+        one request of this attempt it will reveal shares for."""
+        state = self._current(request.round, request.attempt)
+        if not state.masked:
+            raise self._fail(f"asked to confirm round {request.round}'s unmasking before masking")
+        if state.confirmed is not None:
+            raise self._fail(
+                f"refuses to confirm a second unmask request for round {request.round} attempt "
+                f"{request.attempt}"
+            )
+        self._check_request(state, request)
+        state.confirmed = UnmaskRequest(
+            request.round, request.attempt, request.survivors, request.dropped
+        )
+        return self._identity.sign(request.signed_bytes(self.params.federation))
+
     def unmask(self, request: UnmaskRequest) -> Reveal:
-        """Step 4: the seed shares of survivors and the mask-key shares of the dropped."""
+        """Step 4: the seed shares of survivors and the mask-key shares of the dropped, for the
+        request this silo confirmed, once the threshold of its survivors signed it."""
         state = self._current(request.round, request.attempt)
         if not state.masked:
             raise self._fail(f"asked to unmask round {request.round} before masking")
@@ -255,20 +317,14 @@ class SecureClient:
             raise self._fail(
                 f"refuses to unmask round {request.round} attempt {request.attempt} twice"
             )
-        survivors, dropped = set(request.survivors), set(request.dropped)
-        if survivors & dropped:
-            both = ", ".join(sorted(survivors & dropped))
-            raise self._fail(f"asked for both secrets of {both}; it reveals only one")
-        if self.silo not in survivors:
-            raise self._fail("not among the survivors it is asked to unmask for")
-        needed = self.params.threshold
-        if len(survivors) < needed:
+        unsigned = UnmaskRequest(request.round, request.attempt, request.survivors, request.dropped)
+        if state.confirmed != unsigned:
             raise self._fail(
-                f"{len(survivors)} survivors, fewer than aggregation.secure_threshold={needed}"
+                f"asked to unmask round {request.round} attempt {request.attempt} for another "
+                "survivor set than the one it confirmed"
             )
-        unknown = survivors - set(state.adverts)
-        if unknown:
-            raise self._fail(f"survivor {sorted(unknown)[0]} was not enrolled this round")
+        self._check_signatures(request)
+        survivors, dropped = set(request.survivors), set(request.dropped)
         seeds, keys = {}, {}
         for owner, (seed_share, key_share) in sorted(state.held.items()):
             if owner in survivors:

@@ -33,12 +33,19 @@ class SealedShares:
 
 @dataclass(frozen=True)
 class UnmaskRequest:
-    """Step 4: whose masked vectors arrived (survivors) and who dropped after step 2."""
+    """Step 4: whose masked vectors arrived (survivors) and who dropped after step 2; with the
+    survivors' signatures of it (the consistency round) once they have confirmed it."""
 
     round: int
     attempt: int
     survivors: tuple[str, ...]
     dropped: tuple[str, ...]
+    signatures: tuple[tuple[str, bytes], ...] = ()  # (survivor, its signature of the request)
+
+    def signed_bytes(self, federation: str) -> bytes:
+        """What a survivor signs to confirm this request: all of it but the signatures."""
+        sets = f"{','.join(sorted(self.survivors))}|{','.join(sorted(self.dropped))}"
+        return f"silo_pfl secagg unmask|{federation}|{self.round}|{self.attempt}|{sets}".encode()
 
 
 @dataclass(frozen=True)
