@@ -85,10 +85,10 @@ def test_the_next_fits_begin_before_the_driver_has_chosen_among_the_evaluations(
     seen: list[list[str]] = []
     choose = Selector.choose
 
-    def choose_once_the_next_fits_began(self, evals):
+    def choose_once_the_next_fits_began(self, evals, unselected=()):
         if evals and evals[0].round == 1:
             seen.append(await_fits(markers, 2, len(evals)))
-        return choose(self, evals)
+        return choose(self, evals, unselected)
 
     monkeypatch.setattr(Selector, "choose", choose_once_the_next_fits_began)
     config = job(
