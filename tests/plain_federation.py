@@ -3,9 +3,8 @@ algorithm's procedure: real hospitals' data, every update checked and aggregated
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
+from secure_protocol import confirmed
 
 from silo_pfl.config import to_dict
 from silo_pfl.messages import FitMetrics, RoundReport, SiloUpdate
@@ -61,9 +60,7 @@ def aggregate(
     if report.unmask is None:
         return report
     by_name = {silo.name: silo for silo in silos}
-    request = report.unmask
-    signatures = tuple((n, by_name[n].confirm(request)) for n in sorted(request.survivors))
-    request = replace(request, signatures=signatures)
+    request = confirmed(by_name, report.unmask)
     reveals = [by_name[n].unmask(request) for n in request.survivors]
     if sent is not None:
         sent += reveals

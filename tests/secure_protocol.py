@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -60,10 +61,10 @@ def run_round(
 
 
 def confirmed(
-    clients: Mapping[str, SecureClient], request: UnmaskRequest, gone: Sequence[str] = ()
+    clients: Mapping[str, Any], request: UnmaskRequest, gone: Sequence[str] = ()
 ) -> UnmaskRequest:
     """The consistency round as the driver runs it: `request` with the signature of each of its
-    survivors not in `gone`."""
+    survivors not in `gone` (`clients`: SecureClients, or Silos, which confirm through theirs)."""
     signers = [n for n in request.survivors if n not in gone]
     signatures = tuple((n, clients[n].confirm(request)) for n in sorted(signers))
     return replace(request, signatures=signatures)

@@ -455,8 +455,7 @@ def test_secure_silos_hand_the_server_only_masked_vectors_and_it_checks_them(job
     refused = server.aggregate(*updates[:3], plain)
     assert "silo va: aggregation.secure is on" in refused.rejected["va"]
     assert refused.unmask is not None and refused.unmask.survivors == HOSPITALS[:3]
-    signatures = tuple((s.name, s.confirm(refused.unmask)) for s in silos[:3])
-    request = dataclasses.replace(refused.unmask, signatures=signatures)
+    request = confirmed({s.name: s for s in silos[:3]}, refused.unmask)
     server.unmask(*[s.unmask(request) for s in silos[:3]])  # unmasks round 1 (3 silos)
     # va's vector of round 1, replayed in round 2 before any keys were shared, is refused.
     late = dataclasses.replace(updates[3], round=2)

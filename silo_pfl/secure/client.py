@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from cryptography.exceptions import InvalidSignature
@@ -76,19 +76,24 @@ def verify(
                 f"{who}: its keys are for round {advert.round} attempt {advert.attempt}, not "
                 f"round {round_} attempt {attempt} (a replayed advertisement)"
             )
-        identity = trusted.get(advert.silo)
-        try:
-            if identity is None:
-                raise InvalidSignature
-            Ed25519PublicKey.from_public_bytes(identity).verify(
-                advert.signature, advert.signed_bytes(params.federation)
-            )
-        except InvalidSignature:
+        message = advert.signed_bytes(params.federation)
+        if not signed_by(trusted.get(advert.silo), advert.signature, message):
             raise FederationError(
                 f"{who}: its round keys are not signed by its identity key (substituted keys)"
-            ) from None
+            )
         checked[advert.silo] = advert
     return checked
+
+
+def signed_by(identity: bytes | None, signature: bytes, message: bytes) -> bool:
+    """Whether `signature` is of `message` by the Ed25519 public key `identity` (None: none)."""
+    if identity is None:
+        return False
+    try:
+        Ed25519PublicKey.from_public_bytes(identity).verify(signature, message)
+    except InvalidSignature:
+        return False
+    return True
 
 
 class SecureClient:
@@ -128,16 +133,11 @@ class SecureClient:
     def _check_signatures(self, request: UnmaskRequest) -> None:
         """At least the threshold of the request's survivors signed exactly this request."""
         message = request.signed_bytes(self.params.federation)
-        signed = set()
-        for silo, signature in request.signatures:
-            identity = self.trusted.get(silo)
-            if silo not in request.survivors or identity is None:
-                continue
-            try:
-                Ed25519PublicKey.from_public_bytes(identity).verify(signature, message)
-            except InvalidSignature:
-                continue
-            signed.add(silo)
+        signed = {
+            silo
+            for silo, signature in request.signatures
+            if silo in request.survivors and signed_by(self.trusted.get(silo), signature, message)
+        }
         needed = self.params.threshold
         if len(signed) < needed:
             raise self._fail(
@@ -302,9 +302,7 @@ class SecureClient:
                 f"{request.attempt}"
             )
         self._check_request(state, request)
-        state.confirmed = UnmaskRequest(
-            request.round, request.attempt, request.survivors, request.dropped
-        )
+        state.confirmed = replace(request, signatures=())
         return self._identity.sign(request.signed_bytes(self.params.federation))
 
     def unmask(self, request: UnmaskRequest) -> Reveal:
@@ -317,8 +315,7 @@ class SecureClient:
             raise self._fail(
                 f"refuses to unmask round {request.round} attempt {request.attempt} twice"
             )
-        unsigned = UnmaskRequest(request.round, request.attempt, request.survivors, request.dropped)
-        if state.confirmed != unsigned:
+        if state.confirmed != replace(request, signatures=()):
             raise self._fail(
                 f"asked to unmask round {request.round} attempt {request.attempt} for another "
                 "survivor set than the one it confirmed"
