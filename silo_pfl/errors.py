@@ -1,6 +1,15 @@
 """Errors a user can act on. Each message is one line naming the key, silo or file at fault."""
 
+import re
 import signal
+
+# Query parameters whose values are secrets (e.g. ?token=..., ?sslpassword=..., &sig=...).
+_SECRET_WORDS = "token|password|passwd|secret|key|sig|signature|auth|credential"
+SECRET_QUERY = re.compile(f"({_SECRET_WORDS})", re.I)
+# In free text: a URL's password (scheme://user:PASSWORD@host, up to its last @ before the path)
+# and the values of its secret query parameters.
+_URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^\s/@:]*:)[^\s/]*@", re.I)
+_URL_SECRET = re.compile(rf"([?&][^=&\s#]*(?:{_SECRET_WORDS})[^=&\s#]*=)[^&\s#]*", re.I)
 
 
 class SiloPflError(Exception):
@@ -59,10 +68,17 @@ def interruption(exc: KeyboardInterrupt, signum: int | None = None) -> Interrupt
     return Interrupted() if signum is None else Interrupted(signum)
 
 
+def scrub(text: str) -> str:
+    """`text` with every URL's password and secret query values as ***: what an error says of a
+    store (MLflow's "API request to http://user:password@host/... failed") is printed, logged and
+    sent to the driver, and none of those may hold a credential."""
+    return _URL_SECRET.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", text))
+
+
 def one_line(exc: BaseException) -> str:
-    """The first line of an exception's message, or its type."""
+    """The first line of an exception's message, or its type; credentials scrubbed."""
     text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    return scrub(text.splitlines()[0]) if text else type(exc).__name__
 
 
 def typed_line(exc: BaseException) -> str:

@@ -19,7 +19,7 @@ import ray
 from silo_pfl import durable
 from silo_pfl.config import FederationConfig
 from silo_pfl.config_views import actor_view
-from silo_pfl.errors import FederationError, SiloPflError, typed_line
+from silo_pfl.errors import FederationError, SiloPflError, scrub, typed_line
 from silo_pfl.messages import CallFailed, RoundReport
 from silo_pfl.runtime import host_pool, huge_pages
 from silo_pfl.runtime.metrics import SiloMetrics
@@ -330,7 +330,7 @@ def get(
         cause = task_error_cause(exc)
         if isinstance(cause, SiloPflError):
             raise cause from None
-        first = str(cause).strip().splitlines()[-1] if str(cause).strip() else ""
+        first = scrub(str(cause).strip().splitlines()[-1]) if str(cause).strip() else ""
         raise FederationError(f"{what} failed: {type(cause).__name__}: {first}") from exc
     except ray.exceptions.GetTimeoutError:
         late = ""

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from silo_pfl.errors import ConfigError
+from silo_pfl.errors import ConfigError, FederationError, SiloPflError, typed_line
 from silo_pfl.tracking import registry
 from silo_pfl.tracking.store import check_artifact_dir, ensure_experiment, open_client
 from silo_pfl.tracking.uri import node_uri, redact, sqlite_path
@@ -63,6 +63,10 @@ class MlflowExporter:
     def check(self, silo: str) -> None:
         """Before round 1, from the silo's node: its store (or artifact location) is usable,
         and, in its own store, its registered name is no other silo's."""
+        with self._store_errors(silo, "checking its store"):
+            self._check(silo)
+
+    def _check(self, silo: str) -> None:
         if self.own_store:
             uri = node_uri(self.uri, self.key, silo)
             client = open_client(uri, self.key)
@@ -80,6 +84,24 @@ class MlflowExporter:
 
     def export(self, model: PersonalizedModel) -> dict[str, str]:
         """Write the model (signature, input example) to the store; register it if own store."""
+        with self._store_errors(model.silo, "exporting its model"):
+            return self._export(model)
+
+    @contextlib.contextmanager
+    def _store_errors(self, silo: str, doing: str) -> Iterator[None]:
+        """A store's failure, as one line with its credentials scrubbed (`typed_line`), before
+        it leaves the silo's process: MLflow's own message holds the URL it called, password
+        and all, and a silo's own store's are filled in on its node only."""
+        try:
+            yield
+        except SiloPflError:
+            raise
+        except Exception as exc:
+            raise FederationError(
+                f"silo {silo}: {self.key} {redact(self.uri)}: {doing} failed ({typed_line(exc)})"
+            ) from None
+
+    def _export(self, model: PersonalizedModel) -> dict[str, str]:
         outcome = model.outcome
         scores = {
             registry.ROUND: str(outcome.selected_round),

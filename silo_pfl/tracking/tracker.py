@@ -20,7 +20,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig, to_dict
@@ -162,11 +161,9 @@ class MlflowTracker(Callback):
                     self.client.log_batch(run_id, metrics=batch, synchronous=True)
         except Exception as exc:
             self.unreachable = True
-            cause, password = one_line(exc), urlsplit(self.uri).password
             raise FederationError(
                 f"tracking.uri {redact(self.uri)}: the store stopped answering as the run logged "
-                f"its figures ({cause.replace(password, '***') if password else cause}); once it "
-                "answers again, --resume goes on"
+                f"its figures ({one_line(exc)}); once it answers again, --resume goes on"
             ) from None
         self.buffered.clear()
         self.flushed_at = time.monotonic()

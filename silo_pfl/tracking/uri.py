@@ -10,12 +10,11 @@ refuses to open, so neither is taken.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
 
 from silo_pfl import node_env
-from silo_pfl.errors import ConfigError
+from silo_pfl.errors import SECRET_QUERY, ConfigError
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 ENV_URI = "MLFLOW_TRACKING_URI"
@@ -90,16 +89,13 @@ def artifact_dir(uri: str, experiment: str) -> Path | None:
     return None if path is None else path.resolve().parent / ARTIFACTS_DIR / experiment
 
 
-# Query parameters whose values are secrets (e.g. ?token=..., ?sslpassword=..., &sig=...).
-SECRET_QUERY = re.compile(r"(token|password|passwd|secret|key|sig|signature|auth|credential)", re.I)
-
-
 def redact(uri: str) -> str:
     """The URI without its password or secret query values, for params, results and messages."""
     parts = urlsplit(uri)
     redacted = uri
-    if parts.password is not None:
-        netloc = re.sub(r":[^:@]*@", ":***@", parts.netloc, count=1)
+    if parts.password is not None:  # user:password@host, the password up to the last @
+        userinfo, _, host = parts.netloc.rpartition("@")
+        netloc = f"{userinfo.partition(':')[0]}:***@{host}"
         redacted = redacted.replace(parts.netloc, netloc, 1)
     query = "&".join(
         f"{name}=***" if sep and SECRET_QUERY.search(name) else f"{name}{sep}{value}"
