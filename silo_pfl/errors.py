@@ -28,6 +28,11 @@ class FederationError(SiloPflError):
     """The federation could not run: a silo failed, the cluster is unreachable, ..."""
 
 
+class SiloLost(FederationError):
+    """A silo's worker restarted since the silo last answered (Ray brings a dead worker back
+    empty), so it holds the silo no more: the driver counts the silo as died, and rejoins it."""
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM stopped a run. Once the run has checkpointed a round, it names the run
     and that round, which `--resume` continues from."""

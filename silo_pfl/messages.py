@@ -115,9 +115,11 @@ class EvalMetrics:
 @dataclass(frozen=True)
 class CallFailed:
     """What a worker answers for one of its silos whose call raised, in a call made for several:
-    the error in one line ("ValueError: ..."), so the others' answers still arrive."""
+    the error in one line ("ValueError: ..."), so the others' answers still arrive. `lost`: the
+    worker restarted and holds the silo no more (errors.SiloLost), which counts as its death."""
 
     error: str
+    lost: bool = False
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import random
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -158,6 +159,51 @@ def test_a_silo_killed_mid_round_restarts_from_its_checkpoint(
     va = next(r for r in runs if r.data.tags["silo"] == "va")
     assert va.data.tags["restarts"] == "1"
     assert va.data.tags["round_3_restored"] == killer.digests["va"][2]
+
+
+def _silo_workers() -> set[int]:
+    """The pids of this machine's silo worker processes (Ray titles them ray::SiloHost)."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if entry.name.isdigit() and (entry / "cmdline").read_bytes().startswith(
+                b"ray::SiloHost"
+            ):
+                pids.add(int(entry.name))
+    return pids
+
+
+class KillWhenIdle(Watch):
+    """Kills one silo's worker once every silo is set up and built, while it runs no call, and
+    waits until Ray has started its replacement: the next call reaches a worker that is empty."""
+
+    def on_start(self, config, silos, split) -> None:
+        super().on_start(config, silos, split)
+        before = _silo_workers()
+        os.kill(self.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not (_silo_workers() - before) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.replaced = bool(_silo_workers() - before) and self.pid not in _silo_workers()
+
+
+def test_a_worker_killed_while_idle_is_rejoined_at_its_next_call(tmp_path, undisturbed):
+    """va's worker, packed with another silo, dies between calls. Ray starts it again, empty;
+    the first round's fits find neither silo there. Both count as died and rejoin from their
+    round-0 commit, and the run equals the undisturbed one bit for bit. Before, the empty worker
+    answered "holds no silos" as a failure, no silo rejoined, and the run ended without quorum."""
+    killer = KillWhenIdle("va")
+    result = _run(
+        tmp_path, "runs", "ray.silos_per_worker=2", "tracking.enabled=false", callbacks=[killer]
+    )
+    assert killer.replaced and len(killer.housemates) == 2
+    first = result.history[0]
+    assert sorted(first.restarted) == killer.housemates
+    assert all(first.restarted[s]["round"] == 0 for s in killer.housemates)
+    assert {s: r.restarts for s, r in result.silos.items()} == {
+        s: int(s in killer.housemates) for s in result.silos
+    }
+    _assert_bit_equal(_final_states(result), _final_states(undisturbed))
 
 
 def test_scaffolds_silo_killed_after_its_update_was_aggregated_keeps_c_the_mean(tmp_path):

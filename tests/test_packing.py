@@ -184,3 +184,38 @@ def test_a_packed_silo_whose_fit_raises_is_left_out_alone(tmp_path):
     assert second.absent == {"va": "failed: RuntimeError: disk full"}
     assert second.participants == ["cleveland", "hungarian", "switzerland"]
     assert result.history[2].participants == ["cleveland", "hungarian", "switzerland", "va"]
+
+
+def test_a_restarted_worker_holds_its_silos_as_lost_until_each_rejoins(job):
+    """Ray brings a dead worker back empty, whether a call was in flight or not. Each of its
+    silos then answers SiloLost (which the driver counts as a death, and rejoins) until it has
+    rejoined itself: the first to rejoin opens the worker again, and its housemates are still
+    lost, not fresh silos that were never set up."""
+    from silo_pfl.config_views import actor_view
+    from silo_pfl.messages import CallFailed
+    from silo_pfl.runtime.actors import Opening, SiloHost
+
+    cfg = job("jobs/heart_disease.yaml", "round.min_silos=1")
+    config = to_dict(cfg)
+    opening = Opening(actor_view(config, SILOS), SILOS, "run", None)
+    host = SiloHost()
+    host.open(*opening.args())
+    infos = [host.group.call(n, "setup") for n in SILOS]  # host.call's setup asks Ray
+    info = infos[0]
+    for name in SILOS:
+        host.call(name, "build", info.input_shape, info.num_classes)
+    server = new_server(config, info.input_shape, info.num_classes)
+    fit = (server.global_state(), 1)
+
+    host = SiloHost()  # restarted by Ray: __init__ only
+    answers = host.many(None, False, "fit", list(SILOS), 2, None, *fit)[1]
+    assert all(isinstance(a, CallFailed) and a.lost for a in answers), answers
+    rejoined = host.rejoin(SILOS[0], opening, info.input_shape, info.num_classes, {}, 0)
+    assert rejoined.round == 0
+    (own,), (housemate,) = (host.many(None, False, "fit", [n], 2, None, *fit)[1] for n in SILOS)
+    assert not isinstance(own, CallFailed)
+    assert isinstance(housemate, CallFailed) and housemate.lost, housemate
+    host.rejoin(SILOS[1], opening, info.input_shape, info.num_classes, {}, 0)
+    assert not isinstance(
+        host.many(None, False, "fit", [SILOS[1]], 2, None, *fit)[1][0], CallFailed
+    )

@@ -19,7 +19,7 @@ import ray
 from silo_pfl import durable
 from silo_pfl.config import FederationConfig
 from silo_pfl.config_views import actor_view
-from silo_pfl.errors import FederationError, SiloPflError, scrub, typed_line
+from silo_pfl.errors import FederationError, SiloLost, SiloPflError, scrub, typed_line
 from silo_pfl.messages import CallFailed, RoundReport
 from silo_pfl.runtime import host_pool, huge_pages
 from silo_pfl.runtime.metrics import SiloMetrics
@@ -48,6 +48,8 @@ class SiloHost:
         self.group: SiloGroup | None = None
         self.opened: tuple[str, tuple[str, ...]] | None = None  # (run id, silos)
         self.metrics: dict[str, SiloMetrics] = {}
+        # Silos this worker held before it restarted and has not restored yet (rejoin).
+        self.lost: set[str] = set()
 
     def open(
         self,
@@ -67,20 +69,27 @@ class SiloHost:
 
     def close(self) -> None:
         """Drop the run's silos: nothing of them stays in the process."""
-        self.group, self.opened, self.metrics = None, None, {}
+        self.group, self.opened, self.metrics, self.lost = None, None, {}, set()
         gc.collect()
 
     def rejoin(self, name: str, opening: Opening, *args: Any) -> Any:
         """Silo `name`'s rejoin after its worker restarted (and came back empty): the worker is
-        opened again for its run first."""
+        opened again for its run first, and its other silos stay lost until they rejoin too."""
         if self.opened != (opening.run_id, tuple(opening.names)):
             self.open(*opening.args())
-        return self.call(name, "rejoin", *args)
+            self.lost = set(opening.names)
+        self.lost.discard(name)
+        try:
+            return self.call(name, "rejoin", *args)
+        except BaseException:
+            self.lost.add(name)
+            raise
 
     def call(self, name: str, method: str, *args: Any) -> Any:
-        """Silo `name`'s `method`; what it returns goes back to the driver."""
-        if self.group is None:
-            raise FederationError(f"silo {name}: its worker holds no silos (restarted, or closed)")
+        """Silo `name`'s `method`; what it returns goes back to the driver. A silo this worker
+        no longer holds (it restarted, idle or not, since the silo last answered) is SiloLost."""
+        if self.group is None or name in self.lost:
+            raise SiloLost(f"silo {name}: its worker restarted and lost it (it rejoins)")
         result = self.group.call(name, method, *args)
         if method == "setup":
             result = dataclasses.replace(result, node_id=ray.get_runtime_context().get_node_id())
@@ -127,7 +136,7 @@ class SiloHost:
         try:
             return self.call(name, method, *args)
         except Exception as exc:
-            return CallFailed(typed_line(exc))
+            return CallFailed(typed_line(exc), lost=isinstance(exc, SiloLost))
 
 
 def _stopped(report: RoundReport | None, accepted_only: bool, name: str) -> str:

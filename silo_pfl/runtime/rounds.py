@@ -38,7 +38,7 @@ import numpy as np
 import ray
 
 from silo_pfl.config import FederationConfig
-from silo_pfl.errors import FederationError, typed_line
+from silo_pfl.errors import FederationError, SiloLost, typed_line
 from silo_pfl.messages import CallFailed, EvalMetrics, FitMetrics, RejoinInfo, RoundReport
 from silo_pfl.results import RoundSummary
 from silo_pfl.runtime.actors import Shared, call_many, task_error_cause
@@ -107,7 +107,8 @@ def gather(
 ) -> tuple[dict[str, Any], dict[str, str], set[str]]:
     """Wait for every ref (or `Shared` item of a worker's answers) until `timeout` s from now.
     Returns the answers, a reason for each silo that failed or was late (`late`, else
-    round.timeout_s's), and the silos whose process died."""
+    round.timeout_s's), and the silos whose process died: during the call, or before it (their
+    restarted worker holds them no more: SiloLost)."""
     if not refs:
         return {}, {}, set()
     objects = {_object(ref): None for ref in refs.values()}  # each once, in order
@@ -121,17 +122,22 @@ def gather(
             absent[name] = late or late_reason(timeout)
             continue
         answer = got[_object(ref)]
+        if isinstance(answer, ray.exceptions.RayTaskError):
+            answer = task_error_cause(answer)
+        elif isinstance(ref, Shared) and not isinstance(answer, ray.exceptions.RayActorError):
+            answer = answer[ref.index]
         if isinstance(answer, ray.exceptions.RayActorError):
             died.add(name)
             absent[name] = f"its process died ({type(answer).__name__})"
-        elif isinstance(answer, ray.exceptions.RayTaskError):
-            absent[name] = f"failed: {typed_line(task_error_cause(answer))}"
+        elif isinstance(answer, SiloLost) or (isinstance(answer, CallFailed) and answer.lost):
+            died.add(name)
+            absent[name] = "its process died before the call (its worker restarted)"
+        elif isinstance(answer, CallFailed):
+            absent[name] = f"failed: {answer.error}"
+        elif isinstance(answer, BaseException):
+            absent[name] = f"failed: {typed_line(answer)}"
         else:
-            answer = answer[ref.index] if isinstance(ref, Shared) else answer
-            if isinstance(answer, CallFailed):
-                absent[name] = f"failed: {answer.error}"
-            else:
-                answers[name] = answer
+            answers[name] = answer
     return answers, absent, died
 
 
@@ -410,13 +416,8 @@ class RoundRunner:
 
     def finish(self) -> None:
         """After the last round: rejoin the silos that died, and give every silo the model
-        selection chose for it, which it had not been told of (the last round's choice)."""
-        self.rejoin_the_dead(self.cfg.rounds)
-        if self.down:
-            raise FederationError(
-                f"the final selection failed{_reasons(self.down)}; once such a node is back, "
-                "resume the run (--resume)"
-            )
+        selection chose for it, which it had not been told of (the last round's choice). A silo
+        that dies as it is told is rejoined and told again, once."""
         never = sorted(n for n, p in self.parties.items() if p.unselected)
         if never:
             raise FederationError(
@@ -424,9 +425,22 @@ class RoundRunner:
                 f"resume with more rounds (--resume rounds={self.cfg.rounds + 1} or more)"
             )
         chosen = {n: p.selected for n, p in self.parties.items()}
-        refs = call_many({n: p.actor for n, p in self.parties.items()}, "select", per_silo=chosen)
-        timeout = self.cfg.round.call_timeout_s
-        _, absent, _ = gather({n: r for n, (r,) in refs.items()}, timeout)
+        for last in (False, True):
+            self.rejoin_the_dead(self.cfg.rounds)
+            if self.down:
+                raise FederationError(
+                    f"the final selection failed{_reasons(self.down)}; once such a node is "
+                    "back, resume the run (--resume)"
+                )
+            actors = {n: self.parties[n].actor for n in chosen}
+            refs = call_many(actors, "select", per_silo=chosen)
+            _, absent, died = gather(
+                {n: r for n, (r,) in refs.items()}, self.cfg.round.call_timeout_s
+            )
+            self._mark_dead(died)
+            if not absent or set(absent) != died or last:
+                break
+            chosen = {n: chosen[n] for n in died}
         if absent:
             raise FederationError(f"the final selection failed{_reasons(absent)}")
 
