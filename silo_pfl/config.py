@@ -456,13 +456,21 @@ def check_name(value: object, key: str, what: str = "") -> None:
 def _check_not_blank(cfg: FederationConfig) -> None:
     """An empty string where null means "the default" (an unset shell variable's value, quoted)
     would silently pick that default: a store in the working directory, a local Ray instead of
-    the cluster, another key directory."""
-    optional = [("tracking.uri", cfg.tracking.uri), ("ray.address", cfg.ray.address)]
+    the cluster, another key directory, identity keys relayed by the driver rather than listed.
+    Nor is output_dir, which has a default but no empty meaning, ever blank."""
+    optional = [
+        ("tracking.uri", cfg.tracking.uri),
+        ("ray.address", cfg.ray.address),
+        ("aggregation.identity_keys", cfg.aggregation.identity_keys),
+    ]
     for silo, section in cfg.silos.items():
         optional.append((f"silos.{silo}.key_dir", getattr(section, "key_dir", None)))
+        optional.append((f"silos.{silo}.identity_key", getattr(section, "identity_key", None)))
     for key, value in optional:
         if isinstance(value, str) and not value.strip():
             raise ConfigError(f"{key}: got {value!r}, expected a value, or null for the default")
+    if not str(cfg.output_dir).strip():
+        raise ConfigError(f"output_dir: got {cfg.output_dir!r}, expected a directory")
 
 
 def check_ranges(cfg: FederationConfig) -> None:
@@ -541,7 +549,13 @@ def check_ranges(cfg: FederationConfig) -> None:
     _require(0 <= server.beta1 < 1, "server.beta1", "0 <= value < 1", server.beta1)
     _require(0 <= server.beta2 < 1, "server.beta2", "0 <= value < 1", server.beta2)
     _require(0 < server.tau < math.inf, "server.tau", "a number > 0", server.tau)
-    _require(cfg.ray.silo_cpus >= 0, "ray.silo_cpus", "a number >= 0", cfg.ray.silo_cpus)
+    cpus = cfg.ray.silo_cpus
+    _require(  # Ray counts resources in steps of 0.0001 and refuses finer ones when placing
+        cpus == 0 or (1e-4 <= cpus < math.inf and round(cpus, 4) == cpus),
+        "ray.silo_cpus",
+        "0, or a number of CPUs from 0.0001 in steps of 0.0001",
+        cpus,
+    )
     per_worker = cfg.ray.silos_per_worker
     _require(
         per_worker == "auto"

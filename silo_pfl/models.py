@@ -17,6 +17,7 @@ each encoder block is one block of `blocks()`, its final LayerNorm belongs to th
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -130,7 +131,7 @@ def mlp(
 ) -> BodyHeadModel:
     """Fully connected layers for tabular data: body.fc1, body.fc2, ..., then head."""
     layers: list[tuple[str, nn.Module]] = [("flatten", nn.Flatten())]
-    width = int(torch.tensor(input_shape).prod())
+    width = math.prod(input_shape)
     for i, out in enumerate(hidden, start=1):
         layers += [(f"fc{i}", nn.Linear(width, out)), (f"relu{i}", nn.ReLU())]
         layers += _adapter(f"adapter{i}", out, adapter_dim, conv=False)

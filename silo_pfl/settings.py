@@ -15,6 +15,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from silo_pfl.algorithms import Algorithm, algorithm_config, build_algorithm
 from silo_pfl.config import (
     FederationConfig,
@@ -162,7 +164,15 @@ def _split_holds(cfg: FederationConfig, algorithm: Algorithm, hidden: list[int])
 def _probe_split(cfg: FederationConfig, algorithm: Algorithm, hidden: list[int]) -> None:
     """The split rules and the algorithm's needs checked on the model built with `hidden`."""
     shape = known_input_shape(cfg.data) or _PROBE_SHAPES.get(cfg.model.name, (1,))
-    model = build_model(cfg.model.name, shape, 2, hidden, cfg.model.adapter_dim)
+    with torch.device("meta"):  # shapes and keys only: nothing is allocated, however large
+        model = build_model(cfg.model.name, shape, 2, hidden, cfg.model.adapter_dim)
+    parameters = sum(p.numel() for p in model.parameters())
+    if parameters > MAX_PARAMETERS:
+        raise ConfigError(
+            f"model: {cfg.model.name} with model.hidden={list(hidden)} and model.adapter_dim="
+            f"{cfg.model.adapter_dim} has {parameters:,} parameters, expected at most "
+            f"{MAX_PARAMETERS:,} (1 GiB of float32 per copy; every silo holds several)"
+        )
     if cfg.train.batch_size < 2 and has_batchnorm(model):
         raise ConfigError(
             f"train.batch_size: got {cfg.train.batch_size}, but model {cfg.model.name} has "
@@ -222,8 +232,10 @@ def _check_finite(sections: dict[str, Any]) -> None:
 
 # The widest hidden layer: two of them hold 268M parameters (1 GiB of float32) per copy of the
 # model, and a silo holds several; a typo's extra digit would otherwise be allocated by every
-# silo process (and by the split's probe here).
+# silo process. The whole model is held to the same (MAX_PARAMETERS, counted on the split's
+# probe, built on torch's meta device), whatever its depth or adapters.
 MAX_WIDTH = 16384
+MAX_PARAMETERS = MAX_WIDTH * MAX_WIDTH
 
 
 def _check_model(cfg: FederationConfig) -> None:

@@ -323,6 +323,18 @@ def test_a_reader_that_has_gone_ends_the_command_quietly(buffered):
             "error: silos.va.key_dir: got '', expected a value, or null for the default",
         ),
         (
+            ["config", HEART, "aggregation.secure=true", "aggregation.identity_keys=''"],
+            "error: aggregation.identity_keys: got '', expected a value, or null for the default",
+        ),
+        (
+            ["config", HEART, "aggregation.secure=true", "silos.va.identity_key=' '"],
+            "error: silos.va.identity_key: got ' ', expected a value, or null for the default",
+        ),
+        (
+            ["config", HEART, "output_dir='  '"],
+            "error: output_dir: got '  ', expected a directory",
+        ),
+        (
             ["models", "--tracking-uri", ""],
             "error: silo-pfl models: --tracking-uri: got '', expected a value, or no "
             "--tracking-uri for the default (see silo-pfl models --help)",

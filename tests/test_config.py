@@ -75,6 +75,22 @@ def test_every_job_loads():
         ),
         (["model.adapter_dim=-2"], "model.adapter_dim: got -2, expected an integer >= 0"),
         (
+            ["ray.silo_cpus=0.00001"],
+            "ray.silo_cpus: got 1e-05, expected 0, or a number of CPUs from 0.0001 in steps of "
+            "0.0001",
+        ),
+        (
+            ["ray.silo_cpus=inf"],
+            "ray.silo_cpus: got inf, expected 0, or a number of CPUs from 0.0001 in steps of "
+            "0.0001",
+        ),
+        (  # counted on the meta device: nothing is allocated (the old probe took 1.3 GB)
+            ["model.adapter_dim=5000000"],
+            "model: mlp with model.hidden=[32] and model.adapter_dim=5000000 has 325,000,546 "
+            "parameters, expected at most 268,435,456 (1 GiB of float32 per copy; every silo "
+            "holds several)",
+        ),
+        (
             ["metrics.linger_s=-1"],
             "metrics.linger_s: got -1.0, expected a number of seconds from 0 to 600",
         ),
