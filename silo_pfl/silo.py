@@ -249,13 +249,21 @@ class Silo:
         info = self.setup(resume=True)
         self.build(input_shape, num_classes, identity_keys)
         digest = self.restore(round_)
+        self.adopt_sent(aggregated)
+        self.attach(exporters or {})
+        return RejoinInfo(self.name, self.committed, digest, info.pid)
+
+    def adopt_sent(self, aggregated: tuple[int, int] | None) -> int:
+        """After `restore`: where the server mirrors the algorithm's state and aggregated this
+        silo's update of (round, attempt) `aggregated`, after its last commit, take back the
+        state that fit kept before the update left, and commit it as that round's, unevaluated
+        (the server's mirror holds it already). Returns the round now committed."""
         if aggregated is not None and self.algorithm.server_mirrors_state:
             sent_round, attempt = aggregated
             state = self.store.load_sent(sent_round, attempt)
             self.algorithm.load_local_state(self, as_tensors(state))
             self._checkpoint(sent_round)
-        self.attach(exporters or {})
-        return RejoinInfo(self.name, self.committed, digest, info.pid)
+        return self.committed
 
     def _checkpoint(
         self, round_: int, model: dict[str, np.ndarray] | None = None, own: bool = False

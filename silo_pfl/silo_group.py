@@ -29,6 +29,7 @@ API = frozenset(
         "commit_unevaluated",
         "select",
         "restore",
+        "adopt_sent",
         "check_checkpoint",
         "rejoin",
         "outcome",

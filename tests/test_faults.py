@@ -206,16 +206,28 @@ def test_a_worker_killed_while_idle_is_rejoined_at_its_next_call(tmp_path, undis
     _assert_bit_equal(_final_states(result), _final_states(undisturbed))
 
 
-def test_scaffolds_silo_killed_after_its_update_was_aggregated_keeps_c_the_mean(tmp_path):
+class StopAfter(Callback):
+    """Stops the driver (as Ctrl-C does) once round `round_` is checkpointed."""
+
+    def __init__(self, round_: int) -> None:
+        self.round = round_
+
+    def on_round_end(self, summary) -> None:
+        if summary.round == self.round:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("driver", ["goes_on", "resumed"])
+def test_scaffolds_silo_killed_after_its_update_was_aggregated_keeps_c_the_mean(tmp_path, driver):
     """va's process is killed as it evaluates round 3, after the server added its Delta c_i. It
     rejoins with the c_i that update carried, committed as round 3, so at the end the server's
-    c is still the mean of the four silos' c_i. Before, va went back to round 2's c_i."""
+    c is still the mean of the four silos' c_i. Before, va went back to round 2's c_i. The same
+    holds where the driver stops once round 3 is checkpointed, before va rejoins, and the run is
+    resumed: the driver's bookkeeping keeps which update of va's was aggregated uncommitted."""
     fault = "scaffold_dies_in_evaluation"
     options = [f"algorithm.{fault}.{k}={v}" for k, v in (("silo", "va"), ("round", 3))]
     marker = tmp_path / "died.pid"
-    result = _run(
-        tmp_path,
-        "runs",
+    overrides = [
         "plugins=[tests.fault_plugins]",
         f"algorithm.name={fault}",
         *options,
@@ -224,9 +236,19 @@ def test_scaffolds_silo_killed_after_its_update_was_aggregated_keeps_c_the_mean(
         "tracking.enabled=false",
         "rounds=4",
         "train.local_epochs=5",
-    )
-    assert marker.exists() and result.silos["va"].restarts == 1
-    assert result.history[3].restarted["va"]["round"] == 3
+    ]
+    if driver == "resumed":
+        with pytest.raises(KeyboardInterrupt):
+            _run(tmp_path, "runs", *overrides, callbacks=[StopAfter(3)])
+        options = [f"rounds={ROUNDS}", f"train.local_epochs={LOCAL_EPOCHS}"]
+        config = [*options, f"output_dir={tmp_path / 'runs'}", *overrides]
+        result = Federation(JOB, config).run(resume=True)
+        assert marker.exists() and result.silos["va"].restarts == 0
+        assert "va" in result.history[3].participants
+    else:
+        result = _run(tmp_path, "runs", *overrides)
+        assert marker.exists() and result.silos["va"].restarts == 1
+        assert result.history[3].restarted["va"]["round"] == 3
     run_dir = Path(result.to_dict()["run_dir"])
     server = checkpoint.load(run_dir / "server", 4)["strategy"]["c"]
     silos = []

@@ -226,6 +226,7 @@ class Orchestrator:
             "summary": fields_of(history[-1]) if history else None,
             "selector": {k: list(v) for k, v in selector.best.items()},
             "committed": {n: p.committed for n, p in parties.items()},
+            "aggregated": {n: p.uncommitted() for n, p in parties.items()},
             "selected": {n: p.selected for n, p in parties.items()},
             "restarts": {n: p.restarts for n, p in parties.items()},
             "callbacks": {type(c).__name__: c.state() for c in self.callbacks},
@@ -254,6 +255,8 @@ class Orchestrator:
         selector.best = {k: (float(v[0]), float(v[1])) for k, v in saved["selector"].items()}
         for name, party in parties.items():
             party.committed = int(saved["committed"][name])
+            sent = saved.get("aggregated", {}).get(name)  # absent from older checkpoints
+            party.aggregated = (int(sent[0]), int(sent[1])) if sent else None
             party.selected = saved.get("selected", {}).get(name)
             party.selected_by_silo = "selected" not in saved
             party.restarts = int(saved["restarts"][name])
@@ -261,6 +264,15 @@ class Orchestrator:
             callback.restore(saved["callbacks"].get(type(callback).__name__, {}))
         refs = {n: p.actor.restore.remote(p.committed) for n, p in parties.items()}
         get(list(refs.values()), "resume: silo restore", self.timeout, [f"silo {n}" for n in refs])
+        # As a rejoin does: a silo whose update was aggregated after its last commit takes back
+        # the state that update left with, where the server mirrors it (SCAFFOLD's c_i).
+        sent = {n: p for n, p in parties.items() if p.uncommitted()}
+        refs = {n: p.actor.adopt_sent.remote(p.uncommitted()) for n, p in sent.items()}
+        rounds = get(
+            list(refs.values()), "resume: silo restore", self.timeout, [f"silo {n}" for n in refs]
+        )
+        for name, round_ in zip(refs, rounds, strict=True):
+            sent[name].committed = int(round_)
         self.checkpointed = len(history)
 
     def _newest_round_all_hold(self, server: Any, parties: dict[str, Party]) -> dict[str, Any]:
