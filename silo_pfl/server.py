@@ -312,27 +312,37 @@ class Server:
         rounds it covers and a line for each newer checkpoint skipped as partial or corrupted
         ("skipped")."""
         skipped: list[str] = []
-        found = checkpoint.load_latest(self.dir, skipped, before)
-        if found is None:
-            older = "" if before is None else f" before round {before}"
-            raise checkpoint.CheckpointError(f"server: no good checkpoint{older} in {self.dir}")
-        round_, saved = found
-        loaded = _arrays(saved["global"])
-        if set(loaded) != set(self.state) or any(
-            loaded[k].shape != self.state[k].shape for k in loaded
-        ):
-            raise checkpoint.CheckpointError(
-                f"checkpoint {checkpoint.path_of(self.dir, round_)}: its global keys do not "
-                "match this federation's model"
-            )
+        while True:
+            found = checkpoint.load_latest(self.dir, skipped, before)
+            if found is None:
+                older = "" if before is None else f" before round {before}"
+                last = f" (last: {skipped[-1]})" if skipped else ""
+                raise checkpoint.CheckpointError(
+                    f"server: no good checkpoint{older} in {self.dir}{last}"
+                )
+            round_, saved = found
+            loaded = _arrays(saved["global"])
+            if set(loaded) != set(self.state) or any(
+                loaded[k].shape != self.state[k].shape for k in loaded
+            ):
+                raise checkpoint.CheckpointError(
+                    f"checkpoint {checkpoint.path_of(self.dir, round_)}: its global keys do not "
+                    "match this federation's model"
+                )
+            driver = {**saved["driver"], "skipped": skipped}
+            if "history" in driver:  # a checkpoint from before the round log held the history
+                self.history.rewrite(driver["history"])
+                break
+            try:  # a log without this checkpoint's rounds (lost in a power cut): an older one
+                driver["history"] = self.history.read(saved["logged"])
+                break
+            except checkpoint.CheckpointError as exc:
+                skipped.append(f"{exc}; checkpoint {checkpoint.path_of(self.dir, round_)} skipped")
+                before = round_
         self.state, self.round = loaded, round_
         self.strategy.load_state_dict({k: _arrays(v) for k, v in saved["strategy"].items()})
         self.optimizer.load_state_dict({k: _arrays(v) for k, v in saved["optimizer"].items()})
-        driver = {**saved["driver"], "skipped": skipped}
-        if "history" in driver:  # a checkpoint from before the round log held the history
-            self.history.rewrite(driver["history"])
-            return driver
-        return {**driver, "history": self.history.read(saved["logged"])}
+        return driver
 
     def state_bytes(self) -> bytes:
         """The global keys as the bytes of an .npz file: what the driver saves, on its own disk."""

@@ -81,6 +81,52 @@ def test_resume_cuts_off_a_round_logged_after_the_last_good_checkpoint(job, tmp_
     assert RoundLog(resumed.dir).read(3)[-1]["seconds"] == 9.0
 
 
+def test_a_resume_that_walks_back_then_stops_leaves_the_log_for_the_next_resume(job, tmp_path):
+    """A resume looks at round 3's checkpoint, walks back to round 2 (as it does when a silo's
+    commit of 3 is damaged), then the run stops before it checkpoints round 3 again. Reading
+    cuts nothing off the log, so the next resume still reads round 3 in full; only the next
+    append cuts what follows the rounds read. Before, the walk-back cut the log to 2 lines and
+    every later resume failed: "2 rounds logged, the checkpoint needs 3"."""
+    silos, server = federation(job, "fedavg", f"output_dir={tmp_path}", silos=HOSPITALS)
+    server.checkpoint(0, {"summary": None})
+    for round_ in (1, 2, 3):
+        play_round(silos, server, round_, commit=True)
+        server.checkpoint(round_, {"summary": _summary(round_)})
+    server.release()
+    probe = new_server(to_dict(server.cfg), (13,), 2)
+    assert len(probe.resume()["history"]) == 3
+    assert len(probe.resume(before=3)["history"]) == 2
+    probe.release()  # stopped here
+    again = new_server(to_dict(server.cfg), (13,), 2)
+    assert _same(again.resume()["history"], [_summary(r) for r in (1, 2, 3)])
+    again.resume(before=3)
+    for silo in silos:
+        silo.restore(2)
+    play_round(silos, again, 3, commit=True)
+    again.checkpoint(3, {"summary": _summary(3) | {"seconds": 9.0}})
+    assert [s["seconds"] for s in RoundLog(again.dir).read(3)] == [0.1, 0.2, 9.0]
+    assert again.history.path.read_bytes().count(b"\n") == 3
+
+
+def test_a_checkpoint_whose_rounds_the_log_lost_is_skipped_for_the_one_before(job, tmp_path):
+    """A power cut kept round 3's checkpoint but not its log line (one sync of the file system
+    orders neither before the other): resume takes round 2, and says why."""
+    silos, server = federation(job, "fedavg", f"output_dir={tmp_path}", silos=HOSPITALS)
+    for round_ in (1, 2, 3):
+        play_round(silos, server, round_, commit=True)
+        server.checkpoint(round_, {"summary": _summary(round_)})
+    server.release()
+    log = server.history.path
+    log.write_bytes(b"".join(log.read_bytes().splitlines(keepends=True)[:2]))
+    resumed = new_server(to_dict(server.cfg), (13,), 2)
+    driver = resumed.resume()
+    assert [s["round"] for s in driver["history"]] == [1, 2] and resumed.round == 2
+    assert driver["skipped"] == [
+        f"{log}: 2 rounds logged, the checkpoint needs 3; checkpoint "
+        f"{checkpoint.path_of(server.dir, 3)} skipped"
+    ]
+
+
 def test_a_log_missing_rounds_its_checkpoint_covers_is_a_clear_error(tmp_path):
     log = RoundLog(tmp_path)
     log.append(1, _summary(1))
