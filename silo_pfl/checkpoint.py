@@ -230,9 +230,13 @@ def load(directory: Path, round_: int, sha256: str | None = None) -> Any:
     if sha256 is not None and digest_of(checksum, data) != sha256:
         raise CheckpointError(f"checkpoint {path}: corrupted (its {name} differs from {source})")
     try:
-        return decode(data)
+        saved = decode(data)
     except Exception as exc:  # a digest that matches, but bytes that cannot be read back
         raise CheckpointError(f"checkpoint {path}: unreadable ({type(exc).__name__})") from None
+    held = saved.get("round", round_) if isinstance(saved, dict) else round_
+    if held != round_:  # a recycled file whose new bytes a power cut lost: whole, and older
+        raise CheckpointError(f"checkpoint {path}: holds round {held}, not round {round_}")
+    return saved
 
 
 def load_shared(directory: Path, round_: int, digest: str) -> Any:

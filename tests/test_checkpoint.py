@@ -167,6 +167,24 @@ def test_a_corrupted_checkpoint_is_named_and_the_previous_good_round_is_used(
 
 
 @pytest.mark.parametrize("kind", ["torch", "arrays"])
+def test_an_older_rounds_whole_file_under_a_newer_name_is_refused_for_the_one_before(
+    tmp_path, caplog, kind
+):
+    """A file is recycled by overwriting it in place, then renamed. A power cut can keep the
+    rename and lose the new bytes: the newest name then holds an older round's file, whole, its
+    digest right. The round inside it says so, and the previous good round is used."""
+    _write(tmp_path, range(3), kind)
+    newest = checkpoint.path_of(tmp_path, 2)
+    newest.write_bytes(checkpoint.path_of(tmp_path, 0).read_bytes())
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        checkpoint.load(tmp_path, 2)
+    assert str(info.value) == f"checkpoint {newest}: holds round 0, not round 2"
+    with caplog.at_level(logging.WARNING, logger="silo_pfl.checkpoint"):
+        round_, state = checkpoint.load_latest(tmp_path)
+    assert round_ == 1 and state["round"] == 1
+
+
+@pytest.mark.parametrize("kind", ["torch", "arrays"])
 @pytest.mark.parametrize("keep", [0, 20, 90])
 def test_a_checkpoint_cut_inside_its_header_is_partial(tmp_path, caplog, keep, kind):
     _write(tmp_path, range(2), kind)
