@@ -5,14 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from silo_pfl import durable
 from silo_pfl.messages import SiloInfo, SiloOutcome, SplitInfo
 
 if TYPE_CHECKING:
@@ -161,19 +160,12 @@ class FederationResult:
 
 
 def write_json_atomic(path: str | Path, data: Any) -> None:
-    """Write JSON to a temporary file beside `path`, then rename it into place. A figure that
-    is not finite (a round's accuracy between evaluations: NaN) is written as null, so that any
-    JSON parser reads the file."""
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(finite_or_null(data), fh, indent=2, default=json_default, allow_nan=False)
-            fh.write("\n")
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write JSON to a temporary file beside `path`, then rename it into place, durably (a run's
+    record must survive a power cut whole: `durable.write_atomic`). A figure that is not finite
+    (a round's accuracy between evaluations: NaN) is written as null, so that any JSON parser
+    reads the file."""
+    text = json.dumps(finite_or_null(data), indent=2, default=json_default, allow_nan=False)
+    durable.write_atomic(Path(path), (text + "\n").encode())
 
 
 def finite_or_null(value: Any) -> Any:

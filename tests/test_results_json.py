@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 
@@ -33,3 +34,22 @@ def test_a_figure_that_is_not_finite_is_written_as_null(tmp_path):
         "silos": {"va": {"test_accuracy": 0.8}},
     }
     assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
+
+
+def test_a_run_record_is_on_disk_when_written(tmp_path, monkeypatch):
+    """run.json and result.json must survive a power cut whole: the file is synced before it
+    is renamed into place, and its directory after (a plain rename may reach the disk first)."""
+    from silo_pfl import durable
+
+    synced: list[str] = []
+    real = durable.os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(durable.os, "fsync", fsync)
+    write_json_atomic(tmp_path / "run.json", {"run_id": "r"})
+    assert len(synced) == 2 and synced[1] == str(tmp_path)
+    assert synced[0].startswith(str(tmp_path / ".run.json."))
+    assert json.loads((tmp_path / "run.json").read_text()) == {"run_id": "r"}

@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 
+from silo_pfl import durable
 from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig, to_dict
 from silo_pfl.data import silo_names
@@ -306,5 +307,5 @@ class Orchestrator:
         """Write the server's global keys, received as bytes, on the driver's own disk."""
         path = self.run_dir.path / "server" / GLOBAL_STATE_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(npz)
+        durable.write_atomic(path, npz)  # whole, or the one before: result.json points to it
         return str(path.resolve())
