@@ -36,6 +36,7 @@ class ServerStart:
     parameters: frozenset[str]  # which of them are parameters (the server optimizer's to step)
     strategy: ServerStrategy  # the algorithm's server part, over `state`
     silos: tuple[str, ...]  # the federation's silos
+    total_rows: int  # their training rows, summed (the federation's weight; no silo's own)
 
 
 class Server:
@@ -66,6 +67,7 @@ class Server:
         self.masked_shape = (vector_length(self.flat_shapes),)  # of every update under secure
         names = list(start.silos)
         self.enrolled = frozenset(names)
+        self.total_rows = start.total_rows
         self.protocol: SecureAggregator | None = None
         self.quorum = self.cfg.round.min_silos or len(self.enrolled)
         if self.cfg.aggregation.secure:
@@ -282,7 +284,7 @@ class Server:
         self.round = round_
         if self.state:
             delta, extras = unflatten(mean, self.strategy.extras)
-            aggregate = Aggregate(delta, extras, weight, len(self.enrolled))
+            aggregate = Aggregate(delta, extras, weight, self.total_rows)
             self.state = self.strategy.apply(self.state, aggregate, self.optimizer)
         return RoundReport(round_, names, rejected, True, secure_seconds=secure_seconds)
 

@@ -31,7 +31,7 @@ class Aggregate:
     delta: State  # of the global keys' deltas
     extras: dict[str, State]  # of each named extra, keyed like the global keys
     weight: float  # the accepted updates' training rows, summed (what the means divide by)
-    silos: int  # the federation's silos, N
+    total_weight: float  # every silo's training rows, summed: the whole federation's weight
 
 
 class ServerStrategy:
@@ -64,11 +64,13 @@ class ServerStrategy:
 
 class ControlVariates(ServerStrategy):
     """SCAFFOLD's server part (algorithms.scaffold): the server's control variate c, broadcast
-    each round and moved by (1/N) sum over the accepted silos of Delta c_i (Karimireddy et al.,
-    Alg. 1), so that c stays the mean of the N silos' c_i whichever silos take part. Each silo
-    sends Delta c_i / n_i, its rows n_i weight it in the mean, and so the mean times the rows
-    summed is the plain sum of the Delta c_i; under secure aggregation too, with no silo's
-    rows known."""
+    each round and moved by sum over the accepted silos of (n_i / n) Delta c_i, so that c stays
+    the mean of the N silos' c_i weighted by their rows n_i (n: all N silos' rows) whichever
+    silos take part. Karimireddy et al. (Alg. 1) weight the silos equally in both c and the
+    model's step; here both weigh rows, as every aggregate does, so that the correction
+    sum_i (n_i / n) (c - c_i) cancels in the row-weighted step and SCAFFOLD optimizes the same
+    row-weighted objective as FedAvg. The mean of the Delta c_i times the accepted rows summed
+    is that sum; under secure aggregation too, with no silo's rows known."""
 
     extras = (CONTROL_VARIATE,)
 
@@ -79,7 +81,7 @@ class ControlVariates(ServerStrategy):
 
     def apply(self, state: State, aggregate: Aggregate, optimizer: ServerOptimizer) -> State:
         for key, change in aggregate.extras[CONTROL_VARIATE].items():
-            self.c[key] = self.c[key] + (aggregate.weight / aggregate.silos) * change
+            self.c[key] = self.c[key] + (aggregate.weight / aggregate.total_weight) * change
         return optimizer.step(state, aggregate.delta)
 
     def broadcast(self) -> dict[str, State]:

@@ -221,9 +221,10 @@ class StopAfter(Callback):
 def test_scaffolds_silo_killed_after_its_update_was_aggregated_keeps_c_the_mean(tmp_path, driver):
     """va's process is killed as it evaluates round 3, after the server added its Delta c_i. It
     rejoins with the c_i that update carried, committed as round 3, so at the end the server's
-    c is still the mean of the four silos' c_i. Before, va went back to round 2's c_i. The same
-    holds where the driver stops once round 3 is checkpointed, before va rejoins, and the run is
-    resumed: the driver's bookkeeping keeps which update of va's was aggregated uncommitted."""
+    c is still the mean of the four silos' c_i (weighted by their rows). Before, va went back to
+    round 2's c_i. The same holds where the driver stops once round 3 is checkpointed, before va
+    rejoins, and the run is resumed: the driver's bookkeeping keeps which update of va's was
+    aggregated uncommitted."""
     fault = "scaffold_dies_in_evaluation"
     options = [f"algorithm.{fault}.{k}={v}" for k, v in (("silo", "va"), ("round", 3))]
     marker = tmp_path / "died.pid"
@@ -256,8 +257,10 @@ def test_scaffolds_silo_killed_after_its_update_was_aggregated_keeps_c_the_mean(
         folder = run_dir / "silos" / silo / CHECKPOINTS
         saved = checkpoint.load(folder, checkpoint.rounds(folder)[-1])["algorithm"]
         silos.append({k.removeprefix("scaffold.c."): v for k, v in saved.items()})
+    rows = np.array([result.silos[silo].num_train for silo in result.silos], np.float64)
     for key, value in server.items():
-        mean = np.mean([np.asarray(s[key], np.float64) for s in silos], axis=0)
+        c_i = np.stack([np.asarray(s[key], np.float64) for s in silos])
+        mean = np.tensordot(rows / rows.sum(), c_i, axes=1)  # weighted as the model's step
         np.testing.assert_allclose(value, mean, rtol=0, atol=1e-6)
 
 

@@ -58,7 +58,7 @@ def _updates(server, names, seed: int = 0) -> list[SiloUpdate]:
 def test_the_server_runs_a_round_checkpoints_and_resumes_without_torch(job, overrides):
     cfg = job("jobs/heart_disease.yaml", "algorithm.name=fedavg", *overrides)
     config = to_dict(cfg)
-    start = server_start(cfg, (13,), 2)
+    start = server_start(cfg, (13,), 2, 389)
     here = new_server(config, (13,), 2)
     updates = _updates(here, start.silos)
     assert here.aggregate(*updates).aggregated

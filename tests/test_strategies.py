@@ -21,12 +21,19 @@ HOSPITALS = ("cleveland", "hungarian", "switzerland", "va")
 
 
 def _assert_c_is_the_mean_of_the_silos(server, silos: list[Silo]) -> None:
-    """The server's c is the plain mean of the N silos' c_i (Karimireddy et al., Alg. 1)."""
+    """The server's c is the mean of the N silos' c_i weighted by their training rows, the
+    weights of the model's step, so that SCAFFOLD's correction sum_i p_i (c - c_i) cancels in
+    it. The hospitals' sizes differ (159, 138, 24 and 68 rows), so the plain mean, which the
+    paper's equal weights give and the server kept before, is far from it."""
     server_c = server.broadcast()["control_variate"]
+    rows = np.array([s.num_examples for s in silos], np.float64)
     for key in server.global_state():
-        mean = np.mean([s.algorithm.c_local[key].double().numpy() for s in silos], axis=0)
+        c_i = np.stack([s.algorithm.c_local[key].double().numpy() for s in silos])
+        mean = np.tensordot(rows / rows.sum(), c_i, axes=1)
         np.testing.assert_allclose(server_c[key], mean, rtol=0, atol=1e-6)
     assert max(float(np.abs(v).max()) for v in server_c.values()) > 1e-3  # it moved
+    plain = {k: np.stack([s.algorithm.c_local[k].numpy() for s in silos]).mean(0) for k in server_c}
+    assert max(float(np.abs(server_c[k] - plain[k]).max()) for k in plain) > 1e-3
 
 
 def test_scaffolds_server_control_variate_is_the_mean_of_the_silos_after_each_round(job):
@@ -46,9 +53,9 @@ def test_scaffolds_server_control_variate_is_the_mean_of_the_silos_after_each_ro
 )
 def test_scaffolds_control_variate_stays_the_mean_when_few_silos_take_part(job, secure, later):
     """Silos of very different sizes (159, 138, 24 and 68 rows): every silo in round 1, then
-    fewer (under secure aggregation, at least its threshold of 3); each round moves c by (1/N)
-    times the sum of the Delta c_i of the silos that took part, so c stays the mean of all four
-    c_i. Before, it moved by the silos' share times their row-weighted mean, and drifted."""
+    fewer (under secure aggregation, at least its threshold of 3); each round moves c by the
+    sum of (n_i / n) Delta c_i of the silos that took part, so c stays the row-weighted mean of
+    all four c_i, whichever took part."""
     quorum = "round.min_silos=3" if secure else "round.min_silos=1"
     silos, server = federation(
         job, "scaffold", quorum, f"aggregation.secure={secure}", silos=HOSPITALS
@@ -130,7 +137,7 @@ def test_scaffold_corrects_local_steps_by_the_control_variates(job):
 def test_a_scaffold_round_follows_algorithm_one_option_two_written_by_hand(job):
     """Round 2, from the server's x and c and each silo's c_i before it (Karimireddy et al.,
     Alg. 1): the local steps follow g - c_i + c; after K of them (2 epochs of batches of 16)
-    c_i+ = c_i - c + (x - y) / (lr * steps_moved(K, m)); the silo sends (c_i+ - c_i) / n_i."""
+    c_i+ = c_i - c + (x - y) / (lr * steps_moved(K, m)); the silo sends c_i+ - c_i."""
     silos, server = federation(job, "scaffold", silos=HOSPITALS)
     play_round(silos, server, 1, commit=True)
     x = {k: torch.from_numpy(v.copy()) for k, v in server.global_state().items()}
@@ -147,7 +154,7 @@ def test_a_scaffold_round_follows_algorithm_one_option_two_written_by_hand(job):
             expected = c_i[key] - c[key] + (start - y) / moved
             torch.testing.assert_close(algorithm.c_local[key], expected, rtol=1e-4, atol=1e-5)
             sent = torch.from_numpy(update.extras["control_variate"][key])
-            torch.testing.assert_close(sent, (expected - c_i[key]) / n, rtol=1e-4, atol=1e-7)
+            torch.testing.assert_close(sent, expected - c_i[key], rtol=1e-4, atol=1e-5)
         silo.model.zero_grad()
         steps = algorithm.steps
         algorithm.extra_loss(silo.model, x).backward()

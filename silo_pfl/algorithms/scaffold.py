@@ -4,9 +4,9 @@ The server keeps a control variate c over the global keys and sends it each roun
 keeps its own c_i. Local SGD follows g - c_i + c instead of g (here: the linear loss term
 <c - c_i, w>, whose gradient is exactly that correction). After K local steps of size lr the silo
 sets c_i+ = c_i - c + (x - y) / (K * lr) and sends Delta c_i = c_i+ - c_i beside its delta; the
-server adds (1/N) sum_S Delta c_i to c (strategy.ControlVariates), so c stays the mean of the N
-silos' c_i whichever silos S take part. The silo sends Delta c_i / n_i, which the server's mean
-weighted by the rows n_i turns back into the plain sum.
+server adds sum_S (n_i / n) Delta c_i to c (strategy.ControlVariates), so c stays the mean of the
+N silos' c_i weighted by their training rows n_i, whichever silos S take part: the weights of
+the model's step, so that the correction cancels in it (the paper weighs silos equally in both).
 
 With momentum m, K steps from a fresh buffer move lr * sum_{j=1..K} (1 - m^j) / (1 - m) per unit
 of a steady gradient, so that takes the place of K * lr (`steps_moved`). Control variates of
@@ -110,7 +110,6 @@ class Scaffold(Algorithm):
         state = silo.model.state_dict()
         parameters = {name for name, _ in silo.model.named_parameters()}
         moved = self.train.lr * steps_moved(self.steps, self.train.momentum)
-        n = silo.num_examples
         change: dict[str, np.ndarray] = {}
         for key, old in self.c_local.items():
             new = old
@@ -119,7 +118,7 @@ class Scaffold(Algorithm):
                 drift = (reference[key] - state[key]) / moved
                 new = drift - self.correction[key]
             moved_c = new - old  # integer buffers' (BatchNorm's batch counters) stay zero
-            change[key] = (moved_c / n if moved_c.is_floating_point() else moved_c).numpy()
+            change[key] = moved_c.numpy()
             self.c_local[key] = new
         return {EXTRA: change}
 

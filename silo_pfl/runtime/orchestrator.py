@@ -143,7 +143,9 @@ class Orchestrator:
                 infos = self._each(actors, names, "setup", "silo set-up", resuming)
                 check_own_nodes(self.cfg, {i.silo: i.node_id for i in infos})
                 input_shape, num_classes = model_shape(infos)
-                built = server.build.remote(server_start(self.cfg, input_shape, num_classes))
+                rows = sum(info.num_train for info in infos)
+                start = server_start(self.cfg, input_shape, num_classes, rows)
+                built = server.build.remote(start)
                 identity_keys = relayed(self.cfg, {i.silo: i.identity_key for i in infos})
                 split: SplitInfo = self._each(
                     actors, names, "build", "silo model", input_shape, num_classes, identity_keys
