@@ -13,9 +13,8 @@ from omegaconf import OmegaConf
 from silo_pfl.config import DataConfig
 from silo_pfl.config_errors import KeyedError, merge_structured
 from silo_pfl.data import csv_source, digits, heart_disease
-from silo_pfl.data.base import Preprocessing, SiloData
+from silo_pfl.data.base import Preprocessing, SiloData, kept_train_rows
 from silo_pfl.errors import ConfigError
-from silo_pfl.seeding import numpy_rng
 
 SOURCES: dict[str, ModuleType] = {
     "heart_disease": heart_disease,
@@ -110,17 +109,21 @@ def silo_names(cfg: DataConfig) -> list[str]:
 
 
 def load_silo_data(cfg: DataConfig, silo: str, seed: int) -> SiloData:
-    """Load one silo's private data (a late silo's too); deterministic for a given seed."""
+    """Load one silo's private data (a late silo's too); deterministic for a given seed.
+
+    The built-in sources apply data.max_train_rows in `assemble`, before fitting preprocessing;
+    for a source that does not, this keeps the same rows afterwards (its preprocessing fitted on
+    every training row).
+    """
     data = _source(cfg.source).load(cfg, silo, seed)
-    cap = cfg.max_train_rows
-    if cap is None or len(data.y_train) <= cap:
+    keep = kept_train_rows(len(data.y_train), cfg.max_train_rows, seed, silo)
+    if keep is None:
         return data
-    keep = np.sort(numpy_rng(seed, "max_train_rows", silo).choice(len(data.y_train), cap, False))
     return dataclasses.replace(
         data,
         x_train=data.x_train[keep],
         y_train=data.y_train[keep],
-        num_train_total=cap + len(data.y_val),
+        num_train_total=len(keep) + len(data.y_val),
     )
 
 

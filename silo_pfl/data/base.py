@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,16 @@ class SiloData:
             )
 
 
+def kept_train_rows(num_rows: int, cap: int | None, seed: int, silo: str) -> np.ndarray | None:
+    """Sorted positions of the `num_rows` training rows that data.max_train_rows=`cap` keeps, a
+    seeded random subset; None when there is no cap or the silo has no more rows than it."""
+    from silo_pfl.seeding import numpy_rng
+
+    if cap is None or num_rows <= cap:
+        return None
+    return np.sort(numpy_rng(seed, "max_train_rows", silo).choice(num_rows, cap, False))
+
+
 def assemble(
     name: str,
     x: np.ndarray,
@@ -113,13 +124,19 @@ def assemble(
     seed: int,
     strata: np.ndarray | None = None,
     source_file: str | Path | None = None,
+    *,
+    preprocessing: Preprocessing | Callable[[np.ndarray], Preprocessing] = Preprocessing(),
+    max_train_rows: int | None = None,
     **extra: Any,
 ) -> SiloData:
-    """A silo's SiloData from its rows and its train/test row indices.
+    """A silo's SiloData from its raw rows `x` (before preprocessing) and train/test indices.
 
     Validation rows are carved from `train` here, the same way for every source: stratified on
-    `strata` (default: the labels) and seeded by (seed, "val", silo). A silo left with no rows to
-    train on is a DataError naming the silo (and `source_file`, the file its rows came from).
+    `strata` (default: the labels) and seeded by (seed, "val", silo). `max_train_rows` then keeps
+    a seeded random subset of the rows left to train on (`kept_train_rows`). `preprocessing` is
+    fixed, or fitted here on the silo's training rows it keeps plus its validation rows, in their
+    order in `train`; never on a test row nor on a training row the cap drops. A silo left with
+    no rows to train on is a DataError naming the silo (and `source_file`, its rows' file).
     """
     from silo_pfl.data.partitioners import holdout
     from silo_pfl.seeding import numpy_rng
@@ -133,14 +150,22 @@ def assemble(
             f"out for test by data.test_fraction, {len(val)} for validation by "
             "data.val_fraction); give the silo more rows or lower those fractions"
         )
+    kept = kept_train_rows(len(fit), max_train_rows, seed, name)
+    fitted_on = train
+    if kept is not None:
+        fit = fit[kept]
+        fitted_on = train[np.sort(np.concatenate([fit, val]))]
+    if not isinstance(preprocessing, Preprocessing):
+        preprocessing = preprocessing(x[fitted_on])
     return SiloData(
         name=name,
-        x_train=x[train][fit],
+        x_train=preprocessing.apply(x[train][fit]),
         y_train=y[train][fit],
-        x_val=x[train][val],
+        x_val=preprocessing.apply(x[train][val]),
         y_val=y[train][val],
-        x_test=x[test],
+        x_test=preprocessing.apply(x[test]),
         y_test=y[test],
-        num_train_total=len(train),
+        num_train_total=len(train) if kept is None else len(fit) + len(val),
+        preprocessing=preprocessing,
         **extra,
     )

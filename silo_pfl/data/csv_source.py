@@ -8,13 +8,15 @@ classes (label skew); each reports num_classes = C, so every silo builds the sam
 
 Each silo holds out data.test_fraction of its rows for test and data.val_fraction of the rest for
 validation, both stratified by label and seeded. Features are normalised with the mean and std
-(ddof=0; constant features keep std 1) of the silo's training rows before the validation carve,
-recorded in `Preprocessing` so the exported model answers on raw rows.
+(ddof=0; constant features keep std 1) of the silo's training rows before the validation carve
+(with data.max_train_rows, of the training rows it keeps and the validation rows), recorded in
+`Preprocessing` so the exported model answers on raw rows.
 """
 
 from __future__ import annotations
 
 import csv
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -231,19 +233,21 @@ def load(cfg: Params, silo: str, seed: int) -> SiloData:
             "train and test (data.test_fraction)"
         )
     train, test = holdout(y, cfg.test_fraction, numpy_rng(seed, "test", silo))
-    preprocessing = fit_preprocessing(names, x[train], where=f"silo {silo}, file {path}")
-    raw_test = x[test]
+    fit_normalisation = functools.partial(
+        fit_preprocessing, names, where=f"silo {silo}, file {path}"
+    )
     return assemble(
         silo,
-        preprocessing.apply(x),
+        x,
         y,
         train,
         test,
         cfg.val_fraction,
         seed,
         source_file=path,
+        preprocessing=fit_normalisation,
+        max_train_rows=cfg.max_train_rows,
         num_classes=num_classes,
-        preprocessing=preprocessing,
         raw_columns=names,
-        x_test_raw=raw_test,
+        x_test_raw=x[test],
     )

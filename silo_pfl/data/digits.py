@@ -295,18 +295,18 @@ def load(cfg: Params, silo: str, seed: int) -> SiloData:
     if cfg.partition == "concept_shift":
         y = label_permutations(cfg, seed)[index][digit]
     train, test = partitioners.holdout(digit, cfg.test_fraction, numpy_rng(seed, "test", silo))
-    standardise = Preprocessing(mean=(PIXEL_MEAN,), std=(PIXEL_STD,))
     return assemble(
         silo,
-        standardise.apply(x),
+        x,
         y,
         train,
         test,
         cfg.val_fraction,
         seed,
         strata=digit,
+        preprocessing=Preprocessing(mean=(PIXEL_MEAN,), std=(PIXEL_STD,)),
+        max_train_rows=cfg.max_train_rows,
         num_classes=NUM_CLASSES,
-        preprocessing=standardise,
         raw_columns=pixel_columns(int(np.prod(x.shape[1:]))),
         x_test_raw=x[test].reshape(len(test), -1),
     )

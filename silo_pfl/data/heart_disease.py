@@ -8,7 +8,8 @@ Preprocessing, as FLamby's `fed_heart_disease/dataset.py`:
 - train/test rows: FLamby's sklearn split, shipped as `heart_disease/flamby_split.json` (written
   by `silo_pfl.data.heart_disease_split`), so silos never import sklearn;
 - one-hot cp (levels 1-4) and restecg (levels 0-2) dropping the first level: 13 features;
-- normalise with the mean and std (ddof=1, as torch) of the hospital's own FLamby training rows.
+- normalise with the mean and std (ddof=1, as torch) of the hospital's own FLamby training rows
+  (validation rows included; with data.max_train_rows, only the training rows it keeps).
   A feature constant on those rows (e.g. chol, always 0 at switzerland) keeps std 1, where FLamby
   divides by std + 1e-9; both give 0 for that feature on training rows.
 
@@ -22,6 +23,7 @@ seed); the FLamby split itself does not depend on the seed.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,18 +156,17 @@ def load(cfg: Params, silo: str, seed: int) -> SiloData:
             f"silo {silo}: {SPLIT_FILE} does not match the {len(labels)} complete rows of "
             f"{data_file(silo)}; rebuild it with python -m silo_pfl.data.heart_disease_split"
         )
-    encoded = encode_raw(raw)
-    preprocessing = fit_preprocessing(FEATURE_NAMES, encoded[train], ddof=1)  # as FLamby
     return assemble(
         silo,
-        preprocessing.apply(encoded),
+        encode_raw(raw),
         labels,
         train,
         test,
         cfg.val_fraction,
         seed,
+        preprocessing=functools.partial(fit_preprocessing, FEATURE_NAMES, ddof=1),  # as FLamby
+        max_train_rows=cfg.max_train_rows,
         num_classes=NUM_CLASSES,
-        preprocessing=preprocessing,
         raw_columns=RAW_COLUMNS,
         x_test_raw=raw[test],
     )
