@@ -187,8 +187,9 @@ def test_a_version_scored_on_another_seeds_validation_rows_is_not_ranked_against
     first, second = sorted(trained, key=lambda silo: -silo.outcome().val_accuracy)
     assert first.data.validation_digest() != second.data.validation_digest()
     receipts = []
-    for silo in (first, second, first):
-        exporter = MlflowExporter(store, "silos.switzerland.tracking_uri", "heart_disease", "-")
+    for run, silo in enumerate((first, second, first)):  # three federation runs
+        key = "silos.switzerland.tracking_uri"
+        exporter = MlflowExporter(store, key, "heart_disease", f"run-{run}")
         silo.attach({"mlflow": exporter})
         receipts.append(silo.export()["mlflow"])
     assert [r["champion"] for r in receipts] == ["true", "true", "false"]

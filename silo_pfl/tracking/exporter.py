@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from silo_pfl.silo import PersonalizedModel
 
 MODEL_NAME = "model"  # the logged model's name inside its run
+CENTRAL_RUN = "central_run_id"  # a run's tag in a silo's own store: the federation's run
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,12 @@ class MlflowExporter:
         uri = node_uri(self.uri, self.key, model.silo)
         client = open_client(uri, self.key)
         experiment_id = ensure_experiment(client, uri, self.experiment, self.key)
+        name = registry.model_name(self.experiment, model.silo)
+        done = self._registered(client, experiment_id, name, model)
+        if done is not None:
+            client.set_terminated(done.run_id)  # the first attempt may have stopped before
+            receipt = registry.reuse(client, name, done)
+            return {**receipt, **scores, "tracking_uri": redact(self.uri), "run_id": done.run_id}
         run_id = self._own_run(client, experiment_id, model)
         algorithm = model.config.algorithm["name"]
         logged = client.create_logged_model(
@@ -137,11 +144,25 @@ class MlflowExporter:
             model.val_rows,
             self.joined,
         )
-        name = registry.model_name(self.experiment, model.silo)
         receipt = registry.publish(client, name, logged.model_id, logged.artifact_location, tags)
         client.set_terminated(run_id)
         # As configured: with $VARS, what the node filled in stays on the node.
         return {**receipt, **scores, "tracking_uri": redact(self.uri), "run_id": run_id}
+
+    def _registered(
+        self, client: MlflowClient, experiment_id: str, name: str, model: PersonalizedModel
+    ) -> Any | None:
+        """The version of `name` that this federation run registered in the silo's own store
+        for the selected round, if any: a resumed run exports again. Each export makes a new
+        own run, so the version is found through its run's CENTRAL_RUN tag."""
+        mine = f"tags.{CENTRAL_RUN} = '{self.parent_run_id}' and tags.{registry.SILO} = "
+        runs = client.search_runs([experiment_id], f"{mine}'{model.silo}'")
+        round_ = model.outcome.selected_round
+        for run in runs:
+            version = registry.registered(client, name, run.info.run_id, round_)
+            if version is not None:
+                return version
+        return None
 
     def _own_run(self, client: MlflowClient, experiment_id: str, model: PersonalizedModel) -> str:
         """A run in the silo's own store, with the selected model's scores."""
@@ -154,7 +175,7 @@ class MlflowExporter:
             tags={
                 registry.SILO: model.silo,
                 registry.ALGORITHM: model.config.algorithm["name"],
-                "central_run_id": self.parent_run_id,
+                CENTRAL_RUN: self.parent_run_id,
             },
         )
         values = {
@@ -225,6 +246,7 @@ def save_pyfunc(model: PersonalizedModel, path: Path, mlflow_model: Any = None) 
         preprocessing=model.preprocessing,
         adapter_dim=cfg.model.adapter_dim,
         algorithm=dataclasses.asdict(cfg)["algorithm"],
+        plugins=list(cfg.plugins),
     )
     requirements = _requirements()
     outcome = model.outcome
@@ -244,6 +266,7 @@ def save_pyfunc(model: PersonalizedModel, path: Path, mlflow_model: Any = None) 
                 registry.ROUND: outcome.selected_round,
                 registry.VAL_ACCURACY: outcome.val_accuracy,
                 registry.TEST_ACCURACY: outcome.test_accuracy,
+                **({"plugins": list(cfg.plugins)} if cfg.plugins else {}),
             },
         )
 

@@ -3,7 +3,9 @@
 predict(rows): rows (a DataFrame with the silo's raw columns) -> the data source's `encode_raw`
 -> the silo's `Preprocessing` (fitted on its own training rows) -> the network -> class index per
 row. With params {"probabilities": true} it returns a DataFrame of the class and each class's
-probability instead. Loading needs silo_pfl importable (e.g. `--env-manager local`).
+probability instead. Loading needs silo_pfl importable (e.g. `--env-manager local`), and the
+modules of the run's `plugins`, which loading imports: a plugin may register the algorithm whose
+`prepare_model` shapes the network.
 
 A bad input (a missing column, a value that is not a finite number, a value the source does not
 allow) raises `InputError`: one line naming the column and row, which `mlflow models serve` returns
@@ -12,6 +14,7 @@ as the `message` of an HTTP 400.
 
 from __future__ import annotations
 
+import importlib
 import numbers
 from typing import Any
 
@@ -27,7 +30,7 @@ from mlflow.types.schema import AnyType, ColSpec, ParamSchema, ParamSpec, Schema
 from silo_pfl.algorithms import algorithm_config, build_algorithm
 from silo_pfl.config import TrainConfig
 from silo_pfl.data import Preprocessing, raw_encoder
-from silo_pfl.errors import DataError
+from silo_pfl.errors import ConfigError, DataError, typed_line
 from silo_pfl.models import build_model
 
 STATE_ARTIFACT = "state_dict"
@@ -84,6 +87,20 @@ def signature(raw_columns: tuple[str, ...]) -> ModelSignature:
     )
 
 
+def import_plugins(modules: list[str]) -> None:
+    """Import the run's plugin modules, which may register the model's algorithm; one that
+    cannot be imported is a ConfigError naming it."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:
+            raise ConfigError(
+                f"plugins: the model's run used plugin module {module!r}, which cannot be "
+                f"imported here ({typed_line(exc)}); it must be importable where the model is "
+                "loaded or served, e.g. installed in the serving environment or on PYTHONPATH"
+            ) from None
+
+
 class SiloPyfunc(mlflow.pyfunc.PythonModel):
     """A silo's network with its raw-row encoder and its Preprocessing."""
 
@@ -101,6 +118,7 @@ class SiloPyfunc(mlflow.pyfunc.PythonModel):
         preprocessing: Preprocessing,
         adapter_dim: int = 0,
         algorithm: dict[str, Any] | None = None,
+        plugins: list[str] | None = None,
     ) -> None:
         self.source = source
         self.model_name = model_name
@@ -111,9 +129,12 @@ class SiloPyfunc(mlflow.pyfunc.PythonModel):
         self.preprocessing = preprocessing
         self.adapter_dim = adapter_dim
         self.algorithm = dict(algorithm or {"name": "fedavg"})  # its prepare_model shapes the net
+        self.plugins = list(plugins or [])  # the run's plugin modules, imported before it
 
     def load_context(self, context: Any) -> None:
         """Build the network and load the silo's state_dict (global + its local keys)."""
+        # A model logged before plugins were recorded has no `plugins` attribute.
+        import_plugins(getattr(self, "plugins", []))
         state = torch.load(context.artifacts[STATE_ARTIFACT], weights_only=True)
         network = build_model(
             self.model_name, self.input_shape, self.num_classes, self.hidden, self.adapter_dim

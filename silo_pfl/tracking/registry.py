@@ -29,6 +29,7 @@ LATEST = "latest"
 # Tags of every registered model and version; the names are what `silo-pfl models` reads.
 FEDERATION, SILO, ALGORITHM = "federation", "silo", "algorithm"
 RUN_ID, ROUND = "run_id", "round"
+MODEL_ID = "model_id"  # the version's logged model (MLflow's SQL store keeps no link back)
 VAL_ACCURACY, TEST_ACCURACY = "val_accuracy", "test_accuracy"
 VAL_ROWS = "val_rows"  # SiloData.validation_digest of the rows val_accuracy was measured on
 # How the silo joined: with the federation that trained (founder), or later (onboard).
@@ -99,7 +100,12 @@ def tag_value(tags: dict[str, str], key: str) -> float:
 
 def promote(client: MlflowClient, name: str, version: str) -> bool:
     """Point `champion` at the best version scored on `version`'s validation rows (see the
-    module docstring); True when that is `version`.
+    module docstring); True when that is `version`."""
+    return crown(client, name, version) == str(version)
+
+
+def crown(client: MlflowClient, name: str, version: str) -> str:
+    """As `promote`, returning the version that holds `champion` now.
 
     Among versions of equal accuracy on those rows the earliest wins, and a champion on those
     rows keeps the alias against an equal one. A version without a `val_rows` tag (registered
@@ -129,7 +135,7 @@ def promote(client: MlflowClient, name: str, version: str) -> bool:
             chosen = str(current.version) if score(current)[0] >= score(best)[0] else chosen
     if current is None or str(current.version) != chosen:
         client.set_registered_model_alias(name, CHAMPION, chosen)
-    return chosen == str(version)
+    return chosen
 
 
 def version_tags(
@@ -188,11 +194,47 @@ def register(
         if owner is not None:  # another federation's, made since the check before round 1
             raise FederationError(collision(name, owner, federation, silo, "the store")) from None
     version = client.create_model_version(
-        name, source=location, run_id=tags[RUN_ID], tags=tags, model_id=model_id
+        name,
+        source=location,
+        run_id=tags[RUN_ID],
+        tags={**tags, MODEL_ID: model_id},
+        model_id=model_id,
     )
     link = [{"name": name, "version": version.version}]
     client.set_logged_model_tags(model_id, {MLFLOW_MODEL_VERSIONS: json.dumps(link)})
     return str(version.version)
+
+
+def registered(client: MlflowClient, name: str, run_id: str, round_: int | str) -> Any | None:
+    """The version of `name` registered from run `run_id`'s model of round `round_` (by its
+    tags), if any: a resumed run's export finds the version its first attempt registered."""
+    wanted = {RUN_ID: run_id, ROUND: str(round_)}
+    versions = pages(client.search_model_versions, f"name = '{name}'")
+    found = [v for v in versions if all(v.tags.get(k) == x for k, x in wanted.items())]
+    return min(found, key=lambda v: int(v.version)) if found else None
+
+
+def receipt(name: str, version: str, model_id: str, champion: bool) -> dict[str, str]:
+    """What a registration hands back: the version's URI, its logged model, whether champion."""
+    return {
+        "model_uri": f"models:/{name}/{version}",
+        "registered_model": name,
+        "version": str(version),
+        "model_id": model_id,
+        "champion": str(champion).lower(),
+    }
+
+
+def reuse(client: MlflowClient, name: str, version: Any) -> dict[str, str]:
+    """The receipt of a version registered before (`registered`), as its registration gave it.
+
+    `champion` is settled again, by `promote`'s rule on the newest version's rows: the first
+    attempt may have stopped between registering the version and promoting it.
+    """
+    versions = pages(client.search_model_versions, f"name = '{name}'")
+    newest = max(int(v.version) for v in versions)
+    champion = crown(client, name, str(newest)) == str(version.version)
+    return receipt(name, str(version.version), version.tags.get(MODEL_ID, ""), champion)
 
 
 def publish(
@@ -201,18 +243,19 @@ def publish(
     """The one registration path, for the tracker and for a silo's own store alike.
 
     A logged model whose files are written becomes READY and an output of its run at its round,
-    then a new version of `name`, then champion by `promote`'s rule.
+    then a new version of `name`, then champion by `promote`'s rule. Idempotent per run and
+    round: when a version of `name` from this run and round exists (a resumed run's export of
+    the model its first attempt registered), that version's receipt is returned, and the new
+    logged model, a copy of its files, is deleted.
     """
     from mlflow.entities import LoggedModelOutput, LoggedModelStatus
 
+    done = registered(client, name, tags[RUN_ID], tags[ROUND])
+    if done is not None:
+        client.delete_logged_model(model_id)
+        return reuse(client, name, done)
     client.finalize_logged_model(model_id, LoggedModelStatus.READY)
     step = int(tags[ROUND])
     client.log_outputs(tags[RUN_ID], [LoggedModelOutput(model_id, step=step)])
     version = register(client, name, model_id, location, tags)
-    champion = promote(client, name, version)
-    return {
-        "model_uri": f"models:/{name}/{version}",
-        "registered_model": name,
-        "version": version,
-        "champion": str(champion).lower(),
-    }
+    return receipt(name, version, model_id, promote(client, name, version))

@@ -139,7 +139,7 @@ class MlflowTracker(Callback):
         self.buffered: dict[str, list[Metric]] = {}
         self.flushed_at = time.monotonic()
         self.logged: dict[str, Any] = {}  # silo -> the logged model it writes its files into
-        self.restarts: dict[str, int] = {}  # silo -> times it restarted, as recorded
+        self.restarts: dict[str, int] = {}  # silo -> times it restarted, in the rounds seen
         self.partition: dict[str, list[int]] | None = None  # partition.json's, when logged
         self.reporting: threading.Thread | None = None  # the report, from on_end to on_closed
         self.unreachable = False  # the store stopped answering: the clean-up does not wait on it
@@ -169,13 +169,13 @@ class MlflowTracker(Callback):
         self.flushed_at = time.monotonic()
 
     def state(self) -> dict[str, Any]:
-        """The MLflow runs this federation run logs to: a resume goes on in them."""
-        return {"run_id": self.run_id, "children": dict(self.children), "restarts": self.restarts}
+        """The MLflow runs this federation run logs to: a resume goes on in them. (The silos'
+        restarts are not kept: on_resumed counts them again from the rounds it replays.)"""
+        return {"run_id": self.run_id, "children": dict(self.children)}
 
     def restore(self, state: dict[str, Any]) -> None:
         self.run_id = str(state.get("run_id", ""))
         self.children = dict(state.get("children", {}))
-        self.restarts = {k: int(v) for k, v in state.get("restarts", {}).items()}
 
     def _reopen(self) -> None:
         """On resume: the parent and child runs are RUNNING again; the resume is tagged."""
@@ -314,8 +314,12 @@ class MlflowTracker(Callback):
         """Log the rounds the interrupted run checkpointed but never logged (it was killed
         between the two), so the resumed run's metrics have no gap; and remember, run by run,
         the rounds already logged (each run's batch goes in whole or not at all), which are not
-        logged again, whether restored or done again, so they have no repeat either."""
+        logged again, whether restored or done again, so they have no repeat either.
+
+        The `restarts` tags are counted again from zero over `history`, every round the resumed
+        run keeps: a count carried over from the checkpoint would count those rounds twice."""
         self._flush()
+        self.restarts = {}
         keys = {self.run_id: "round_seconds", **dict.fromkeys(self.children.values(), "took_part")}
         self.logged_steps = {
             run: {m.step for m in self.client.get_metric_history(run, key)}
