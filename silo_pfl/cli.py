@@ -415,10 +415,11 @@ def _onboarding_options(args: argparse.Namespace) -> list[str]:
 def _config(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
+    from silo_pfl.config_errors import as_literal
     from silo_pfl.settings import load_config, resolved_config
 
     config = resolved_config(load_config(args.config, args.overrides))
-    print(OmegaConf.to_yaml(config), end="")
+    print(OmegaConf.to_yaml(as_literal(config)), end="")  # as a job reads it back
     return 0
 
 

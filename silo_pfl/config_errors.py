@@ -26,9 +26,24 @@ class KeyedError(ConfigError):
         return KeyedError, (self.key, self.reason)
 
 
+def as_literal(value: Any) -> Any:
+    r"""Plain Python values (a mapping, a list, a string) with every `${` escaped, so that OmegaConf
+    reads them as written. A value already merged once holds `${` only as a literal: an escaped
+    `\${NAME}` of the job (a node's variable in a data path, say), which a second merge, an
+    actor's or a section's, must not read as an interpolation."""
+    if isinstance(value, dict):
+        return {key: as_literal(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [as_literal(item) for item in value]
+    return value.replace("${", "\\${") if isinstance(value, str) else value
+
+
 def merge_structured(schema: Any, *parts: Any) -> DictConfig:
-    """`parts` merged over the dataclass `schema`; any error is one KeyedError naming its key."""
+    """`parts` merged over the dataclass `schema`; any error is one KeyedError naming its key.
+    A part that is a DictConfig (a job's YAML, its overrides) may hold interpolations; a plain
+    mapping is taken literally (`as_literal`)."""
     base = OmegaConf.structured(schema)
+    parts = tuple(part if OmegaConf.is_config(part) else as_literal(part) for part in parts)
     try:
         return OmegaConf.merge(base, *parts)
     except (OmegaConfBaseException, TypeError) as exc:

@@ -7,7 +7,7 @@ import pytest
 from silo_pfl.config import to_dict
 from silo_pfl.config_views import HIDDEN, actor_view, logged_view
 from silo_pfl.errors import ConfigError
-from silo_pfl.settings import from_dict, load_config
+from silo_pfl.settings import from_dict, load_config, resolved_config
 from silo_pfl.tracking.tracker import flatten
 from silo_pfl.tracking.uri import redact
 
@@ -95,3 +95,37 @@ def test_a_store_uri_refused_for_its_scheme_masks_its_password(key, uri):
         load_config("jobs/heart_disease.yaml", [f"{key}={uri}", "tracking.enabled=true"])
     assert "S3cretPW" not in str(info.value)
     assert str(info.value).startswith(f"{key}: got '{redact(uri)}', expected an MLflow store URI")
+
+
+def test_an_escaped_interpolation_stays_literal_through_every_merge(tmp_path, capsys):
+    r"""`\${NAME}` is OmegaConf's literal `${NAME}`, and `${NAME}` is how a path names a node's
+    variable. The driver merges it once; a data source's section, an actor's rebuild and
+    `silo-pfl config`'s output read back as a job merge it again, and read it as written. Before,
+    the second merge took it for an interpolation: a 4-line error naming paths.s1, or every
+    actor failing at set-up."""
+    from silo_pfl.cli import main
+
+    path = tmp_path / "alpha.csv"
+    path.write_text("a,label\n" + "".join(f"{i},{i % 2}\n" for i in range(8)))
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "name: literal\nrounds: 1\nmodel: {name: mlp}\ndata:\n  source: csv\n  num_classes: 2\n"
+        "  paths:\n"
+        f"    alpha: {path}\n    beta: \\${{DATA_DIR}}/beta.csv\n"
+    )
+    overrides = [r"silos.beta.key_dir=\${HOME}/keys", f"output_dir={tmp_path}/\\${{RUN}}"]
+    cfg = load_config(str(job), overrides)
+    assert cfg.data.paths["beta"] == "${DATA_DIR}/beta.csv"
+    assert cfg.silos["beta"].key_dir == "${HOME}/keys"
+    actor = from_dict(actor_view(to_dict(cfg), ["beta"]))
+    assert actor.data.paths["beta"] == "${DATA_DIR}/beta.csv"
+    assert (actor.silos["beta"].key_dir, actor.output_dir) == (
+        "${HOME}/keys",
+        f"{tmp_path}/${{RUN}}",
+    )
+    assert main(["config", str(job), *overrides]) == 0
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(capsys.readouterr().out)
+    again = load_config(str(printed))
+    assert resolved_config(again) == resolved_config(cfg)
+    assert again.silos["beta"].key_dir == "${HOME}/keys"
