@@ -83,6 +83,9 @@ class FitMetrics:
     withheld: str = ""  # why the silo sent no update this round (its training diverged)
     bytes_received: int = 0  # the global keys and the strategy's broadcast it trained from
     secure_seconds: float = 0.0  # masking its update, under aggregation.secure
+    # The last round it had committed as this fit began: the driver learns of a commit whose
+    # answer came after the round's deadline (its checkpoint is on the silo's disk all the same).
+    committed: int = 0
 
 
 @dataclass(frozen=True)

@@ -520,6 +520,7 @@ class Silo:
             train_loss=float(np.mean(finite)) if finite else float("nan"),
             train_seconds=0.0,
             bytes_sent=0,
+            committed=self.committed,
         )
 
     def adapt(self, global_state: dict[str, np.ndarray], round_: int) -> FitMetrics:

@@ -216,3 +216,28 @@ class ScaffoldDiesInEvaluation(Scaffold):
                 marker.write_text(str(os.getpid()))
                 os.kill(os.getpid(), signal.SIGKILL)
         return super().personalized_model(silo, round_)
+
+
+@dataclass
+class SlowEvaluationParams(FedPerParams):
+    """`silo`'s evaluations sleep `seconds` in rounds `first` to `last`."""
+
+    silo: str = ""
+    first: int = 2
+    last: int = 5
+    seconds: float = 2.0
+
+
+@register
+class SlowEvaluation(FedPer):
+    """FedPer whose one silo evaluates slowly in some rounds: its update is aggregated in time,
+    and it commits each such round on its disk after the round's deadline has passed."""
+
+    name = "slow_evaluation"
+    Params = SlowEvaluationParams
+
+    def personalized_model(self, silo: SiloTrainer, round_: int) -> nn.Module:
+        params = self.params
+        if silo.name == params.silo and params.first <= round_ <= params.last:
+            time.sleep(params.seconds)
+        return super().personalized_model(silo, round_)

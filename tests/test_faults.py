@@ -264,6 +264,37 @@ def test_scaffolds_silo_killed_after_its_update_was_aggregated_keeps_c_the_mean(
         np.testing.assert_allclose(value, mean, rtol=0, atol=1e-6)
 
 
+def test_a_silo_whose_commits_answer_late_is_resumed_from_its_own_last_commit(tmp_path):
+    """va's evaluations of rounds 2 to 6 answer after the deadline, so the driver never hears
+    its commits; va commits them on its disk all the same, and keeps only its newest 3. Each
+    next fit says what va had committed, so the driver's record, which a resume restores, is a
+    round va still holds. Before, it stayed at round 1, pruned since: no round was held intact
+    by every silo, and the run could not be resumed."""
+    slow = "algorithm.slow_evaluation"
+    overrides = [
+        "plugins=[tests.fault_plugins]",
+        "algorithm.name=slow_evaluation",
+        f"{slow}.silo=va",
+        f"{slow}.first=2",
+        f"{slow}.last=6",
+        f"{slow}.seconds=2.5",
+        "round.timeout_s=2",
+        "round.min_silos=3",
+        "ray.silos_per_worker=1",
+        "tracking.enabled=false",
+        "train.local_epochs=2",
+    ]
+    result = _run(tmp_path, "runs", *overrides)
+    late = "its update was aggregated, but its evaluation and commit: no answer within"
+    assert all(s.absent.get("va", "").startswith(late) for s in result.history[1:])
+    run_dir = Path(result.to_dict()["run_dir"])
+    committed = checkpoint.load(run_dir / "server", ROUNDS)["driver"]["committed"]
+    assert committed["va"] == ROUNDS - 1  # round 6's commit answered late too
+    again = Federation(JOB, [f"output_dir={tmp_path / 'runs'}", *overrides, "rounds=7"])
+    resumed = again.run(resume=True)
+    assert len(resumed.history) == 7 and "va" in resumed.history[-1].participants
+
+
 def test_a_hung_silo_is_left_out_by_the_deadline_and_rejoins(tmp_path, mlflow_store, caplog):
     timeout = 3.0
 

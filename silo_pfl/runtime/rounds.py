@@ -304,6 +304,10 @@ class RoundRunner:
         absent.update({n: self.down.get(n, pending) for n in self.parties if n not in live})
         sent: dict[str, FitMetrics] = {}
         for name, metrics in fits.items():
+            # A commit that answered late is the silo's last all the same: rejoin and resume
+            # restore it, not an older round the silo may have pruned since.
+            party = self.parties[name]
+            party.committed = max(party.committed, metrics.committed)
             if metrics.withheld:
                 absent[name] = metrics.withheld
             else:
