@@ -2,7 +2,9 @@
 other silos' settings and every secret.
 
 - An actor (a silo worker, or the server) gets the shared sections, its own silos' `silos.<name>`
-  sections and data paths; of every other silo only its name and its public identity key.
+  sections and data paths; of every other silo only its name, its public identity key and its
+  node labels (where Ray places it: not secret, and the placement checks every actor repeats
+  compare all silos' labels).
 - What is logged (MLflow params, `federation.json`) has every store URI's password and secret
   query values masked as `***`, and `data.paths` only as the names of the silos that have one.
 """
@@ -32,9 +34,9 @@ def actor_view(config: dict[str, Any], silos: Collection[str]) -> dict[str, Any]
 
 
 def _public(section: dict[str, Any]) -> dict[str, Any]:
-    """Of another silo's settings, only its public identity key (to verify its signatures)."""
-    key = section.get("identity_key")
-    return {"identity_key": key} if key else {}
+    """Of another silo's settings, only its public identity key (to verify its signatures) and
+    its node labels (so that an actor's checks see the placement the driver's saw)."""
+    return {k: section[k] for k in ("identity_key", "node_label") if section.get(k)}
 
 
 def logged_view(config: dict[str, Any]) -> dict[str, Any]:

@@ -129,3 +129,19 @@ def test_an_escaped_interpolation_stays_literal_through_every_merge(tmp_path, ca
     again = load_config(str(printed))
     assert resolved_config(again) == resolved_config(cfg)
     assert again.silos["beta"].key_dir == "${HOME}/keys"
+
+
+def test_an_actor_sees_every_silos_node_labels_and_so_the_placement_the_driver_checked():
+    """Under per_node, cleveland is pinned to the node labelled hungarian and hungarian to the
+    one labelled cleveland: the driver accepts it. An actor, rebuilding the config, checks the
+    placement again; hiding the other silo's label made it read the default (its own name) and
+    refuse the set-up with a conflict the driver never saw."""
+    pins = [
+        "silos.cleveland.node_label={silo: hungarian}",
+        "silos.hungarian.node_label={silo: cleveland}",
+    ]
+    cfg = load_config("jobs/heart_disease.yaml", ["ray.placement=per_node", *pins])
+    for silo in ("cleveland", "hungarian"):
+        rebuilt = from_dict(actor_view(to_dict(cfg), [silo]))
+        assert rebuilt.silos["cleveland"].node_label == {"silo": "hungarian"}
+        assert rebuilt.silos["hungarian"].node_label == {"silo": "cleveland"}
