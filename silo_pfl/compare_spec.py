@@ -15,6 +15,18 @@ from silo_pfl.errors import ConfigError
 # Set by the comparison itself, so not allowed in a spec's overrides.
 RESERVED_KEYS = ("seed", "algorithm.name", "output_dir", "tracking.", "ray.")
 
+
+def _reserved(name: str) -> str:
+    """The reserved key an override of `name` would set ('' if none): the key itself, a key
+    under a reserved section, or a section that holds one (`algorithm={name: fedavg}`)."""
+    for reserved in RESERVED_KEYS:
+        key = reserved.rstrip(".")
+        under = reserved.endswith(".") and name.startswith(reserved)
+        if name == key or under or key.startswith(name + "."):
+            return name if name == key or under else key
+    return ""
+
+
 _SPEC_KEYS = ("baseline", "jobs", "algorithms")
 _JOB_KEYS = ("config", "seeds", "overrides", "published")
 _ROW_KEYS = ("algorithm", "overrides", "candidates", "candidates_by_job", "only_jobs", "note")
@@ -127,8 +139,10 @@ def parse_spec(raw: Any, where: str = "spec") -> Spec:
             name, eq, _ = item.partition("=")
             if not eq or not name:
                 raise fail(key, f"{item!r} is not key=value, e.g. server.lr=0.03")
-            if any(name == r or (r.endswith(".") and name.startswith(r)) for r in RESERVED_KEYS):
-                raise fail(key, f"{item!r}: {name} is set by the comparison itself")
+            reserved = _reserved(name)
+            if reserved:
+                held = "" if reserved == name else f" holds {reserved}, which"
+                raise fail(key, f"{item!r}: {name}{held} is set by the comparison itself")
         return tuple(value)
 
     def candidates(value: Any, key: str) -> tuple[tuple[str, ...], ...]:

@@ -207,6 +207,13 @@ def test_max_seeds_keeps_each_jobs_first_seeds_only():
         ("  fedavg: {candidatez: [[]]}", [], "algorithms.fedavg.candidatez: unknown key; allowed:"),
         ("  fedavg: {candidates: []}", [], "algorithms.fedavg.candidates: expected a non-empty"),
         ("  fedavg: {overrides: [seed=3]}", [], "'seed=3': seed is set by the comparison itself"),
+        (  # a section holding a reserved key, as a mapping: the baseline would run fedavg
+            "  local: {candidates: [[], ['algorithm={name: fedavg}']]}",
+            [],
+            "'algorithm={name: fedavg}': algorithm holds algorithm.name, which is set by the "
+            "comparison itself",
+        ),
+        ("  fedavg: {overrides: ['ray={address: x}']}", [], "'ray={address: x}': ray is set by"),
         (
             "  fedprox: {candidates: [[algorithm.fedprox.muu=1]]}",
             [],
