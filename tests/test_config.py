@@ -75,6 +75,10 @@ def test_every_job_loads():
         ),
         (["model.adapter_dim=-2"], "model.adapter_dim: got -2, expected an integer >= 0"),
         (
+            ["algorithm.name=apfl", "algorithm.apfl.grid=[[0.5]]"],
+            "algorithm.apfl.grid: got [[0.5]], expected a non-empty list of numbers in [0, 1]",
+        ),
+        (
             ["ray.silo_cpus=0.00001"],
             "ray.silo_cpus: got 1e-05, expected 0, or a number of CPUs from 0.0001 in steps of "
             "0.0001",

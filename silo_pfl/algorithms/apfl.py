@@ -36,8 +36,9 @@ PREFIX = "apfl.personal."
 ALPHA = "apfl.alpha"
 
 
-def _in_unit_interval(value: float) -> bool:
-    return 0.0 <= value <= 1.0
+def _in_unit_interval(value: object) -> bool:
+    """A number (not a list, which OmegaConf's list of floats lets through nested) in [0, 1]."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0
 
 
 @dataclass

@@ -69,7 +69,7 @@ def validate(cfg: Params) -> None:
     if not cfg.paths:
         raise ConfigError(f"data.paths: give one CSV path per silo, e.g. {EXAMPLE}")
     for silo, path in cfg.paths.items():
-        if not str(silo).strip() or not str(path).strip():
+        if not str(silo).strip() or not isinstance(path, str) or not path.strip():
             raise ConfigError(
                 f"data.paths.{silo}: got {path!r}, expected a silo name mapped to a CSV path, "
                 f"e.g. {EXAMPLE}"

@@ -62,6 +62,23 @@ def test_validate_rejects_an_empty_path():
         csv_source.validate(csv_source.Params(source="csv", paths={"a": " "}))
 
 
+@pytest.mark.parametrize("nested", ["{file: /a.csv}", "[/a.csv]"])
+def test_a_silos_path_given_as_a_mapping_or_a_list_is_one_line_at_config(tmp_path, nested):
+    """OmegaConf's typed mapping of strings takes a nested mapping or list as it is: refused at
+    the config, not found later on the silo's node as a file named "{'file': ...}"."""
+    from silo_pfl.settings import load_config
+
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "name: nested\nrounds: 1\nmodel: {name: mlp}\ndata:\n  source: csv\n"
+        f"  num_classes: 2\n  paths: {{a: /a.csv, b: {nested}}}\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(str(job))
+    assert str(info.value).startswith("data.paths.b: got ")
+    assert "expected a silo name mapped to a CSV path" in str(info.value)
+
+
 def test_silo_names_keep_the_given_order(tmp_path):
     cfg = config({"zeta": tmp_path / "z.csv", "alpha": tmp_path / "a.csv"})
     csv_source.validate(cfg)
