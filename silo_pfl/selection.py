@@ -9,7 +9,9 @@ Modes (eval.selection):
                  takes its first evaluated one, and is compared on from then on.
   best_val       each silo its own round: its best validation accuracy (ties: lower loss).
   last           the last round.
-A silo with no validation rows falls back to its last round.
+A silo with no validation rows is not compared: under best_val and last it takes its last
+evaluated round; under best_mean_val, the round the other silos' scores choose. A loss that is not
+a number (NaN) ranks below every other at equal accuracy.
 
 Only an evaluated round can be selected. With eval.every=k a round is evaluated when its number is
 a multiple of k, and the last round always is (`evaluated`); the rounds between are committed for
@@ -45,7 +47,7 @@ class Selector:
     def _improves(self, key: str, accuracy: float, loss: float) -> bool:
         if not np.isfinite(accuracy):
             return True
-        score = (accuracy, -loss)
+        score = _score(accuracy, loss)
         if key not in self.best or score > self.best[key]:
             self.best[key] = score
             return True
@@ -82,7 +84,15 @@ class Selector:
 
 def _scores(evals: Sequence[EvalMetrics]) -> dict[str, tuple[float, float]]:
     """(accuracy, -loss) on validation of each silo of `evals` that has validation rows."""
-    return {e.silo: (e.val_accuracy, -e.val_loss) for e in evals if np.isfinite(e.val_accuracy)}
+    return {
+        e.silo: _score(e.val_accuracy, e.val_loss) for e in evals if np.isfinite(e.val_accuracy)
+    }
+
+
+def _score(accuracy: float, loss: float) -> tuple[float, float]:
+    """(accuracy, -loss), a NaN loss as the worst: NaN compares false both ways, so a score
+    holding one would never be beaten at equal accuracy."""
+    return accuracy, (-loss if not np.isnan(loss) else -np.inf)
 
 
 def _mean(scores: list[tuple[float, float]]) -> tuple[float, float]:

@@ -203,3 +203,15 @@ def test_the_configs_error_for_a_bad_mode_lists_exactly_the_selectors_modes():
     with pytest.raises(ConfigError) as info:
         load_config(JOB, ["eval.selection=latest"])
     assert str(info.value) == f"eval.selection: got 'latest', expected one of {', '.join(MODES)}"
+
+
+@pytest.mark.parametrize("mode", ["best_val", "best_mean_val"])
+def test_a_nan_validation_loss_is_beaten_by_a_later_round_of_equal_accuracy(mode):
+    """A round whose validation loss is NaN (its outputs diverged) at the same accuracy as a
+    later, finite one: the later round wins. NaN compares false both ways, so before, the NaN
+    score stayed selected for good."""
+    rounds = [
+        [ev("a", 1, 0.5, NAN, test_acc=0.1), ev("b", 1, 0.5, NAN, test_acc=0.1)],
+        [ev("a", 2, 0.5, 0.7, test_acc=0.9), ev("b", 2, 0.5, 0.6, test_acc=0.9)],
+    ]
+    assert kept_rounds(mode, rounds) == {"a": 2, "b": 2}
