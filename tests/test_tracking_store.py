@@ -14,7 +14,7 @@ from mlflow import MlflowClient
 
 from silo_pfl.cli import main
 from silo_pfl.config import to_dict
-from silo_pfl.errors import ConfigError
+from silo_pfl.errors import ConfigError, FederationError
 from silo_pfl.server_start import new_server
 from silo_pfl.settings import load_config
 from silo_pfl.silo import Silo
@@ -264,3 +264,18 @@ def test_models_lists_every_page_of_registered_models(tmp_path, monkeypatch, cap
     client.create_registered_model("zzz-s70", tags={"federation": "zzz-s", "silo": "70"})
     with pytest.raises(ConfigError, match="zzz-s70 .* federation zzz-s, silo 70"):
         registry.check_owner(client, "zzz", ["s70"], "the store")
+
+
+def test_a_silo_that_cannot_reach_the_central_tracking_server_says_so_before_round_1(tmp_path):
+    """The silo writes its model's files through the central server at the end: a node that
+    cannot reach it is named before any round trains, not after every one has."""
+    from serving import free_port
+
+    port = free_port()  # nothing listens there
+    uri = f"http://127.0.0.1:{port}"
+    exporter = MlflowExporter(
+        uri, "tracking.uri", "heart_disease", "run", "run", "model", "mlflow-artifacts:/1/m"
+    )
+    with pytest.raises(FederationError) as info:
+        exporter.check("va")
+    assert str(info.value).startswith(f"tracking.uri: no MLflow server answers at {uri} (")

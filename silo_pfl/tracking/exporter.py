@@ -30,7 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 from silo_pfl.errors import ConfigError, FederationError, SiloPflError, typed_line
 from silo_pfl.tracking import registry
-from silo_pfl.tracking.store import check_artifact_dir, ensure_experiment, open_client
+from silo_pfl.tracking.store import (
+    check_artifact_dir,
+    check_store,
+    ensure_experiment,
+    open_client,
+)
 from silo_pfl.tracking.uri import node_uri, redact, sqlite_path
 
 if TYPE_CHECKING:
@@ -80,6 +85,7 @@ class MlflowExporter:
                     f"{self.key}: silo {silo} finds no SQLite store at {path} on its node; on "
                     "a cluster of several machines, point tracking.uri at a tracking server"
                 )
+            check_store(self.uri, self.key)  # a tracking server answers from this node too
             check_artifact_dir(str(self.artifact_location), self.key)
         import silo_pfl.tracking.pyfunc  # noqa: F401  (MLflow, pandas: see the module docstring)
 
