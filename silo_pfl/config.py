@@ -275,7 +275,9 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
                 f"or {key}=null for none"
             )
         try:
-            parsed.merge_with(OmegaConf.from_dotlist([item]))
+            one = OmegaConf.from_dotlist([item])
+            _check_read_as_written(key, item.split("=", 1)[1].strip(), OmegaConf.select(one, key))
+            parsed.merge_with(one)
         except OmegaConfBaseException as exc:
             raise omegaconf_error(exc) from None
         except yaml.YAMLError:
@@ -284,6 +286,25 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
                 "expected e.g. [32, 16] or a quoted string"
             ) from None
     return parsed
+
+
+def _check_read_as_written(key: str, text: str, value: Any) -> None:
+    """An override's value as YAML 1.1 reads it must be what it says in decimal or in words:
+    seed=010 is 8 (octal), 0x10 is 16, 1:30 is 90 (base 60), and yes, no, on and off are
+    booleans (name=yes would be 'True'). Such a value is refused, with how to write it."""
+    if isinstance(value, bool):
+        if text.lower() not in ("true", "false"):
+            raise ConfigError(
+                f"{key}: got {text}, which YAML reads as {str(value).lower()}; write true or "
+                f"false, or quote it ('{text}') for the text"
+            )
+    elif isinstance(value, int):
+        digits = text.lstrip("+-").replace("_", "")
+        if not digits.isdigit() or int(digits) != abs(value):
+            raise ConfigError(
+                f"{key}: got {text}, which YAML reads as {value}; write the number in decimal, "
+                f"or quote it ('{text}') for the text"
+            )
 
 
 def flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:

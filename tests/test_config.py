@@ -74,6 +74,17 @@ def test_every_job_loads():
             "split.local: got ['head'], but algorithm local keeps every key on its silo",
         ),
         (["model.adapter_dim=-2"], "model.adapter_dim: got -2, expected an integer >= 0"),
+        (  # YAML 1.1 reads 010 in octal, 1:30 in base 60, and yes as a boolean
+            ["seed=010"],
+            "seed: got 010, which YAML reads as 8; write the number in decimal, or quote it "
+            "('010') for the text",
+        ),
+        (["seed=1:30"], "seed: got 1:30, which YAML reads as 90; write the number in decimal"),
+        (
+            ["name=yes"],
+            "name: got yes, which YAML reads as true; write true or false, or quote it ('yes') "
+            "for the text",
+        ),
         (
             ["algorithm.name=apfl", "algorithm.apfl.grid=[[0.5]]"],
             "algorithm.apfl.grid: got [[0.5]], expected a non-empty list of numbers in [0, 1]",
