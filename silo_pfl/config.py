@@ -276,7 +276,9 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
             )
         try:
             one = OmegaConf.from_dotlist([item])
-            _check_read_as_written(key, item.split("=", 1)[1].strip(), OmegaConf.select(one, key))
+            text = item.split("=", 1)[1].strip()
+            if "${" not in text:  # an interpolation resolves later, against the whole config
+                _check_read_as_written(key, text, OmegaConf.select(one, key))
             parsed.merge_with(one)
         except OmegaConfBaseException as exc:
             raise omegaconf_error(exc) from None
@@ -571,10 +573,10 @@ def check_ranges(cfg: FederationConfig) -> None:
     _require(0 <= server.beta2 < 1, "server.beta2", "0 <= value < 1", server.beta2)
     _require(0 < server.tau < math.inf, "server.tau", "a number > 0", server.tau)
     cpus = cfg.ray.silo_cpus
-    _require(  # Ray counts resources in steps of 0.0001 and refuses finer ones when placing
-        cpus == 0 or (1e-4 <= cpus < math.inf and round(cpus, 4) == cpus),
+    _require(  # Ray refuses a quantity below 0.0001 when it places an actor
+        cpus == 0 or 1e-4 <= cpus < math.inf,
         "ray.silo_cpus",
-        "0, or a number of CPUs from 0.0001 in steps of 0.0001",
+        "0, or a finite number of CPUs from 0.0001",
         cpus,
     )
     per_worker = cfg.ray.silos_per_worker

@@ -30,7 +30,7 @@ class RoundLog:
         if round_ != self.rounds + 1:
             raise RuntimeError(f"{self.path}: round {round_} logged after {self.rounds}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.is_file() and self.path.stat().st_size != self.end:
+        if self.path.is_file() and self.path.stat().st_size > self.end:
             with open(self.path, "r+b") as handle:
                 handle.truncate(self.end)
         line = _line(round_, summary)

@@ -89,7 +89,9 @@ class SiloHost:
         """Silo `name`'s `method`; what it returns goes back to the driver. A silo this worker
         no longer holds (it restarted, idle or not, since the silo last answered) is SiloLost."""
         if self.group is None or name in self.lost:
-            raise SiloLost(f"silo {name}: its worker restarted and lost it (it rejoins)")
+            raise SiloLost(
+                f"silo {name}: its worker restarted since its last call, and holds it no more"
+            )
         result = self.group.call(name, method, *args)
         if method == "setup":
             result = dataclasses.replace(result, node_id=ray.get_runtime_context().get_node_id())
