@@ -109,7 +109,8 @@ class SiloStore:
 
     def save_sent(self, round_: int, attempt: int, state: dict[str, np.ndarray]) -> None:
         """Keep the algorithm's `state` as the fit of `round_`, attempt `attempt`, left it."""
-        checkpoint.save_arrays(self.dir / SENT, round_, {"attempt": attempt, "state": state})
+        saved = {"round": round_, "attempt": attempt, "state": state}  # load checks the round
+        checkpoint.save_arrays(self.dir / SENT, round_, saved)
 
     def load_sent(self, round_: int, attempt: int) -> dict[str, np.ndarray]:
         """The state `save_sent` kept for `round_`; raises if it was another attempt's."""

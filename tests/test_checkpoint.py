@@ -757,3 +757,18 @@ def test_generator_states_survive_a_checkpoint_exactly(tmp_path):
     seed_everything(8)
     set_rng_state(checkpoint.load(tmp_path, 1)["rng"])
     assert _draws() == expected
+
+
+def test_a_sent_state_file_holding_an_older_round_is_refused(tmp_path):
+    """What a fit left (SCAFFOLD's c_i, which rejoin and resume take back) is recycled like a
+    checkpoint: its file says which round it holds, and another round's is refused."""
+    from silo_pfl.silo_store import SENT, SiloStore
+
+    store = SiloStore(tmp_path)
+    for round_ in (1, 2):
+        store.save_sent(round_, 1, {"c": np.full(3, float(round_))})
+    assert store.load_sent(2, 1)["c"].tolist() == [2.0, 2.0, 2.0]
+    newest = checkpoint.path_of(tmp_path / SENT, 2)
+    newest.write_bytes(checkpoint.path_of(tmp_path / SENT, 1).read_bytes())
+    with pytest.raises(checkpoint.CheckpointError, match="holds round 1, not round 2"):
+        store.load_sent(2, 1)
