@@ -58,19 +58,17 @@ def encode(
 def _out_of_range(
     parts: list[np.ndarray], weight: int, parties: int, silo: str, clip: float | None
 ) -> None:
-    """The one-line error for an update outside the fixed-point range."""
-    flat = np.concatenate(parts).astype(np.float64)
-    values = np.abs(np.nan_to_num(flat, nan=np.inf))
-    worst = float(np.max(np.minimum(values, clip) if clip is not None else values)) * weight
+    """The one-line error for an update outside the fixed-point range. It quotes none of the
+    update's values: the line reaches the driver, which secure aggregation keeps them from."""
     fix = (
         f"lower aggregation.clip below {bound(parties) / weight:.3g} for this silo's {weight} rows"
         if clip is not None
         else "set aggregation.clip"
     )
     raise FederationError(
-        f"silo {silo}: a weighted update value of {worst:.3g} is outside secure aggregation's "
-        f"fixed-point range (|num_examples x value| < {bound(parties):.3g} for {parties} "
-        f"silos); {fix}, or lower train.lr"
+        f"silo {silo}: its weighted update leaves secure aggregation's fixed-point range "
+        f"(|num_examples x value| < {bound(parties):.3g} for {parties} silos, or a value is "
+        f"not finite); {fix}, or lower train.lr"
     )
 
 
