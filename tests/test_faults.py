@@ -277,8 +277,8 @@ def test_a_silo_whose_commits_answer_late_is_resumed_from_its_own_last_commit(tm
         f"{slow}.silo=va",
         f"{slow}.first=2",
         f"{slow}.last=6",
-        f"{slow}.seconds=2.5",
-        "round.timeout_s=2",
+        f"{slow}.seconds=3.5",  # past the deadline, and its next fit well before the next
+        "round.timeout_s=3",
         "round.min_silos=3",
         "ray.silos_per_worker=1",
         "tracking.enabled=false",
