@@ -20,7 +20,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from silo_pfl import builtin_names
-from silo_pfl.config_errors import merge_structured, omegaconf_error
+from silo_pfl.config_errors import as_literal, merge_structured, omegaconf_error
 from silo_pfl.errors import ConfigError, one_line
 from silo_pfl.selection import MODES as SELECTION_MODES
 
@@ -326,7 +326,7 @@ def written_keys(base: Any = None, overrides: list[str] | None = None) -> set[st
     keys: set[str] = set()
     for part in (base, _parse_overrides(overrides or [])):
         if part is not None and not isinstance(part, FederationConfig):
-            keys |= flat(OmegaConf.to_container(OmegaConf.create(_plain(part)))).keys()
+            keys |= flat(OmegaConf.to_container(OmegaConf.create(as_literal(part)))).keys()
     return keys
 
 
@@ -648,7 +648,7 @@ def check_node_label(labels: dict[str, str] | None, key: str) -> None:
 def merge_config(base: Any = None, overrides: list[str] | None = None) -> FederationConfig:
     """Merge a mapping (or DictConfig) with `key=value` overrides into the structure, and check
     the values that need no registry."""
-    parts = [_plain(base)] if base is not None else []
+    parts = [base] if base is not None else []  # a plain mapping is taken as written
     merged = merge_structured(FederationConfig, *parts, _parse_overrides(overrides or []))
     try:
         cfg: FederationConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
@@ -656,17 +656,6 @@ def merge_config(base: Any = None, overrides: list[str] | None = None) -> Federa
         raise omegaconf_error(exc) from None
     check_ranges(cfg)
     return cfg
-
-
-def _plain(value: Any) -> Any:
-    """A mapping from Python, with numpy's scalars (np.int64(5)) as the numbers they hold."""
-    if isinstance(value, dict):
-        return {key: _plain(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(item) for item in value]
-    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
-        return value.item()  # without importing numpy here: a scalar of it has come already
-    return value
 
 
 def to_dict(cfg: FederationConfig) -> dict[str, Any]:

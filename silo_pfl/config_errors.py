@@ -27,14 +27,17 @@ class KeyedError(ConfigError):
 
 
 def as_literal(value: Any) -> Any:
-    r"""Plain Python values (a mapping, a list, a string) with every `${` escaped, so that OmegaConf
-    reads them as written. A value already merged once holds `${` only as a literal: an escaped
-    `\${NAME}` of the job (a node's variable in a data path, say), which a second merge, an
-    actor's or a section's, must not read as an interpolation."""
+    r"""Plain Python values (a mapping, a list, a string) as OmegaConf takes them as written: every
+    `${` escaped, and numpy's scalars (np.int64(5)) as the numbers they hold. A value already
+    merged once holds `${` only as a literal: an escaped `\${NAME}` of the job (a node's variable
+    in a data path, say), which a second merge, an actor's or a section's, must not read as an
+    interpolation."""
     if isinstance(value, dict):
         return {key: as_literal(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [as_literal(item) for item in value]
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        return value.item()  # without importing numpy here: a scalar of it has come already
     return value.replace("${", "\\${") if isinstance(value, str) else value
 
 

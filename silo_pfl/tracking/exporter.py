@@ -127,9 +127,23 @@ class MlflowExporter:
         name = registry.model_name(self.experiment, model.silo)
         done = self._registered(client, experiment_id, name, model)
         if done is not None:
-            client.set_terminated(done.run_id)  # the first attempt may have stopped before
-            receipt = registry.reuse(client, name, done)
-            return {**receipt, **scores, "tracking_uri": redact(self.uri), "run_id": done.run_id}
+            receipt, run_id = registry.reuse(client, name, done), done.run_id
+        else:
+            receipt, run_id = self._register(client, experiment_id, name, model, uri)
+        client.set_terminated(run_id)  # a resumed export's first attempt may have stopped before
+        # As configured: with $VARS, what the node filled in stays on the node.
+        return {**receipt, **scores, "tracking_uri": redact(self.uri), "run_id": run_id}
+
+    def _register(
+        self,
+        client: MlflowClient,
+        experiment_id: str,
+        name: str,
+        model: PersonalizedModel,
+        uri: str,
+    ) -> tuple[dict[str, str], str]:
+        """A new own run, its logged model written and registered: the receipt, and the run."""
+        outcome = model.outcome
         run_id = self._own_run(client, experiment_id, model)
         algorithm = model.config.algorithm["name"]
         logged = client.create_logged_model(
@@ -151,9 +165,7 @@ class MlflowExporter:
             self.joined,
         )
         receipt = registry.publish(client, name, logged.model_id, logged.artifact_location, tags)
-        client.set_terminated(run_id)
-        # As configured: with $VARS, what the node filled in stays on the node.
-        return {**receipt, **scores, "tracking_uri": redact(self.uri), "run_id": run_id}
+        return receipt, run_id
 
     def _registered(
         self, client: MlflowClient, experiment_id: str, name: str, model: PersonalizedModel
@@ -163,12 +175,10 @@ class MlflowExporter:
         own run, so the version is found through its run's CENTRAL_RUN tag."""
         mine = f"tags.{CENTRAL_RUN} = '{self.parent_run_id}' and tags.{registry.SILO} = "
         runs = client.search_runs([experiment_id], f"{mine}'{model.silo}'")
-        round_ = model.outcome.selected_round
-        for run in runs:
-            version = registry.registered(client, name, run.info.run_id, round_)
-            if version is not None:
-                return version
-        return None
+        mine = {run.info.run_id for run in runs}
+        return (
+            registry.registered(client, name, mine, model.outcome.selected_round) if mine else None
+        )
 
     def _own_run(self, client: MlflowClient, experiment_id: str, model: PersonalizedModel) -> str:
         """A run in the silo's own store, with the selected model's scores."""

@@ -16,7 +16,7 @@ model's tags say whose it is, and a run whose name is another's fails before rou
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from silo_pfl.errors import ConfigError, FederationError
@@ -205,12 +205,16 @@ def register(
     return str(version.version)
 
 
-def registered(client: MlflowClient, name: str, run_id: str, round_: int | str) -> Any | None:
-    """The version of `name` registered from run `run_id`'s model of round `round_` (by its
-    tags), if any: a resumed run's export finds the version its first attempt registered."""
-    wanted = {RUN_ID: run_id, ROUND: str(round_)}
+def registered(
+    client: MlflowClient, name: str, run_ids: Collection[str], round_: int | str
+) -> Any | None:
+    """The first version of `name` registered from one of `run_ids`' models of round `round_`
+    (by its tags), if any: a resumed run's export finds the version its first attempt
+    registered. One listing of the versions, however many runs."""
     versions = pages(client.search_model_versions, f"name = '{name}'")
-    found = [v for v in versions if all(v.tags.get(k) == x for k, x in wanted.items())]
+    found = [
+        v for v in versions if v.tags.get(RUN_ID) in run_ids and v.tags.get(ROUND) == str(round_)
+    ]
     return min(found, key=lambda v: int(v.version)) if found else None
 
 
@@ -250,7 +254,7 @@ def publish(
     """
     from mlflow.entities import LoggedModelOutput, LoggedModelStatus
 
-    done = registered(client, name, tags[RUN_ID], tags[ROUND])
+    done = registered(client, name, {tags[RUN_ID]}, tags[ROUND])
     if done is not None:
         client.delete_logged_model(model_id)
         return reuse(client, name, done)
