@@ -269,13 +269,13 @@ class Orchestrator:
         get(list(refs.values()), "resume: silo restore", self.timeout, [f"silo {n}" for n in refs])
         # As a rejoin does: a silo whose update was aggregated after its last commit takes back
         # the state that update left with, where the server mirrors it (SCAFFOLD's c_i).
-        sent = {n: p for n, p in parties.items() if p.uncommitted()}
-        refs = {n: p.actor.adopt_sent.remote(p.uncommitted()) for n, p in sent.items()}
+        adopting = {n: p for n, p in parties.items() if p.uncommitted()}
+        refs = {n: p.actor.adopt_sent.remote(p.uncommitted()) for n, p in adopting.items()}
         rounds = get(
             list(refs.values()), "resume: silo restore", self.timeout, [f"silo {n}" for n in refs]
         )
         for name, round_ in zip(refs, rounds, strict=True):
-            sent[name].committed = int(round_)
+            adopting[name].committed = int(round_)
         self.checkpointed = len(history)
 
     def _newest_round_all_hold(self, server: Any, parties: dict[str, Party]) -> dict[str, Any]:
