@@ -154,6 +154,7 @@ class Silo:
         torch.set_num_threads(self.cfg.train.torch_threads)
         data: SiloData = load_silo_data(self.cfg.data, self.name, self.cfg.seed)
         self.data = data
+        self.data_digest = data.digest()  # checkpointed: a resume on other data is refused
         self.train_xy = to_tensors(data.x_train, data.y_train)
         self.held_out_xy = to_tensors(  # validation rows, then test rows: for evaluate_parts
             np.concatenate([data.x_val, data.x_test]), np.concatenate([data.y_val, data.y_test])
@@ -290,6 +291,7 @@ class Silo:
             "algorithm": as_arrays(self.algorithm.local_state()),
             "figures": json.dumps(figures),
             "rng": rng_state(),
+            "data": self.data_digest,
         }
         spare = self._selected.round if self._selected is not None else None
         self.store.save(round_, saved, model, self.split, spare)
@@ -298,6 +300,12 @@ class Silo:
     def restore(self, round_: int) -> str:
         """Load the checkpoint of `round_`; return the SHA-256 of the restored local keys."""
         state = self.store.load(round_)
+        if state.get("data", self.data_digest) != self.data_digest:  # absent: an older version's
+            raise FederationError(
+                f"silo {self.name}: its data differ from those it committed round {round_} on "
+                "(its files, or the data.* settings, changed since); resume on the data the run "
+                "began with, or start a fresh run"
+            )
         self.model.load_state_dict(as_tensors(state["local"]), strict=False)
         self.algorithm.load_local_state(self, as_tensors(state["algorithm"]))
         figures = json.loads(state["figures"])

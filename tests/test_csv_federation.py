@@ -170,3 +170,38 @@ def test_silos_whose_columns_differ_in_name_or_order_are_refused(tmp_path, chang
         FederationError, match="^silo clinic_b: its data's columns differ from silo"
     ):
         model_shape(infos)
+
+
+def test_a_silo_whose_file_changed_since_its_commit_refuses_to_resume(tmp_path):
+    """A silo resumes (or rejoins) only on the rows it committed its rounds on: one value of its
+    file changed since, and restoring its checkpoint is refused in one line naming it."""
+    from silo_pfl.config import to_dict
+    from silo_pfl.errors import FederationError
+    from silo_pfl.silo import Silo
+
+    paths = write_silo_files(tmp_path)
+    cfg = load_config(
+        "jobs/heart_disease.yaml",
+        [
+            f"name={NAME}",
+            "data={source: csv, num_classes: 2, label_column: " + LABEL + "}",
+            *(f"data.paths.{silo}={path}" for silo, path in paths.items()),
+            f"output_dir={tmp_path / 'runs'}",
+            "tracking.enabled=false",
+        ],
+    )
+
+    def resumed(resume: bool) -> Silo:
+        silo = Silo(to_dict(cfg), "clinic_b", "run")
+        info = silo.setup(resume=resume)
+        silo.build(info.input_shape, 2)
+        return silo
+
+    resumed(False)  # commits round 0
+    resumed(True).restore(0)  # the same file: restored
+    lines = paths["clinic_b"].read_text().splitlines()
+    cells = lines[5].split(",")
+    cells[0] = repr(float(cells[0]) + 1.0)
+    paths["clinic_b"].write_text("\n".join([*lines[:5], ",".join(cells), *lines[6:]]) + "\n")
+    with pytest.raises(FederationError, match="^silo clinic_b: its data differ from those it "):
+        resumed(True).restore(0)

@@ -85,11 +85,12 @@ class SiloData:
     def validation_digest(self) -> str:
         """A SHA-256 of the validation rows as the model sees them (inputs and labels, with their
         dtypes and shapes): two validation accuracies compare only when their digests match."""
-        digest = hashlib.sha256()
-        for array in (self.x_val, self.y_val):
-            digest.update(f"{array.dtype.str}{array.shape}".encode())
-            digest.update(np.ascontiguousarray(array).data)
-        return digest.hexdigest()
+        return _digest(self.x_val, self.y_val)
+
+    def digest(self) -> str:
+        """A SHA-256 of every row as the model sees them, train, validation and test: a silo
+        resumes only on the data it committed its rounds on."""
+        return _digest(self.x_train, self.y_train, self.x_val, self.y_val, self.x_test, self.y_test)
 
     def __post_init__(self) -> None:
         for split in ("train", "val", "test"):
@@ -169,3 +170,12 @@ def assemble(
         preprocessing=preprocessing,
         **extra,
     )
+
+
+def _digest(*arrays: np.ndarray) -> str:
+    """A SHA-256 of `arrays`, each with its dtype and shape."""
+    digest = hashlib.sha256()
+    for array in arrays:
+        digest.update(f"{array.dtype.str}{array.shape}".encode())
+        digest.update(np.ascontiguousarray(array).data)
+    return digest.hexdigest()
