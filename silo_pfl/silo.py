@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -312,13 +313,27 @@ class Silo:
         self._selected = EvalMetrics(**figures["selected"]) if figures["selected"] else None
         self._selected_sha256 = figures["selected_sha256"]
         if self._selected_sha256:  # its published file is there, and is the one selected
-            self.store.check_published(self._selected.round, self._selected_sha256)
+            self._check_published()
         self._selected_report = figures["selected_report"]
         self._last = EvalMetrics(**figures["last"]) if figures["last"] else None
         self._models = {int(r): f for r, f in figures.get("models", {}).items()}
         set_rng_state(state["rng"])
         self.committed, self._dirty = round_, False
         return local_digest(self.model.state_dict(), self.split.local_keys)
+
+    def _check_published(self) -> None:
+        """The selected model's published file, missing or damaged (a disk's fault, a hand),
+        is written again from its round's checkpoint, which holds the model, and said."""
+        assert self._selected is not None
+        try:
+            self.store.check_published(self._selected.round, self._selected_sha256)
+        except checkpoint.CheckpointError as exc:
+            self._publish()
+            print(
+                f"warning: silo {self.name}: {exc}; written again from its round's checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def check_checkpoint(self, round_: int) -> str:
         """Why the checkpoint of `round_` cannot be restored (partial, corrupted, missing), in

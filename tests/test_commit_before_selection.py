@@ -131,3 +131,31 @@ def test_a_silo_of_an_older_run_resumes_and_publishes_its_model_from_its_own_fil
     last.build(info.input_shape, info.num_classes)
     last.restore(len(keeps))
     assert last.outcome() == now.outcome()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "missing"])
+def test_a_damaged_published_model_is_written_again_from_its_checkpoint_on_resume(
+    job, tmp_path, capsys, damage
+):
+    """The selected model's published file damaged or gone since (a disk's fault, a hand): the
+    resumed silo writes it again from its round's checkpoint, says so, and goes on."""
+    config = to_dict(job(*JOB, f"output_dir={tmp_path}"))
+    keeps = KEEPS[0]
+    silo = play(config, "run", keeps, later=False)
+    before = load_model(silo)
+    published = silo.selected_path
+    if damage == "garbage":
+        published.write_bytes(b"garbage")
+    else:
+        published.unlink()
+
+    again = Silo(config, SILO, "run")
+    info = again.setup(resume=True)
+    again.build(info.input_shape, info.num_classes)
+    again.restore(len(keeps))
+    assert again.outcome() == silo.outcome()
+    assert again.selected_path == published
+    assert_same_state(load_model(again), before)
+    err = capsys.readouterr().err
+    assert f"warning: silo {SILO}: checkpoint {published}" in err, err
+    assert err.rstrip().endswith("; written again from its round's checkpoint"), err
