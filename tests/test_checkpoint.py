@@ -196,9 +196,7 @@ def test_a_checkpoint_cut_inside_its_header_is_partial(tmp_path, caplog, keep, k
         assert checkpoint.load_latest(tmp_path)[0] == 0
 
 
-def test_a_silo_restores_only_the_selected_model_its_checkpoint_vouches_for(
-    job, tmp_path, capsys
-):
+def test_a_silo_restores_only_the_selected_model_its_checkpoint_vouches_for(job, tmp_path, capsys):
     """A silo's selected model is a plain file; its commit's checkpoint holds its SHA-256, and
     a restore checks the file against it: swapped for another round's model, it is written
     again from its round's checkpoint, and said."""
