@@ -359,3 +359,25 @@ def test_a_local_run_without_metrics_hands_out_no_tags_and_creates_no_metric_obj
     recorder, tags = driver_metrics(on, "r1")
     assert tags == {"federation": "heart_disease", "run_id": "r1", "algorithm": "fedper"}
     assert not isinstance(recorder, NoMetrics)
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_finished_runs_driver_series_are_held_no_longer(job):
+    """A driver process that goes on after a run (a notebook, a script of several runs) holds
+    that run's gauges no longer: Ray's agent drops them, and Grafana does not show a finished
+    run at its last round with its silos alive for as long as the process lives."""
+    from silo_pfl.federation import Federation
+    from silo_pfl.runtime import metrics
+
+    on = ("rounds=1", "metrics.enabled=true", "tracking.enabled=false")
+    result = Federation(job("jobs/heart_disease.yaml", *on)).run()
+    held = [name for name, tags in metrics._HELD.values if ("run_id", result.run_id) in tags]
+    assert held == []
+    recorder, _ = driver_metrics(load_config("jobs/heart_disease.yaml", list(on)), "r2")
+    recorder.round(1, 0.5, 4)
+    other = {"federation": "other", "run_id": "r3", "algorithm": "fedavg"}
+    metrics._set("silo_pfl_round", 7, other)
+    assert {tags for _, tags in metrics._HELD.values} >= {tuple(sorted(recorder.tags.items()))}
+    recorder.close()
+    assert [dict(tags)["run_id"] for _, tags in metrics._HELD.values] == ["r3"]
+    metrics._HELD.forget(other)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import html
 import json
 import os
@@ -160,6 +161,9 @@ def test_report_against_fedavg_shows_each_silos_gain(runs, tmp_path, capsys):
     logged = artifacts(runs.uri, run_id, "report")
     assert {"report/report.html", "report/gain.png"} <= logged
     again = tmp_path / "again"  # a report without --against replaces it: no gain figure left
+    (again / "notes").mkdir(parents=True)  # nor anything else --out held: only the report goes
+    (again / "patients.csv").write_text("age,sex\n63,1\n")
+    (again / "notes" / "todo.txt").write_text("a file of the user's")
     assert main(report(runs, run_id, again)) == 0
     assert artifacts(runs.uri, run_id, "report") == {
         f"report/{name}" for name in (*FIGURES, "report.html")
@@ -203,6 +207,21 @@ def test_report_refuses_a_bad_against_run_in_one_line(runs, tmp_path, capsys, ar
     assert main(report(runs, ids["fedper"], tmp_path / "out", *args)) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "Traceback" not in err and expected in err, err
+
+
+def test_a_run_to_compare_with_that_shares_no_silo_is_refused_in_one_line(runs):
+    """Each silo's gain is its own accuracy in one run minus in the other: runs of one
+    federation's name whose silos are all others have no gain to draw."""
+    from silo_pfl.errors import ConfigError
+    from silo_pfl.report.data import check_against, read_run
+
+    client = MlflowClient(runs.uri)
+    run = read_run(client, Runs.run_id(runs.fedper), "RUN_ID")
+    against = read_run(client, Runs.run_id(runs.fedavg), "--against")
+    check_against(run, against)
+    renamed = dataclasses.replace(against, silos={f"x{k}": v for k, v in against.silos.items()})
+    with pytest.raises(ConfigError, match=r"^--against \w+: its silos \(xcleveland, .*share none"):
+        check_against(run, renamed)
 
 
 def test_report_refuses_unknown_runs_and_stores_in_one_line(runs, tmp_path, capsys):

@@ -43,14 +43,16 @@ def write(run: RunData, out: Path, against: RunData | None = None) -> Path:
 
 
 def publish(client: MlflowClient, run_id: str, out: Path) -> None:
-    """Log the report in `out` to the run's artifacts, under report/, replacing the one there:
-    a file of the older report that this one does not have (the gain over another run, say) is
-    deleted first, where the store's artifact repository can delete; elsewhere it is left, and
-    the page, which embeds its figures, names only its own."""
+    """Log the report's files in `out` (only those: `out` may hold anything else) to the run's
+    artifacts, under report/, replacing the one there: a file of the older report that this one
+    does not have (the gain over another run, say) is deleted first, where the store's artifact
+    repository can delete; elsewhere it is left, and the page, which embeds its figures, names
+    only its own."""
     from mlflow.exceptions import MlflowException
     from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
-    ours = {f"{REPORT_DIR}/{path.name}" for path in out.iterdir()}
+    files = [out / name for name in (*FILES, REPORT_FILE) if (out / name).is_file()]
+    ours = {f"{REPORT_DIR}/{path.name}" for path in files}  # never the rest of `out`
     stale = {a.path for a in client.list_artifacts(run_id, REPORT_DIR)} - ours
     if stale:
         uri = client.get_run(run_id).info.artifact_uri
@@ -60,4 +62,5 @@ def publish(client: MlflowClient, run_id: str, out: Path) -> None:
                 repository.delete_artifacts(path)
             except (NotImplementedError, OSError, MlflowException):
                 break
-    client.log_artifacts(run_id, str(out), REPORT_DIR)
+    for path in files:
+        client.log_artifact(run_id, str(path), REPORT_DIR)

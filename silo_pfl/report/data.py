@@ -223,3 +223,8 @@ def check_against(run: RunData, against: RunData) -> None:
             f"--against {against.run_id}: a run of federation {against.federation!r}, not "
             f"{run.federation!r}; compare runs of the same federation"
         )
+    if not set(run.silos) & set(against.silos):
+        raise ConfigError(
+            f"--against {against.run_id}: its silos ({', '.join(sorted(against.silos))}) share "
+            "none with this run's; compare runs with silos in common"
+        )

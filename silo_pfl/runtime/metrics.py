@@ -163,6 +163,14 @@ class _Held:
                 self.thread.start()
         _instruments()[name].set(value, tags=dict(tags))
 
+    def forget(self, tags: Mapping[str, str]) -> None:
+        """Hold no longer the series whose tags include `tags` (a run's): Ray's agent drops
+        them two export intervals later."""
+        with self.lock:
+            self.values = {
+                k: v for k, v in self.values.items() if not tags.items() <= dict(k[1]).items()
+            }
+
     def _hold(self) -> None:
         while True:
             time.sleep(export_interval_s() / 2)
@@ -338,6 +346,12 @@ class DriverMetrics:
                 return
             time.sleep(SCRAPE_POLL_S)
 
+    def close(self) -> None:
+        """The run is over, however it ended: its series are no longer held, so that a driver
+        process that goes on (a notebook, a script of several runs) does not export a finished
+        run's round and silos alive for as long as it lives."""
+        _HELD.forget(self.tags)
+
 
 class NoMetrics(DriverMetrics):
     """metrics.enabled off: records nothing and creates no metric object."""
@@ -358,6 +372,9 @@ class NoMetrics(DriverMetrics):
         pass
 
     def linger(self) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 

@@ -9,6 +9,7 @@ last commit, the callbacks' state such as the MLflow run id).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Sequence
@@ -125,7 +126,10 @@ class Orchestrator:
         metrics, tags = driver_metrics(self.cfg, run_id)
         keep = ray.is_initialized()  # Ray outlives the run: its workers may serve the next one
         ended = False
-        with ray_session(self.cfg.ray, metrics_interval_s=export_interval(self.cfg)):
+        with (
+            ray_session(self.cfg.ray, metrics_interval_s=export_interval(self.cfg)),
+            contextlib.closing(metrics),
+        ):
             metrics.watch()
             self.started = time.perf_counter()
             config = to_dict(self.cfg)
