@@ -63,7 +63,7 @@ from silo_pfl.secure import identity, prg
 from silo_pfl.secure.aggregator import SecureAggregator
 from silo_pfl.secure.client import SecureClient
 from silo_pfl.secure.fixed_point import encode
-from silo_pfl.secure.messages import Advertisement, Reveal, SealedShares
+from silo_pfl.secure.messages import Advertisement, Pairing, Reveal, SealedShares
 from silo_pfl.secure.params import SecureParams
 from silo_pfl.secure.prg import apply_stream, apply_streams
 from silo_pfl.secure.topology import default_threshold
@@ -166,6 +166,7 @@ class Round:
     bundles: list[SealedShares]
     reveals: list[Reveal]
     signatures: list[bytes]  # each survivor's confirmation of the unmask request
+    pairings: list[Pairing]  # each survivor's signed peers, sent with its masked vector
     pairwise: list[int]  # per masking silo: its pairwise streams
     server_streams: tuple[int, int]  # the server's self-mask and pairwise streams
 
@@ -199,7 +200,8 @@ def one_round(count: int, neighbors: int | None, values: int, drop: bool) -> Rou
     }
     for name in masking:
         timed(spent["check"], lambda name=name: server.check(name, 1, 1))
-    request = timed(spent["check"], lambda: server.unmask_request(masking))
+    paired = {n: clients[n].pairing(1, 1) for n in masking}
+    request = timed(spent["check"], lambda: server.unmask_request(masking, paired))
     signed = [(n, timed(silo["confirm"], lambda n=n: clients[n].confirm(request))) for n in masking]
     request = dataclasses.replace(request, signatures=tuple(signed))
     reveals = [timed(silo["unmask"], lambda n=n: clients[n].unmask(request)) for n in masking]
@@ -217,6 +219,7 @@ def one_round(count: int, neighbors: int | None, values: int, drop: bool) -> Rou
         bundles,
         reveals,
         [signature for _, signature in signed],
+        list(paired.values()),
         [len(inbox[n]) for n in masking],
         (len(masking), gone),
     )
@@ -272,7 +275,9 @@ def bytes_row(count: int, neighbors: int | None, values: int) -> str:
     reveal = statistics.mean(
         sum(map(len, [*r.seeds.values(), *r.mask_keys.values()])) for r in sent.reveals
     )
-    confirm = statistics.mean(len(signature) for signature in sent.signatures)
+    confirm = statistics.mean(len(signature) for signature in sent.signatures) + statistics.mean(
+        len(p.signature) + len(",".join(p.peers)) for p in sent.pairings
+    )
     vector = 8 * (values + 1)
     total = advert + sealed + confirm + reveal
     mode = "full mesh" if neighbors is None else "SecAgg+"
@@ -295,7 +300,8 @@ def section_bytes(values: int) -> None:
         f"\nbytes one silo sends per round (mean over silos), masked vector of {values:,} values\n"
     )
     print(
-        "| N | mode | k | advertisement | sealed shares | confirmation | reveal | protocol total "
+        "| N | mode | k | advertisement | sealed shares | pairing + confirmation | reveal | "
+        "protocol total "
         "| masked vector | protocol / vector |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")

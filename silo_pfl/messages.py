@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from silo_pfl.errors import FederationError
+from silo_pfl.secure.messages import Pairing
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class SiloUpdate:
     masked: np.ndarray | None = None  # uint64, see silo_pfl.secure
     extras: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     attempt: int = 1  # the round's attempt it was made for
+    pairing: Pairing | None = None  # under secure aggregation: the peers it masked with, signed
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,13 @@ class Server:
                 f"update from silo {update.silo}: aggregation.secure is on, but the update is "
                 "not masked"
             )
+        pairing = update.pairing
+        if pairing is None or (pairing.silo, pairing.round, pairing.attempt) != (
+            update.silo,
+            update.round,
+            update.attempt,
+        ):
+            raise ValueError(f"update from silo {update.silo}: masked without its signed pairing")
         if masked.dtype != np.uint64 or masked.shape != self.masked_shape:
             raise ValueError(
                 f"update from silo {update.silo}: masked vector of {masked.dtype} "
@@ -221,7 +228,12 @@ class Server:
             )
             return RoundReport(round_, names, rejected, False, reason)
         if self.protocol is not None:
-            request = self.protocol.unmask_request(names)
+            pairings = {u.silo: u.pairing for u in accepted if u.pairing is not None}
+            try:
+                request = self.protocol.unmask_request(names, pairings)
+            except SecureRoundError as exc:
+                log.warning("%s", exc)
+                return RoundReport(round_, names, rejected, False, str(exc))
             self._pending = (round_, {u.silo: u.masked for u in accepted}, rejected)
             return RoundReport(round_, names, rejected, False, "awaiting the reveals", request)
         assert mean is not None  # a quorum of accepted plain updates has a mean

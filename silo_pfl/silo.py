@@ -486,8 +486,10 @@ class Silo:
                 flatten(payload, extras), num_examples, round_, attempt, inbox or {}
             )
             masking = time.perf_counter() - began
-            update = SiloUpdate(self.name, round_, 0, {}, masked=masked, attempt=attempt)
-            sent, self._secure_bytes = masked.nbytes + self._secure_bytes, 0
+            pairing = self._secure.pairing(round_, attempt)
+            update = SiloUpdate(self.name, round_, 0, {}, masked, attempt=attempt, pairing=pairing)
+            paired = len(pairing.signature) + len(",".join(pairing.peers))
+            sent, self._secure_bytes = masked.nbytes + paired + self._secure_bytes, 0
         return update, dataclasses.replace(
             metrics,
             train_seconds=time.perf_counter() - start,

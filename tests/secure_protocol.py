@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from silo_pfl.secure import identity
 from silo_pfl.secure.aggregator import SecureAggregator
 from silo_pfl.secure.client import SecureClient
-from silo_pfl.secure.messages import UnmaskRequest
+from silo_pfl.secure.messages import Pairing, UnmaskRequest
 from silo_pfl.secure.params import SecureParams
 from silo_pfl.secure.topology import default_threshold
 
@@ -54,10 +54,32 @@ def run_round(
     }
     for name in masking:
         server.check(name, round_, attempt)
-    request = confirmed(clients, server.unmask_request(list(vectors)), after_masking)
+    asked = server.unmask_request(list(vectors), pairings(clients, list(vectors), round_, attempt))
+    request = confirmed(clients, asked, after_masking)
     gone = {*after_masking, *after_confirming}
     reveals = [clients[n].unmask(request) for n in masking if n not in gone]
     return server.unmask(vectors, reveals), vectors
+
+
+def pairings(
+    clients: Mapping[str, SecureClient], survivors: Sequence[str], round_: int = 1, attempt: int = 1
+) -> dict[str, Pairing]:
+    """The signed pairing each of `survivors` sent with its masked vector."""
+    return {name: clients[name].pairing(round_, attempt) for name in survivors}
+
+
+def unmask_request(
+    clients: Mapping[str, SecureClient],
+    survivors: Sequence[str],
+    dropped: Sequence[str] = (),
+    round_: int = 1,
+    attempt: int = 1,
+) -> UnmaskRequest:
+    """An unmask request as a driver may write one, whatever the server would: `survivors` and
+    `dropped` as given, with the survivors' signed pairings."""
+    alive = tuple(sorted(survivors))
+    shown = tuple(pairings(clients, alive, round_, attempt).values())
+    return UnmaskRequest(round_, attempt, alive, tuple(sorted(dropped)), pairings=shown)
 
 
 def confirmed(

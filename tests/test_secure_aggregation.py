@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from plain_federation import aggregate, federation, fit_all
 from scipy import stats
-from secure_protocol import confirmed, run_round
+from secure_protocol import confirmed, pairings, run_round, unmask_request
 from secure_protocol import federation as protocol_federation
 
 from silo_pfl.aggregation import weighted_mean
@@ -166,9 +166,9 @@ def test_a_driver_that_shows_silos_different_survivor_sets_unmasks_nothing_of_on
     """SecAgg+ (N = 10, k = 3, t = 7): to strip silo B's masks a coordinator needs B's
     self-mask seed from B's holders, its neighbours, told that B survived, and the neighbours'
     mask keys from silos told that they dropped. It shows each neighbour a request in which it
-    survived and the other silos one in which the neighbours dropped. Each silo signs the one
-    request it is shown: the neighbours' requests gather one signature each, so they reveal
-    nothing, and B's seed stays below its share threshold."""
+    survived and the other silos one in which the neighbours dropped. The others refuse theirs:
+    B, cut off from every other survivor, would be unmasked alone. Each neighbour signs the one
+    request it is shown, which gathers one signature: no one reveals anything of B."""
     params, clients, server = protocol_federation(10, neighbors=3)
     names = list(clients)
     payloads, weights = _payloads(clients), _weights(clients)
@@ -182,19 +182,91 @@ def test_a_driver_that_shows_silos_different_survivor_sets_unmasks_nothing_of_on
     shown = {}
     for name in names:  # each silo its own story
         dropped = tuple(sorted(neighbours - {name}))
-        shown[name] = UnmaskRequest(1, 1, tuple(sorted(set(names) - set(dropped))), dropped)
-    signatures = {n: clients[n].confirm(shown[n]) for n in names}
-    seed_shares = 0
+        shown[name] = unmask_request(clients, sorted(set(names) - set(dropped)), dropped)
+    signatures = {}
     for name in names:
-        signed = tuple((m, sig) for m, sig in signatures.items() if shown[m] == shown[name])
-        request = dataclasses.replace(shown[name], signatures=signed)
         if name in neighbours:
-            with pytest.raises(FederationError, match=rf"silo {name}: only 1 survivors signed"):
-                clients[name].unmask(request)
-        else:
-            seed_shares += victim in clients[name].unmask(request).seeds
-    assert len(signatures) - len(neighbours) >= params.threshold  # the lie to the others holds
-    assert seed_shares < plan.threshold  # but B's seed cannot be rebuilt from it
+            signatures[name] = clients[name].confirm(shown[name])
+            continue
+        with pytest.raises(FederationError, match=rf"^silo {name}: the survivors' masks split"):
+            clients[name].confirm(shown[name])
+    assert len(names) - len(neighbours) >= params.threshold  # the lie would have had its quorum
+    for name in neighbours:
+        request = dataclasses.replace(shown[name], signatures=((name, signatures[name]),))
+        with pytest.raises(FederationError, match=rf"silo {name}: only 1 survivors signed"):
+            clients[name].unmask(request)
+
+
+def _split_round(count: int, k: int, left_out: set[str], part: set[str] | None):
+    """A SecAgg+ round whose coordinator relays no key of `left_out`, and delivers each silo
+    only the shares of silos on its side of `part` (None: all of them); every other silo
+    masks. Returns the clients, the server and the maskers."""
+    _, clients, server = protocol_federation(count, neighbors=k)
+    names = sorted(clients)
+    enrolled = [n for n in names if n not in left_out]
+    payloads, weights = _payloads(clients), _weights(clients)
+    adverts = [clients[n].advertise(1, 1) for n in names]
+    relayed = [a for a in adverts if a.silo in enrolled]
+    server.enroll(1, 1, relayed)
+    inbox = server.route([clients[n].share_keys(relayed) for n in enrolled])
+    if part is not None:
+        side = {n: part if n in part else set(names) - part for n in names}
+        inbox = {n: {s: c for s, c in box.items() if s in side[n]} for n, box in inbox.items()}
+    for name in enrolled:
+        clients[name].mask(payloads[name], weights[name], 1, 1, inbox[name])
+    return clients, server, enrolled
+
+
+@pytest.mark.parametrize(
+    ("count", "k", "left_out", "part"),
+    [
+        (12, 3, {"s00", "s02", "s04", "s11"}, None),
+        (12, 5, set(), {"s01", "s02", "s03", "s04", "s05", "s08"}),
+    ],
+    ids=["silos-left-out", "shares-withheld-across-a-cut"],
+)
+def test_survivors_whose_masks_split_them_into_parts_are_unmasked_by_no_one(
+    count, k, left_out, part
+):
+    """SecAgg+'s graph, with silos left out of the round (or genuinely lost), or a coordinator
+    that withholds the shares between two halves, can split the survivors into parts whose
+    masks cancel within each: each part's sum would be unmasked on its own. Every survivor
+    signs the peers it masked with; the server will not ask, and no silo confirms."""
+    clients, server, survivors = _split_round(count, k, left_out, part)
+    with pytest.raises(SecureRoundError, match=r"masks split them into parts \(.* apart from"):
+        server.unmask_request(survivors, pairings(clients, survivors))
+    request = unmask_request(clients, survivors)
+    for name in survivors:
+        with pytest.raises(FederationError, match=rf"^silo {name}: the survivors' masks split"):
+            clients[name].confirm(request)
+
+
+def test_a_pairing_a_driver_withheld_or_altered_is_refused():
+    """A full mesh of 4, one silo's shares to another withheld one way: those two disagree on
+    whether they paired. A pairing altered (or another silo's) is not its silo's signed one."""
+    _, clients, server = protocol_federation(4)
+    names = sorted(clients)
+    payloads, weights = _payloads(clients), _weights(clients)
+    adverts = [c.advertise(1, 1) for c in clients.values()]
+    server.enroll(1, 1, adverts)
+    inbox = server.route([clients[n].share_keys(adverts) for n in names])
+    del inbox["s01"]["s00"]  # s01 never sees s00's shares; s00 pairs with s01 all the same
+    for name in names:
+        clients[name].mask(payloads[name], weights[name], 1, 1, inbox[name])
+    with pytest.raises(SecureRoundError, match="survivor s00 paired with s01, but not back"):
+        server.unmask_request(names, pairings(clients, names))
+    with pytest.raises(FederationError, match="^silo s02: survivor s00 paired with s01, but not"):
+        clients["s02"].confirm(unmask_request(clients, names))
+    honest = unmask_request(clients, names)
+    forged = dataclasses.replace(honest.pairings[1], peers=("s00", "s02", "s03"))
+    altered = dataclasses.replace(
+        honest, pairings=(honest.pairings[0], forged, *honest.pairings[2:])
+    )
+    with pytest.raises(FederationError, match="pairing of survivor s01 is not its signed one"):
+        clients["s03"].confirm(altered)
+    missing = dataclasses.replace(honest, pairings=honest.pairings[1:])
+    with pytest.raises(FederationError, match="^silo s03: no signed pairing of survivor s00;"):
+        clients["s03"].confirm(missing)
 
 
 def test_a_replayed_round_is_refused_at_every_step():
@@ -211,21 +283,24 @@ def test_a_replayed_round_is_refused_at_every_step():
     with pytest.raises(FederationError, match="refuses to mask round 1 attempt 1 twice"):
         a.mask(payload, 7, 1, 1, inbox["s00"])
     names = tuple(sorted(clients))
-    with pytest.raises(FederationError, match="asked for both secrets of s03"):
-        a.confirm(UnmaskRequest(1, 1, names, ("s03",)))
-    request = UnmaskRequest(1, 1, names, ())
-    signatures = [("s00", a.confirm(request))]
-    with pytest.raises(FederationError, match="refuses to confirm a second unmask request"):
-        a.confirm(UnmaskRequest(1, 1, names[:-1], names[-1:]))
     for name in names[1:]:
         clients[name].mask(payload, 5, 1, 1, inbox[name])
+    with pytest.raises(FederationError, match="asked for both secrets of s03"):
+        a.confirm(UnmaskRequest(1, 1, names, ("s03",)))
+    request = unmask_request(clients, names)
+    signatures = [("s00", a.confirm(request))]
+    with pytest.raises(FederationError, match="refuses to confirm a second unmask request"):
+        a.confirm(unmask_request(clients, names[:-1], names[-1:]))
+    for name in names[1:]:
         signatures.append((name, clients[name].confirm(request)))
-    other = UnmaskRequest(1, 1, names[:-1], names[-1:], tuple(signatures))
+    other = dataclasses.replace(
+        unmask_request(clients, names[:-1], names[-1:]), signatures=tuple(signatures)
+    )
     with pytest.raises(FederationError, match="for another survivor set than the one it confirmed"):
         a.unmask(other)
     a.unmask(dataclasses.replace(request, signatures=tuple(signatures)))
     with pytest.raises(FederationError, match="refuses to unmask round 1 attempt 1 twice"):
-        a.unmask(UnmaskRequest(1, 1, names[:-1], names[-1:]))
+        a.unmask(unmask_request(clients, names[:-1], names[-1:]))
     # Round 1's keys offered again in round 2 are refused by the peers.
     fresh = [c.advertise(2, 1) for c in clients.values()]
     with pytest.raises(FederationError, match="silo s00: its keys are for round 1 attempt 1"):
@@ -305,7 +380,7 @@ def test_what_the_server_sees_is_indistinguishable_from_uniform():
         r = np.corrcoef(seen.view(np.int64)[:-1].astype(np.float64), truth)[0, 1]
         assert abs(r) < 6 / np.sqrt(truth.size)  # 6 standard errors of a zero correlation
     assert np.corrcoef(truth, truth)[0, 1] > 0.99
-    request = confirmed(clients, server.unmask_request(list(masked)))
+    request = confirmed(clients, server.unmask_request(list(masked), pairings(clients, masked)))
     total = server.unmask(masked, [c.unmask(request) for c in clients.values()])
     _assert_weighted(total, payloads, weights, shapes)
 

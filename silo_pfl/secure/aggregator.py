@@ -12,8 +12,9 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from silo_pfl.errors import FederationError
 from silo_pfl.secure import shamir
 from silo_pfl.secure.agreement import mask_key
-from silo_pfl.secure.client import verify
-from silo_pfl.secure.messages import Advertisement, Reveal, SealedShares, UnmaskRequest
+from silo_pfl.secure.client import signed_by, verify
+from silo_pfl.secure.messages import Advertisement, Pairing, Reveal, SealedShares, UnmaskRequest
+from silo_pfl.secure.pairings import PairingError, check_pairings
 from silo_pfl.secure.params import SecureParams
 from silo_pfl.secure.prg import apply_streams
 from silo_pfl.secure.topology import Topology, topology
@@ -35,6 +36,7 @@ class SecureAggregator:
         self.topology: Topology | None = None
         self.shared: tuple[str, ...] = ()  # U2: the silos whose shares went out
         self.request: UnmaskRequest | None = None
+        self.paired: dict[str, frozenset[str]] = {}  # each survivor's peers, as it signed them
 
     def _enough(self, step: str, names: Sequence[str]) -> None:
         needed = self.params.threshold
@@ -49,7 +51,7 @@ class SecureAggregator:
     def enroll(self, round_: int, attempt: int, adverts: Sequence[Advertisement]) -> None:
         """Step 1: the round's enrolled silos are those whose signed keys arrived."""
         self.round, self.attempt = round_, attempt
-        self.shared, self.request, self.topology = (), None, None
+        self.shared, self.request, self.topology, self.paired = (), None, None, {}
         if self.trusted is not None:
             self.adverts = verify(adverts, self.params, self.trusted, round_, attempt)
         else:
@@ -100,12 +102,32 @@ class SecureAggregator:
                 f"round {self.round} attempt {self.attempt}"
             )
 
-    def unmask_request(self, survivors: Sequence[str]) -> UnmaskRequest:
-        """Step 4's question: the silos whose masked vectors were accepted, and the dropped."""
+    def unmask_request(
+        self, survivors: Sequence[str], pairings: Mapping[str, Pairing]
+    ) -> UnmaskRequest:
+        """Step 4's question: the silos whose masked vectors were accepted, with their signed
+        pairings, and the dropped; a SecureRoundError where those pairings do not tie the
+        survivors into one sum (`pairings.check_pairings`: the silos would refuse it)."""
         self._enough("masked input", list(survivors))
+        alive = tuple(sorted(survivors))
         dropped = tuple(sorted(set(self.shared) - set(survivors)))
-        self.request = UnmaskRequest(self.round, self.attempt, tuple(sorted(survivors)), dropped)
+        shown = tuple(pairings[name] for name in alive if name in pairings)
+        try:
+            self.paired = check_pairings(
+                shown, alive, dropped, self.round, self.attempt, self._signed
+            )
+        except PairingError as exc:
+            raise SecureRoundError(f"round {self.round}: {exc}; nothing is aggregated") from None
+        self.request = UnmaskRequest(self.round, self.attempt, alive, dropped, pairings=shown)
         return self.request
+
+    def _signed(self, pairing: Pairing) -> bool:
+        """Whether `pairing` is signed by its silo's identity (unchecked where the server holds
+        no identity keys: every silo checks it)."""
+        if self.trusted is None:
+            return True
+        message = pairing.signed_bytes(self.params.federation)
+        return signed_by(self.trusted.get(pairing.silo), pairing.signature, message)
 
     def _recover(self, reveals: Sequence[Reveal]) -> tuple[dict[str, bytes], dict[str, bytes]]:
         """Each survivor's seed and each dropped silo's mask key, from the revealed shares."""
@@ -148,7 +170,7 @@ class SecureAggregator:
         survivors = set(request.survivors)
         for gone, raw in keys_of_dropped.items():
             private = X25519PrivateKey.from_private_bytes(raw)
-            for peer in sorted(plan.peers[gone] & survivors):
+            for peer in sorted(p for p in survivors if gone in self.paired[p]):
                 key = mask_key(
                     private,
                     self.adverts[peer].mask_key,

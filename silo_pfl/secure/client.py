@@ -3,12 +3,13 @@
 Per round and attempt: (1) `advertise` two fresh X25519 keys, signed by the silo's identity;
 (2) `share_keys`: verify every peer's signed advertisement and the peer set, then seal t-of-n
 shares of the self-mask seed and of the mask key to each peer; (3) `mask` the encoded update
-with the self mask and a pairwise mask per peer that shared; (4) `confirm` the server's unmask
-request by signing it, then `unmask`: reveal the seed shares of survivors and the mask-key shares
-of those that dropped after step 2, never both for one silo, and only for the request the silo
-confirmed and the threshold of survivors signed (Bonawitz et al.'s consistency round: a
-coordinator cannot show silos different survivor sets). Each step runs at most once per round
-and attempt, in that order.
+with the self mask and a pairwise mask per peer that shared, and sign that set of peers (its
+`pairing`); (4) `confirm` the server's unmask request by signing it, once the survivors' signed
+pairings show that their masks tie them into one sum (`pairings`), then `unmask`: reveal the
+seed shares of survivors and the mask-key shares of those that dropped after step 2, never both
+for one silo, and only for the request the silo confirmed and the threshold of survivors signed
+(Bonawitz et al.'s consistency round: a coordinator cannot show silos different survivor sets).
+Each step runs at most once per round and attempt, in that order.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ from silo_pfl.secure.agreement import mask_key, raw_private, raw_public, seal, u
 from silo_pfl.secure.fixed_point import encode
 from silo_pfl.secure.messages import (
     Advertisement,
+    Pairing,
     Reveal,
     SealedShares,
     UnmaskRequest,
 )
+from silo_pfl.secure.pairings import PairingError, check_pairings
 from silo_pfl.secure.params import SecureParams
 from silo_pfl.secure.prg import apply_streams
 from silo_pfl.secure.topology import Topology, topology
@@ -51,6 +54,7 @@ class _Round:
     held: dict[str, tuple[int, int]] = field(default_factory=dict)  # owner -> its two shares
     paired: tuple[str, ...] = ()  # peers that shared keys: the pairwise masks
     masked: bool = False
+    pairing: Pairing | None = None  # `paired`, signed as it masked
     confirmed: UnmaskRequest | None = None  # the one unmask request it signed
     revealed: bool = False
 
@@ -114,7 +118,8 @@ class SecureClient:
 
     def _check_request(self, state: _Round, request: UnmaskRequest) -> None:
         """An unmask request this silo may answer: it survived, with at least the threshold of
-        enrolled survivors, and no silo both survived and dropped."""
+        enrolled survivors, no silo both survived and dropped, and the survivors' signed
+        pairings (its own as it masked) tie them into one sum (`pairings`)."""
         survivors, dropped = set(request.survivors), set(request.dropped)
         if survivors & dropped:
             both = ", ".join(sorted(survivors & dropped))
@@ -129,6 +134,22 @@ class SecureClient:
         unknown = survivors - set(state.adverts)
         if unknown:
             raise self._fail(f"survivor {sorted(unknown)[0]} was not enrolled this round")
+        federation = self.params.federation
+        try:
+            peers = check_pairings(
+                request.pairings,
+                request.survivors,
+                request.dropped,
+                state.round,
+                state.attempt,
+                lambda p: signed_by(
+                    self.trusted.get(p.silo), p.signature, p.signed_bytes(federation)
+                ),
+            )
+        except PairingError as exc:
+            raise self._fail(f"{exc}; it reveals nothing") from None
+        if peers[self.silo] != set(state.paired):
+            raise self._fail("its pairing in the unmask request is not the one it masked with")
 
     def _check_signatures(self, request: UnmaskRequest) -> None:
         """At least the threshold of the request's survivors signed exactly this request."""
@@ -274,6 +295,9 @@ class SecureClient:
                 "are needed to recover its secrets"
             )
         state.masked = True
+        pairing = Pairing(self.silo, round_, attempt, state.paired)
+        signature = self._identity.sign(pairing.signed_bytes(self.params.federation))
+        state.pairing = replace(pairing, signature=signature)
         vector = encode(payload, weight, len(self.params.silos), self.silo, self.params.clip)
         keys = [(state.seed, +1)]
         for peer in state.paired:
@@ -289,6 +313,13 @@ class SecureClient:
             keys.append((key, +1 if self.silo < peer else -1))
         apply_streams(vector, keys)
         return vector
+
+    def pairing(self, round_: int, attempt: int) -> Pairing:
+        """The peers it masked with in this attempt, signed: sent with its masked vector."""
+        state = self._current(round_, attempt)
+        if state.pairing is None:
+            raise self._fail(f"round {round_} attempt {attempt} is not masked yet")
+        return state.pairing
 
     def confirm(self, request: UnmaskRequest) -> bytes:
         """The consistency round: this silo's signature of the unmask request it is shown, the

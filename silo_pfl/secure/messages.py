@@ -32,15 +32,36 @@ class SealedShares:
 
 
 @dataclass(frozen=True)
+class Pairing:
+    """Step 3's receipt: the peers a silo paired its masks with in one attempt, signed by its
+    identity. The unmask request carries every survivor's, so that each silo can check that
+    the survivors' masks tie them into one sum before it reveals anything."""
+
+    silo: str
+    round: int
+    attempt: int
+    peers: tuple[str, ...]
+    signature: bytes = b""
+
+    def signed_bytes(self, federation: str) -> bytes:
+        peers = ",".join(sorted(self.peers))
+        return (
+            f"silo_pfl secagg paired|{federation}|{self.silo}|{self.round}|{self.attempt}|{peers}"
+        ).encode()
+
+
+@dataclass(frozen=True)
 class UnmaskRequest:
-    """Step 4: whose masked vectors arrived (survivors) and who dropped after step 2; with the
-    survivors' signatures of it (the consistency round) once they have confirmed it."""
+    """Step 4: whose masked vectors arrived (survivors) and who dropped after step 2, with each
+    survivor's signed pairing; with the survivors' signatures of it (the consistency round) once
+    they have confirmed it."""
 
     round: int
     attempt: int
     survivors: tuple[str, ...]
     dropped: tuple[str, ...]
     signatures: tuple[tuple[str, bytes], ...] = ()  # (survivor, its signature of the request)
+    pairings: tuple[Pairing, ...] = ()  # each survivor's, as it signed it when it masked
 
     def signed_bytes(self, federation: str) -> bytes:
         """What a survivor signs to confirm this request: all of it but the signatures."""
