@@ -144,7 +144,8 @@ def evaluate_parts(
         logits = model(x[start : start + batch_size])
         target = y[start : start + batch_size]
         losses.append(nn.functional.cross_entropy(logits, target, reduction="none"))
-        hits.append(logits.argmax(dim=1) == target)
+        # A row whose logits are not all finite is wrong: argmax would read NaNs as class 0.
+        hits.append((logits.argmax(dim=1) == target) & torch.isfinite(logits).all(dim=1))
     loss, hit = torch.cat(losses), torch.cat(hits)
     results, start = [], 0
     for size in sizes:

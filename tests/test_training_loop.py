@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from silo_pfl.optim import SGD
-from silo_pfl.training import batches_per_epoch, train_epochs
+from silo_pfl.training import batches_per_epoch, evaluate, train_epochs
 
 ROWS, BATCH, EPOCHS, SEED = 20, 8, 2, 3
 
@@ -108,3 +108,18 @@ def test_batches_per_epoch_is_the_steps_an_epoch_of_the_loop_takes(rows, batch_s
         model, x, y, epochs=1, batch_size=batch_size, optimizer=optimizer, generator=generator
     )
     assert batches_per_epoch(rows, batch_size, batchnorm) == optimizer.count
+
+
+def test_a_model_whose_outputs_are_not_finite_scores_no_row():
+    """argmax reads NaN logits as class 0: such a model scored the share of class-0 rows, so
+    selection could prefer a diverged personal model to a real one."""
+    model = nn.Linear(3, 2)
+    x, y = torch.ones(10, 3), torch.tensor([0] * 6 + [1] * 4)
+    with torch.no_grad():
+        model.weight.zero_()
+        model.bias.copy_(torch.tensor([1.0, 0.0]))
+    assert evaluate(model, x, y).accuracy == 0.6
+    with torch.no_grad():
+        model.weight.fill_(float("nan"))
+    result = evaluate(model, x, y)
+    assert result.accuracy == 0.0 and result.loss != result.loss
