@@ -81,12 +81,14 @@ def init_model(
     cfg: FederationConfig, input_shape: tuple[int, ...], num_classes: int
 ) -> BodyHeadModel:
     """The federation's initial model, as its algorithm needs it: identical on every silo and on
-    the server."""
-    torch.manual_seed(derive_seed(cfg.seed, "init"))
-    model = build_model(
-        cfg.model.name, input_shape, num_classes, cfg.model.hidden, cfg.model.adapter_dim
-    )
-    return build_algorithm(cfg.algorithm, cfg.train).prepare_model(model)
+    the server. Drawn from a generator of its own: the process's torch generator (a silo's, seeded
+    by its name) is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(cfg.seed, "init"))
+        model = build_model(
+            cfg.model.name, input_shape, num_classes, cfg.model.hidden, cfg.model.adapter_dim
+        )
+        return build_algorithm(cfg.algorithm, cfg.train).prepare_model(model)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from silo_pfl import checkpoint
 from silo_pfl.config import to_dict
@@ -106,6 +107,22 @@ def test_packed_silos_draw_from_their_own_generators_bit_for_bit(job, tmp_path):
                 assert all(np.array_equal(mine[k], theirs[k]) for k in mine), name
             else:
                 assert mine == theirs, name
+
+
+def test_each_silos_torch_generator_stays_its_own_once_its_model_is_built(job, tmp_path):
+    """Set-up seeds a silo's generators by its name; building the federation's model (the same
+    initial weights everywhere) must not leave every silo on one torch stream after it."""
+    from silo_pfl.silo import Silo
+
+    config = to_dict(job("jobs/heart_disease.yaml", f"output_dir={tmp_path}"))
+    draws = {}
+    for name in SILOS:
+        silo = Silo(config, name)
+        info = silo.setup()
+        silo.build(info.input_shape, info.num_classes)
+        draws[name] = torch.rand(3)
+    first, *others = draws.values()
+    assert all(not torch.equal(first, other) for other in others), draws
 
 
 def test_a_group_calls_only_the_silo_api(job, tmp_path):
