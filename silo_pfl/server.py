@@ -77,6 +77,7 @@ class Server:
         # Under secure: the accepted masked vectors awaiting their reveals, and the rejected.
         self._pending: tuple[int, dict[str, np.ndarray], dict[str, str]] | None = None
         self.max_norm = self.cfg.aggregation.max_update_norm
+        self.parameters = frozenset(start.parameters)  # what max_update_norm measures
         self.dir = server_dir(self.cfg, run_id)
         run_lock.hold(self.dir, run_id)  # one driver at a time runs this run
         self._release = weakref.finalize(self, run_lock.release, self.dir)  # once, however it ends
@@ -168,9 +169,12 @@ class Server:
         if update.num_examples < 1:
             raise ValueError(f"update from silo {update.silo}: num_examples must be >= 1")
         if self.max_norm is not None:
-            norm = float(
-                np.sqrt(sum(np.sum(np.square(v, dtype=np.float64)) for v in update.delta.values()))
+            squares = (
+                np.sum(np.square(v, dtype=np.float64))
+                for k, v in update.delta.items()
+                if k in self.parameters  # not buffers: BatchNorm's step count would dominate it
             )
+            norm = float(np.sqrt(sum(squares)))
             if norm > self.max_norm:
                 raise ValueError(
                     f"update from silo {update.silo}: norm {norm:.4g} exceeds "

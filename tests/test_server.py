@@ -125,3 +125,34 @@ def test_an_update_over_the_norm_bound_is_rejected(job):
     report = bounded.aggregate(hungarian, va)
     assert f"exceeds aggregation.max_update_norm={bound:g}" in report.rejected[larger]
     assert report.accepted == tuple(n for n in ("hungarian", "va") if n != larger)
+
+
+def test_the_norm_bound_measures_the_parameters_not_batchnorms_buffers(job):
+    """A shared BatchNorm's update holds its step count (the silo's local steps) and running
+    statistics: measured in, they outweighed the weights, so the bound rejected silos for their
+    rows and epochs. Two silos of 159 and 30 rows, five epochs, a bound twice the larger one's
+    update of its parameters: both are accepted."""
+    from plain_federation import fit_all
+    from plain_federation import federation as plain_federation
+
+    overrides = ("model.name=cnn_small_bn", "train.local_epochs=5", "round.min_silos=2")
+    silos, server = plain_federation(
+        job, "fedavg", *overrides, silos=("silo_5", "silo_8"), path="jobs/digits_dirichlet.yaml"
+    )
+    updates = [update for update, _ in fit_all(silos, server, 1)]
+
+    def norm(update, keys) -> float:
+        return float(np.sqrt(sum(np.sum(update.delta[k].astype(np.float64) ** 2) for k in keys)))
+
+    assert any(k.endswith("num_batches_tracked") for k in server.parameters ^ set(server.state))
+    bound = 2 * max(norm(u, server.parameters) for u in updates)
+    assert max(norm(u, server.state) for u in updates) > bound  # the buffers alone exceed it
+    config = job(
+        "jobs/digits_dirichlet.yaml",
+        "algorithm.name=fedavg",
+        *overrides,
+        f"aggregation.max_update_norm={bound}",
+    )
+    bounded = new_server(to_dict(config), silos[0].data.input_shape, silos[0].num_classes)
+    report = bounded.aggregate(*updates)
+    assert report.rejected == {} and report.accepted == ("silo_5", "silo_8")
