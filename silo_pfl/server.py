@@ -322,7 +322,7 @@ class Server:
                 "driver": {k: v for k, v in driver.items() if k != "summary"},
                 "logged": self.history.rounds,
             }
-            checkpoint.save_arrays(self.dir, round_, saved)
+            checkpoint.save_arrays(self.dir, round_, saved, _one_selected(driver))
 
     def resume(self, before: int | None = None) -> dict[str, Any]:
         """Load the newest good checkpoint (of a round before `before`, if given: a silo's of
@@ -362,11 +362,24 @@ class Server:
         self.optimizer.load_state_dict({k: _arrays(v) for k, v in saved["optimizer"].items()})
         return driver
 
-    def state_bytes(self) -> bytes:
-        """The global keys as the bytes of an .npz file: what the driver saves, on its own disk."""
+    def state_bytes(self, round_: int | None = None) -> bytes:
+        """The global keys as the bytes of an .npz file: what the driver saves, on its own disk.
+        Those of round `round_` if given (the round every silo selected, whose checkpoint is
+        kept for it), else the last round's."""
+        state = self.state
+        if round_ is not None and round_ != self.round:
+            state = _arrays(checkpoint.load(self.dir, round_)["global"])
         buffer = io.BytesIO()
-        np.savez(buffer, **self.state)
+        np.savez(buffer, **state)
         return buffer.getvalue()
+
+
+def _one_selected(driver: dict[str, Any]) -> int | None:
+    """The round whose model every silo has selected (eval.selection best_mean_val or last),
+    whose checkpoint is kept for its global keys; None where they differ (best_val) or none is
+    selected yet."""
+    rounds = set(driver.get("selected", {}).values())
+    return int(next(iter(rounds))) if len(rounds) == 1 and None not in rounds else None
 
 
 def _mean(updates: list[SiloUpdate]) -> State:

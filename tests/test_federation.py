@@ -252,3 +252,30 @@ def test_each_silo_keeps_the_round_its_validation_chose_through_ray(job, mode):
         assert len(rounds) == 1 and means[rounds.pop() - 1] == max(means)
     for silo, outcome in result.silos.items():
         assert outcome.test_accuracy == test[silo][outcome.selected_round - 1]
+
+
+def test_the_global_state_a_run_keeps_is_the_selected_rounds(job, monkeypatch):
+    """Where every silo selected one round (best_mean_val, last), the run's global state (what
+    MLflow logs as the global layers, and what a silo joining later freezes) is that round's,
+    the global keys of every silo's selected model; not the last round's. Round 1 is chosen
+    here, four rounds before the last: its server checkpoint is kept for it."""
+    from silo_pfl import checkpoint
+    from silo_pfl.run_dir import silo_dir
+    from silo_pfl.selection import Selector
+    from silo_pfl.silo_store import SELECTED
+
+    monkeypatch.setattr(
+        Selector,
+        "choose",
+        lambda self, evals, unselected=(): [e.silo for e in evals if e.round == 1],
+    )
+    cfg = job(
+        "jobs/heart_disease.yaml", "tracking.enabled=false", "algorithm.name=fedavg", "rounds=5"
+    )
+    result = Federation(cfg).run()
+    assert {outcome.selected_round for outcome in result.silos.values()} == {1}
+    kept = dict(np.load(result.global_state_path))
+    for silo in result.silos:
+        model = checkpoint.load(silo_dir(cfg, result.run_id, silo) / SELECTED, 1)
+        for key, value in kept.items():
+            assert np.array_equal(model[key].numpy(), value), (silo, key)

@@ -181,7 +181,10 @@ class Orchestrator:
                     self._emit("on_round_end", summary)
                 runner.finish()
                 outcomes: list[SiloOutcome] = self._each(silos, names, "outcome", "silo outcome")
-                state = get(server.state_bytes.remote(), "the server's global state", self.timeout)
+                chosen = {p.selected for p in parties.values()}  # one round: its global keys
+                one = chosen.pop() if len(chosen) == 1 else None
+                what = "the server's global state"
+                state = get(server.state_bytes.remote(one), what, self.timeout)
                 state_path = self._save_global(state)
                 server_node = get(server.node_id.remote(), "the server's node", self.timeout)
                 export(self.callbacks, list(exporting), actors, self.timeout)

@@ -95,5 +95,5 @@ class ServerHost:
     def resume(self, before: int | None = None) -> dict[str, Any]:
         return self.server.resume(before)
 
-    def state_bytes(self) -> bytes:
-        return self.server.state_bytes()
+    def state_bytes(self, round_: int | None = None) -> bytes:
+        return self.server.state_bytes(round_)
