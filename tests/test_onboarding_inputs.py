@@ -150,3 +150,21 @@ def test_onboarding_refuses_a_split_or_federation_setting_other_than_the_trained
     assert main(["onboard", str(trained.job), "--silo", NEW, override]) == 2
     _one_line(capsys.readouterr().err, start)
     assert _dirs(trained) == before
+
+
+def test_a_run_trained_with_no_central_models_is_named_as_what_stops_a_join(
+    trained, tmp_path, capsys
+):
+    """privacy.central_models=none keeps the global layers out of every store, as promised;
+    joining such a run names that setting, not a version of silo-pfl."""
+    store = [f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", f"output_dir={tmp_path}"]
+    founded = tmp_path / "founders.json"
+    none = [*store, "privacy.central_models=none", "--quiet", "--results", str(founded)]
+    assert main(["run", str(trained.job), *none]) == 0
+    run_id = json.loads(founded.read_text())["mlflow"]["run_id"]
+    capsys.readouterr()
+    assert main(["onboard", str(trained.job), "--silo", NEW, *store, "--no-alone"]) == 2
+    _one_line(
+        capsys.readouterr().err,
+        f"onboard: run {run_id} was trained with privacy.central_models=none: its global layers",
+    )

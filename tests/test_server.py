@@ -132,8 +132,8 @@ def test_the_norm_bound_measures_the_parameters_not_batchnorms_buffers(job):
     statistics: measured in, they outweighed the weights, so the bound rejected silos for their
     rows and epochs. Two silos of 159 and 30 rows, five epochs, a bound twice the larger one's
     update of its parameters: both are accepted."""
-    from plain_federation import fit_all
     from plain_federation import federation as plain_federation
+    from plain_federation import fit_all
 
     overrides = ("model.name=cnn_small_bn", "train.local_epochs=5", "round.min_silos=2")
     silos, server = plain_federation(

@@ -111,6 +111,13 @@ def load_trained_run(uri: str, federation: str, run_id: str | None = None) -> Tr
         raise ConfigError(f"--from {run_id}: the run is {run.info.status}, not FINISHED")
     with tempfile.TemporaryDirectory() as tmp:
         record = json.loads(_artifact(client, run_id, FEDERATION_FILE, tmp))
+        central = record["config"].get("privacy", {}).get("central_models")
+        if central == "none":
+            raise ConfigError(
+                f"onboard: run {run_id} was trained with privacy.central_models=none: its global "
+                "layers are in no store, so no silo can join it; name with --from a run trained "
+                "with full or global_only"
+            )
         result = json.loads(_artifact(client, run_id, RESULT_ARTIFACT, tmp))
         npz = np.load(io.BytesIO(_artifact(client, run_id, GLOBAL_STATE_ARTIFACT, tmp)))
         global_state = {key: npz[key] for key in npz.files}
