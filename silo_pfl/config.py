@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -611,6 +612,12 @@ _LABEL_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]
 
 
 SILO_LABEL = "silo"  # per_node: silo X runs on the node labelled silo=X
+
+
+def ray_address(address: str | None) -> str | None:
+    """The cluster a run joins: `ray.address`, else RAY_ADDRESS (a Ray Job's driver); None: a
+    fresh local Ray."""
+    return address or os.environ.get("RAY_ADDRESS")
 
 
 def silo_selector(cfg: FederationConfig, silo: str) -> dict[str, str] | None:

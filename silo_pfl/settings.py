@@ -26,13 +26,14 @@ from silo_pfl.config import (
     check_node_label,
     describe_labels,
     merge_config,
+    ray_address,
     read_yaml,
     silo_selector,
     to_dict,
     written_keys,
 )
 from silo_pfl.data import all_silo_names, data_config, known_input_shape, silo_names
-from silo_pfl.errors import ConfigError, typed_line
+from silo_pfl.errors import ConfigError, scrub, typed_line
 from silo_pfl.models import build_model, check_adapters, check_hidden
 from silo_pfl.server_optimizers import resolve_server_optimizer
 from silo_pfl.split import compute_split, parse_rules
@@ -270,6 +271,32 @@ def _check_nodes_apart(cfg: FederationConfig, names: list[str]) -> None:
         taken[labels] = silo
 
 
+def _check_node_variables(cfg: FederationConfig, names: list[str]) -> None:
+    """On a cluster, a silo whose file or own store names $VARS, which each node fills in from
+    its own environment, must be pinned to its node: Ray could run it on another institution's
+    node, whose variable names that node's file."""
+    from silo_pfl.node_env import names_variables
+
+    if ray_address(cfg.ray.address) is None:
+        return
+    paths = getattr(cfg.data, "paths", None) or {}
+    for silo in names:
+        own = cfg.silos.get(silo)
+        named = {
+            f"data.paths.{silo}": paths.get(silo),
+            f"silos.{silo}.tracking_uri": own.tracking_uri if own is not None else None,
+        }
+        for key, value in named.items():
+            if value is None or not names_variables(str(value)) or silo_selector(cfg, silo):
+                continue
+            raise ConfigError(
+                f"{key}: {scrub(str(value))} names an environment variable, which each node "
+                f"fills in from its own, but silo {silo} may run on any node of the cluster "
+                "(ray.placement=any), where it would read that node's; pin it: "
+                f"ray.placement=per_node, or silos.{silo}.node_label"
+            )
+
+
 def _check_secure(cfg: FederationConfig, names: list[str]) -> None:
     """Secure aggregation needs two silos, a majority threshold, a quorum no smaller, and either
     every silo's identity key or none."""
@@ -380,4 +407,5 @@ def _check_silos(cfg: FederationConfig) -> None:
         check_node_label(settings.node_label, f"silos.{silo}.node_label")
     check_node_label(cfg.server.node_label, "server.node_label")
     _check_nodes_apart(cfg, every)
+    _check_node_variables(cfg, every)
     cfg.tracking.uri = resolve_uri(cfg.tracking.uri, "tracking.uri")

@@ -291,3 +291,30 @@ def test_one_training_row_under_batchnorm_is_one_line_at_build(tmp_path):
     info = silo.setup()
     with pytest.raises(FederationError, match=r"^silo silo_0: 1 training row, but model cnn_sm"):
         silo.build(info.input_shape, info.num_classes)
+
+
+@pytest.mark.parametrize("where", ["ray.address=10.0.0.1:6379", "RAY_ADDRESS"])
+def test_a_silo_whose_file_names_a_node_variable_is_pinned_to_its_node_on_a_cluster(
+    monkeypatch, where
+):
+    """$SILO_PFL_DATA_DIR/heart.csv is each node's own file: a silo that Ray may run on any node
+    of a cluster would read another institution's. Pinned (per_node, a node label), or on a
+    local Ray, it is accepted."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    joins = [where] if where.startswith("ray.") else []
+    if not joins:
+        monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    job = "jobs/hospitals_on_nodes.yaml"
+    with pytest.raises(ConfigError) as caught:
+        load_config(job, ["ray.placement=any", *joins])
+    assert str(caught.value) == (
+        "data.paths.cleveland: $SILO_PFL_DATA_DIR/heart.csv names an environment variable, which "
+        "each node fills in from its own, but silo cleveland may run on any node of the cluster "
+        "(ray.placement=any), where it would read that node's; pin it: ray.placement=per_node, "
+        "or silos.cleveland.node_label"
+    )
+    load_config(job, joins)  # per_node, as the job says
+    labels = [f"silos.{s}.node_label={{site: {s}}}" for s in ("cleveland", "hungarian")]
+    load_config(job, ["ray.placement=any", *labels, *joins])
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    load_config(job, ["ray.placement=any"])  # a local Ray: one node

@@ -212,10 +212,12 @@ def test_prometheus_scrapes_every_metric_of_a_run_with_its_tags(tmp_path, ray_tm
     sent = values("silo_pfl_silo_bytes_sent")
     # Every attempt (4), each silo sent its signed round keys and its sealed shares to the other;
     # silo_0 sent its masked vector every time, silo_1 withheld one.
+    # With its masked vector, its signed pairing: a signature and its peer's name.
     keys_and_shares = 32 + 32 + 64 + (2 * 66 + 16) * (len(SILOS) - 1)
+    masked = per_round + 64 + len("silo_1")
     assert sent == {
-        "silo_0": 4 * (per_round + keys_and_shares),
-        "silo_1": 3 * per_round + 4 * keys_and_shares,
+        "silo_0": 4 * (masked + keys_and_shares),
+        "silo_1": 3 * masked + 4 * keys_and_shares,
     }
     # Each silo's process fitted every attempt (silo_1's withheld update too): the bytes panels
     # divide by these, which restart with the process as the bytes counters do.

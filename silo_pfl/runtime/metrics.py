@@ -11,7 +11,6 @@ straggler's gauge holds only its latest silo.
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import threading
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from silo_pfl.config import FederationConfig
+from silo_pfl.config import FederationConfig, ray_address
 from silo_pfl.messages import EvalMetrics, FitMetrics, RoundReport
 from silo_pfl.runtime import scrapes
 
@@ -105,12 +104,6 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
 )
 METRIC_NAMES = frozenset(spec.name for spec in METRICS)
-
-
-def ray_address(address: str | None) -> str | None:
-    """The cluster a run joins: `ray.address`, else RAY_ADDRESS (a Ray Job's driver); None: a
-    fresh local Ray."""
-    return address or os.environ.get("RAY_ADDRESS")
 
 
 def metrics_enabled(cfg: FederationConfig) -> bool:
