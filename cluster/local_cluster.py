@@ -8,7 +8,8 @@ node whose `ray start` fails is stopped, alone, and started again (three attempt
 
     python cluster/local_cluster.py cleveland hungarian switzerland va --tracking-server
     silo-pfl submit jobs/heart_disease.yaml ray.placement=per_node \
-        tracking.uri=<tracking_uri printed> --address <dashboard printed>
+        output_dir=/var/tmp/silo_pfl tracking.uri=<tracking_uri printed> \
+        --address <dashboard printed>
 
 Options: `--tracking-server` also starts an MLflow tracking server (SQLite, --serve-artifacts)
 beside it; `--tls-dir DIR` turns on TLS between nodes with the certificates that
@@ -52,8 +53,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from silo_pfl.config import check_name
+from silo_pfl.create_once import create_once
 from silo_pfl.errors import ConfigError
 from silo_pfl.runtime.jobs import auth_token
+from silo_pfl.runtime.ray_token import default_token_path
 
 MARKER_VAR = "SILO_PFL_CLUSTER"
 DATA_DIR_VAR = "SILO_PFL_DATA_DIR"
@@ -108,14 +111,12 @@ def port_in_use(port: int) -> bool:
 
 
 def cluster_token() -> str:
-    """The token clients find too (silo_pfl's `auth_token`); else a new ~/.ray/auth_token."""
+    """The token clients find too (silo_pfl's `auth_token`); else a new ~/.ray/auth_token, made
+    whole and private (0600) at once, or the one another process made meanwhile."""
     token = auth_token()
     if token is None:
-        path = Path.home() / ".ray" / "auth_token"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(secrets.token_hex(32))
-        path.chmod(0o600)
-        token = path.read_text().strip()
+        create_once(default_token_path(), secrets.token_hex(32).encode("ascii"))
+        token = default_token_path().read_text(encoding="ascii").strip()
     return token
 
 
@@ -228,7 +229,8 @@ class LocalCluster:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.marker = secrets.token_hex(8)
-        self.tls = tls_env(args.tls_dir)  # may refuse: before any directory is made
+        self.tls = tls_env(args.tls_dir)  # these two may refuse: before any directory is made
+        token = cluster_token()
         self.workdir = Path(tempfile.mkdtemp(prefix="silo-pfl-cluster-"))
         # Ray's socket paths must stay short: its temp dir lives directly under /tmp.
         self.temp_dir = Path(tempfile.mkdtemp(prefix="rc", dir="/tmp"))
@@ -236,7 +238,7 @@ class LocalCluster:
             **os.environ,
             MARKER_VAR: self.marker,
             "RAY_AUTH_MODE": "token",
-            "RAY_AUTH_TOKEN": cluster_token(),
+            "RAY_AUTH_TOKEN": token,
             **self.tls,
             # As on a node with this environment activated: a job's `python` is this one.
             "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -550,7 +552,11 @@ def main() -> None:
     for signum in STOP_SIGNALS:
         signal.signal(signum, lambda number, _frame: requested.append(number))
     signal.signal(RESTART_SIGNAL, lambda number, _frame: restarts.append(number))
-    cluster = LocalCluster(args)
+    try:
+        cluster = LocalCluster(args)
+    except ConfigError as exc:  # the token: before any directory is made
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
     try:
         _announce(cluster.start(), args.info_file)
         restarts.clear()  # no node was lost before the cluster was up

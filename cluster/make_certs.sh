@@ -11,7 +11,8 @@
 # silo node's address). Even a cluster started on 127.0.0.1 advertises, and dials, the machine's
 # routable address instead: Ray turns 127.0.0.1 and localhost into it.
 # If OUT_DIR already has ca.crt and ca.key, that CA is kept and signs the new node certificate,
-# so certificates made at different times (one per machine, say) trust each other.
+# so certificates made at different times (one per machine, say) trust each other. A ca.crt
+# without its ca.key (a node's copy of the CA) is refused, never replaced by a new CA.
 #
 # Ray reads TLS settings from the environment of `ray start` and of every driver; set the same
 # four variables on every node and client (all of them once RAY_USE_TLS=1):
@@ -35,6 +36,11 @@ DAYS="${DAYS:-825}"
 umask 077
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
+if [[ -e "$OUT/ca.crt" && ! -e "$OUT/ca.key" ]]; then
+    echo "make_certs.sh: $OUT/ca.crt has no ca.key beside it, so it cannot sign;" \
+        "run this where the CA's ca.key is, or give another OUT_DIR for a new CA" >&2
+    exit 1
+fi
 
 # An IPv4 address, or anything with a colon (IPv6), is an IP entry; the rest are DNS names.
 ip_pattern='^([0-9]{1,3}\.){3}[0-9]{1,3}$|:'

@@ -649,3 +649,138 @@ def test_every_cluster_definition_sends_metrics_each_second(raycluster, onprem):
     head = " ".join(onprem["head_start_ray_commands"])
     config = re.search(r"--system-config='([^']*)'", head)
     assert config and json.loads(config.group(1)) == {"metrics_report_interval_ms": 1000}
+
+
+# ---------------------------------------------------------------- examples and entry points
+
+ENTRY_POINT = re.compile(r"(?:python -m silo_pfl (?:run|onboard)|silo-pfl submit)\b.*")
+RAY_JOB_SUBMIT = re.compile(r"^((?:[A-Z_]+=\S+\s+)*)ray job submit\b")
+
+
+def logical_lines(path: Path) -> list[str]:
+    """A file's lines as a shell reads them: a trailing backslash joins the next one. Of a YAML
+    file, its comments only, without their '#' (its fields are checked as YAML)."""
+    lines, pending = [], ""
+    for raw in path.read_text().splitlines():
+        if path.suffix == ".yaml":
+            if not raw.lstrip().startswith("#"):
+                continue
+            raw = raw.lstrip()[1:]
+        line = raw.strip()
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        lines.append(pending + line)
+        pending = ""
+    return lines
+
+
+def cluster_files() -> list[Path]:
+    return sorted(p for p in CLUSTER.rglob("*") if p.suffix in (".yaml", ".py", ".sh"))
+
+
+def output_dirs(command: str) -> list[str]:
+    return [w.split("=", 1)[1] for w in shlex.split(command) if w.startswith("output_dir=")]
+
+
+def test_every_entry_point_in_cluster_names_an_absolute_output_dir(rayjob):
+    """A relative output_dir lies in Ray's per-session copy of a job's working_dir (or a pod's
+    own disk): a node's restart loses the run, and --resume cannot find it. So in every run
+    under cluster/, and every `ray job submit` of the README (`silo-pfl submit` ships no
+    working_dir, and warns of a relative output_dir)."""
+    from silo_pfl.runtime.jobs import output_dir_note
+
+    commands = [
+        (path.name, line)
+        for path in cluster_files()
+        for line in logical_lines(path)
+        if ENTRY_POINT.search(line)
+    ]
+    commands.append(("rayjob.yaml spec.entrypoint", rayjob["spec"]["entrypoint"]))
+    commands += [
+        ("README.md", line)
+        for line in logical_lines(ROOT / "README.md")
+        if ENTRY_POINT.search(line) and RAY_JOB_SUBMIT.search(line)
+    ]
+    assert sorted({where for where, _ in commands}) == [
+        "README.md",
+        "local_cluster.py",
+        "onprem.yaml",
+        "rayjob.yaml spec.entrypoint",
+        "runtime_env.yaml",
+    ]
+    for where, command in commands:
+        given = output_dirs(command)
+        assert len(given) == 1 and output_dir_note(given[0], False) is None, (where, command)
+
+
+def test_the_rayjob_output_dir_is_a_writable_volume_of_every_pod(raycluster, rayjob):
+    (output_dir,) = output_dirs(rayjob["spec"]["entrypoint"])
+    spec = raycluster["spec"]
+    for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        pod = group["template"]["spec"]
+        (container,) = pod["containers"]
+        mounts = [
+            m
+            for m in container.get("volumeMounts", [])
+            if Path(output_dir).is_relative_to(m["mountPath"]) and not m.get("readOnly")
+        ]
+        assert len(mounts) == 1, group.get("groupName", "head")
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mounts[0]["name"]]
+        assert "hostPath" in volume or "persistentVolumeClaim" in volume
+        assert not volume.get("persistentVolumeClaim", {}).get("readOnly")
+
+
+def test_every_ray_job_submit_example_turns_token_auth_on():
+    """Ray's CLI sends the cluster's token only with RAY_AUTH_MODE=token; without it a token
+    cluster refuses the submission."""
+    examples = [
+        (path, match)
+        for path in [*cluster_files(), ROOT / "README.md"]
+        for line in logical_lines(path)
+        if (match := RAY_JOB_SUBMIT.search(line))
+    ]
+    assert {p.name for p, _ in examples} >= {"onprem.yaml", "runtime_env.yaml", "README.md"}
+    for path, match in examples:
+        assert "RAY_AUTH_MODE=token" in match.group(1).split(), (path, match.string)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+def test_make_certs_refuses_a_ca_certificate_without_its_key(tmp_path):
+    """A node's copy of ca.crt (ca.key stays where certificates are signed) is never replaced by
+    a new CA, which its peers would not trust."""
+    script = str(CLUSTER / "make_certs.sh")
+    subprocess.run(["bash", script, str(tmp_path / "ca")], capture_output=True, check=True)
+    node = tmp_path / "node"
+    node.mkdir()
+    shutil.copy(tmp_path / "ca" / "ca.crt", node / "ca.crt")
+    before = (node / "ca.crt").read_bytes()
+    done = subprocess.run(["bash", script, str(node)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr == (
+        f"make_certs.sh: {node}/ca.crt has no ca.key beside it, so it cannot sign; run this "
+        "where the CA's ca.key is, or give another OUT_DIR for a new CA\n"
+    )
+    assert (node / "ca.crt").read_bytes() == before
+    assert sorted(p.name for p in node.iterdir()) == ["ca.crt"]
+
+
+def test_hospital_data_writes_every_hospital_when_none_is_named(tmp_path):
+    script = str(CLUSTER / "hospital_data.py")
+    done = subprocess.run(
+        [sys.executable, script, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    written = [tmp_path / silo / "heart.csv" for silo in SILOS]
+    assert done.stdout.split() == [str(path) for path in written]
+    assert all(path.is_file() for path in written)
+    bad = subprocess.run(
+        [sys.executable, script, str(tmp_path / "x"), "va", "nowhere"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and not (tmp_path / "x").exists()
+    assert bad.stderr == (
+        "error: HOSPITAL: got 'nowhere', expected cleveland, hungarian, switzerland, va\n"
+    )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -215,3 +217,75 @@ def test_onboarding_options_without_an_onboarding_are_refused_before_submitting(
     ):
         assert main(["submit", JOB, *wrong, "--address", "http://127.0.0.1:9"]) == 2
         assert capsys.readouterr().err == message
+
+
+class _FakeJobs:
+    """Ray's JobSubmissionClient, as far as `submit` uses it: records each submission."""
+
+    def __init__(self) -> None:
+        self.submitted: list[dict] = []
+
+    def submit_job(self, **job: object) -> str:
+        self.submitted.append(job)
+        return str(job["submission_id"])
+
+
+@pytest.mark.parametrize("named_in", ["override", "yaml"])
+def test_a_submitted_identity_keys_file_travels_as_its_keys(tmp_path, monkeypatch, named_in):
+    """The file is on the submitter's machine: the job, which loads its config elsewhere, gets
+    the keys it lists as silos.<S>.identity_key overrides, and never the file's name."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from silo_pfl.cli import main
+    from silo_pfl.runtime.jobs import JobsClient, config_file
+    from silo_pfl.secure import identity
+    from silo_pfl.settings import load_config
+
+    hospitals = ("cleveland", "hungarian", "switzerland", "va")
+    raw = {h: identity.public_bytes(Ed25519PrivateKey.generate()) for h in hospitals}
+    submitter, elsewhere = tmp_path / "submitter", tmp_path / "driver"
+    submitter.mkdir()
+    elsewhere.mkdir()
+    (submitter / "keys.txt").write_text(
+        "".join(f"{h} {identity.encode_public(key)}\n" for h, key in raw.items())
+    )
+    config = submitter / "job.yaml"
+    secure = ["aggregation.secure=true", "aggregation.identity_keys=keys.txt"]
+    text = (ROOT / JOB).read_text()
+    if named_in == "yaml":
+        text += "aggregation:\n  secure: true\n  identity_keys: keys.txt\n"
+        secure = []
+    config.write_text(text)
+    fake = _FakeJobs()
+    monkeypatch.setattr(JobsClient, "client", property(lambda _self: fake))
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "t")
+    monkeypatch.chdir(submitter)
+    options = ["tracking.enabled=false", "output_dir=/var/tmp/silo_pfl", "--no-wait"]
+    assert main(["submit", "job.yaml", *secure, *options, "--address", "http://h:8265"]) == 0
+
+    (job,) = fake.submitted
+    assert "keys.txt" not in str(job["entrypoint"])
+    argv = shlex.split(str(job["entrypoint"]))
+    overrides = argv[5 : argv.index("--results-in-log")]
+    monkeypatch.chdir(elsewhere)
+    with config_file(argv[4]) as path:
+        cfg = load_config(path, overrides)
+    assert identity.configured_keys(cfg, list(hospitals)) == raw
+
+
+def test_a_namespace_package_plugin_is_shipped(tmp_path, monkeypatch):
+    """A plugin package without __init__.py (a namespace package, whose spec has no origin) is
+    shipped as its one directory, as a regular package is."""
+    from silo_pfl.runtime.jobs import plugin_code
+
+    package = tmp_path / "nsplug"
+    package.mkdir()
+    (package / "algo.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert plugin_code(["nsplug.algo"]) == [str(package)]
+    second = tmp_path / "more" / "nsplug"
+    second.mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(tmp_path / "more"))
+    importlib.invalidate_caches()
+    with pytest.raises(ConfigError, match="^plugins: nsplug.algo: namespace package nsplug spans"):
+        plugin_code(["nsplug.algo"])

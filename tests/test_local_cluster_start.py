@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 from loopback_cluster import CLIENT_VARS, cluster_script
 
 
@@ -95,21 +97,67 @@ def test_a_taken_dashboard_or_tracking_port_is_refused_before_any_node_starts(tm
             assert done.stdout == "" and not list(tmp_path.iterdir())
 
 
-def test_bad_silo_names_and_a_tls_dir_without_certificates_leave_nothing(tmp_path):
+def test_bad_silo_names_a_tls_dir_without_certificates_or_a_missing_token_leave_nothing(
+    tmp_path,
+):
     """A silo name Ray cannot take as a label value, or one given twice, is one line before the
-    head starts; a --tls-dir without certificates makes no temporary directory first."""
+    head starts; a --tls-dir without certificates, or a token file that is not there, makes no
+    temporary directory first."""
     local_cluster = cluster_script("local_cluster")
     script = Path(local_cluster.__file__)
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"} | {"TMPDIR": str(tmp_path)}
+    missing = tmp_path / "no" / "token"
     before = set(Path("/tmp").glob("rc*"))
-    for argv, code, line in (
-        (["bad name"], 2, "error: SILOS: got silo name 'bad name', expected 1 to 63 letters"),
-        (["a", "b", "a"], 2, "error: SILOS: a given twice; one node per silo"),
-        (["a", "--tls-dir", str(tmp_path / "none")], 1, f"error: --tls-dir {tmp_path / 'none'}"),
+    for argv, more, code, line in (
+        (["bad name"], {}, 2, "error: SILOS: got silo name 'bad name', expected 1 to 63 letters"),
+        (["a", "b", "a"], {}, 2, "error: SILOS: a given twice; one node per silo"),
+        (
+            ["a", "--tls-dir", str(tmp_path / "none")],
+            {},
+            1,
+            f"error: --tls-dir {tmp_path / 'none'}",
+        ),
+        (["a"], {"RAY_AUTH_TOKEN_PATH": str(missing)}, 2, f"error: RAY_AUTH_TOKEN_PATH={missing}"),
     ):
         command = [sys.executable, str(script), *argv]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env | more)
         assert done.returncode == code, done.stderr
         assert done.stderr.startswith(line) and done.stderr.count("\n") == 1, done.stderr
         assert done.stdout == "" and not list(tmp_path.iterdir())
     assert set(Path("/tmp").glob("rc*")) <= before
+
+
+@pytest.fixture
+def no_token(tmp_path, monkeypatch) -> Path:
+    """A home without ~/.ray/auth_token, and no token in the environment: the token's path."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    return tmp_path / ".ray" / "auth_token"
+
+
+def test_the_cluster_token_is_made_private(no_token, monkeypatch):
+    """~/.ray/auth_token has mode 0600 from its creation: no chmod after it was written."""
+    local_cluster = cluster_script("local_cluster")
+    monkeypatch.setattr(Path, "chmod", lambda *_args, **_kwargs: None)  # only its mode at birth
+    umask = os.umask(0o022)
+    try:
+        token = local_cluster.cluster_token()
+    finally:
+        os.umask(umask)
+    assert len(token) == 64 and no_token.read_text() == token
+    assert stat.S_IMODE(no_token.stat().st_mode) == 0o600
+    assert sorted(p.name for p in no_token.parent.iterdir()) == ["auth_token"]
+
+
+def test_a_cluster_token_made_meanwhile_is_used_not_replaced(no_token, monkeypatch):
+    local_cluster = cluster_script("local_cluster")
+
+    def made_meanwhile() -> None:
+        """No token yet, as the cluster looks; another process makes it right after."""
+        no_token.parent.mkdir()
+        no_token.write_text("theirs")
+
+    monkeypatch.setattr(local_cluster, "auth_token", made_meanwhile)
+    assert local_cluster.cluster_token() == "theirs"
+    assert no_token.read_text() == "theirs"

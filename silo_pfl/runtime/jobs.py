@@ -150,20 +150,51 @@ def check_tracking_store(config: Path, overrides: Sequence[str], tracking_enable
         )
 
 
+def identity_key_overrides(config: Path, overrides: Sequence[str]) -> list[str]:
+    """`overrides` with the keys of the file aggregation.identity_keys names, under secure
+    aggregation, as `silos.<S>.identity_key=<base64>` overrides in its place: the file is on the
+    submitter's machine, which the job's driver and silos cannot read."""
+    from silo_pfl.config import merge_config, read_yaml
+    from silo_pfl.secure.identity import read_key_file
+
+    cfg = merge_config(read_yaml(config), list(overrides))
+    if not (cfg.aggregation.secure and cfg.aggregation.identity_keys):
+        return list(overrides)
+    keys = read_key_file(Path(cfg.aggregation.identity_keys))
+    kept = [o for o in overrides if not o.startswith("aggregation.identity_keys=")]
+    listed = [f"silos.{silo}.identity_key={key}" for silo, key in keys.items()]
+    return [*kept, "aggregation.identity_keys=null", *listed]
+
+
+def _installed(path: Path) -> bool:
+    """Whether `path` lies in an installed distribution, which a node has its own of."""
+    return bool({"site-packages", "dist-packages"} & set(path.parts))
+
+
 def plugin_code(plugins: Sequence[str]) -> list[str]:
     """The local code of each plugin (config `plugins`) to ship with a job: the directory of its
-    top-level package, or its .py file, as this process imports it (the config's check imported
-    them). Installed distributions (site-packages) are not shipped: a node has its own, as it
-    has torch."""
+    top-level package (a namespace package's one directory), or its .py file, as this process
+    imports it (the config's check imported them). Installed distributions (site-packages) are
+    not shipped: a node has its own, as it has torch."""
     shipped: list[str] = []
     for module in plugins:
         top = module.split(".")[0]
         spec = None if top == "silo_pfl" else importlib.util.find_spec(top)
-        if spec is None or spec.origin in (None, "built-in", "frozen"):
+        if spec is None or spec.origin in ("built-in", "frozen"):
             continue
-        locations = list(spec.submodule_search_locations or [])
-        path = Path(locations[0]) if locations else Path(spec.origin)
-        if not {"site-packages", "dist-packages"} & set(path.parts) and str(path) not in shipped:
+        locations = [Path(p) for p in spec.submodule_search_locations or []]
+        if spec.origin is None:  # a namespace package (no __init__.py): its directories
+            local = [str(p) for p in locations if not _installed(p)]
+            if len(locations) > 1 and local:
+                raise ConfigError(
+                    f"plugins: {module}: namespace package {top} spans {len(locations)} "
+                    f"directories ({', '.join(local)} among them), which a job cannot ship as "
+                    f"one; give {top} an __init__.py in one directory"
+                )
+            if len(locations) != 1:
+                continue
+        path = locations[0] if locations else Path(str(spec.origin))
+        if not _installed(path) and str(path) not in shipped:
             shipped.append(str(path))
     return shipped
 
@@ -286,11 +317,14 @@ class JobsClient:
     ) -> str:
         """Submit `python -m silo_pfl run` on the config (with `--resume [RUN_ID]` if `resume`),
         or, given `onboard` (`silo-pfl onboard`'s options: --silo SILO ...), `python -m silo_pfl
-        onboard`, shipping silo_pfl and the `plugins` modules' code; return the job's id."""
+        onboard`, shipping silo_pfl and the `plugins` modules' code, and the keys of
+        aggregation.identity_keys's file in its place (`identity_key_overrides`); return the job's
+        id."""
         import silo_pfl
 
         inline = INLINE_CONFIG + base64.b64encode(config.read_bytes()).decode()
         verb = "onboard" if onboard else "run"
+        overrides = identity_key_overrides(config, overrides)
         command = ["python", "-m", "silo_pfl", verb, inline, *overrides, "--results-in-log"]
         command += list(onboard)
         command += ["--quiet"] if quiet else []
