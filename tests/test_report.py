@@ -18,6 +18,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 from matplotlib.image import imread
 from mlflow import MlflowClient
@@ -375,3 +376,31 @@ def test_mlflow_ui_lists_every_silo_model_and_the_report(runs, mlflow_ui, tmp_pa
     assert preview is not None, "mlflow ui shows no preview of report.html"
     assert preview[0].startswith(f"Run report: heart_disease / fedavg / {run_id}")
     assert preview[1] is True, "a figure of the report does not show in mlflow ui's preview"
+
+
+def _series(name: str, rounds: tuple[int, ...]):
+    from silo_pfl.report.data import SiloSeries
+
+    values = tuple(0.5 + 0.05 * r for r in rounds)
+    return SiloSeries(name, rounds, values, values, {}, rounds[-1], values[-1], values[-1])
+
+
+def test_the_accuracy_figure_breaks_a_silos_lines_where_it_missed_rounds_and_titles_within():
+    """A silo left out of rounds 2 to 4 has no values there: its lines break, not a straight
+    segment from round 1 to 5. With two silos and a long federation name, the title (the
+    figure's colour key) stays inside the figure."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from silo_pfl.report.data import RunData
+    from silo_pfl.report.figures import accuracy_figure
+
+    silos = {"a": _series("a", (1, 2, 3, 4, 5)), "b": _series("b", (1, 5))}
+    run = RunData("r" * 32, "a_federation_with_a_long_name", "fedper", "0", 5, 1.0, False, silos)
+    fig = accuracy_figure(run)
+    for line in fig.axes[1].lines[:2]:  # validation, test
+        assert list(line.get_xdata()) == [1, 2, 3, 4, 5]
+        y = np.asarray(line.get_ydata(), dtype=float)
+        assert np.isnan(y[1:4]).all() and not np.isnan(y[[0, 4]]).any(), y
+    FigureCanvasAgg(fig).draw()
+    title = fig._suptitle.get_window_extent(fig.canvas.get_renderer())
+    assert title.x0 >= 0 and title.x1 <= fig.bbox.x1 and title.y1 <= fig.bbox.y1, title

@@ -102,33 +102,46 @@ def _small_multiples(n: int, width: float, height: float) -> tuple[MplFigure, li
     return fig, list(axes[:n])
 
 
-def accuracy(run: RunData, out: Path) -> Figure:
-    """Per silo: validation and test accuracy over rounds, the selected round marked."""
+def accuracy_figure(run: RunData) -> MplFigure:
+    """`accuracy`'s figure. A silo's lines break at the evaluated rounds it missed (left out,
+    lost), where a line across them would show values it never had."""
     from matplotlib.ticker import FixedLocator, MaxNLocator
 
+    evaluated = sorted({r for silo in run.silos.values() for r in silo.rounds})
+    fig, axes = _small_multiples(len(run.silos), 2.8, 1.9)
+    marker = "." if run.rounds <= 20 else None
+    for ax, silo in zip(axes, run.silos.values(), strict=True):
+        for values, color in ((silo.val_accuracy, VAL_COLOR), (silo.test_accuracy, TEST_COLOR)):
+            at = dict(zip(silo.rounds, values, strict=True))
+            y = [at.get(r, math.nan) for r in evaluated]
+            ax.plot(evaluated, y, color=color, marker=marker, lw=1.2)
+        chosen = silo.selected_round
+        ax.axvline(chosen, color=OTHER_COLOR, ls=":", lw=1)
+        ax.plot([chosen], [silo.selected_test_accuracy], "o", color=TEST_COLOR, mec="black")
+        # y given: matplotlib then skips placing each title by its axes' tick labels.
+        title = f"{silo.name}: {silo.selected_test_accuracy:.3f} @ round {chosen}"
+        ax.set_title(title, y=1.0, fontsize=10)
+        ax.set_ylim(0, 1.02)
+        ax.yaxis.set_major_locator(FixedLocator([0, 0.25, 0.5, 0.75, 1.0]))
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))
+        ax.grid(alpha=0.3)
+    fig.supxlabel("round")
+    fig.supylabel("accuracy")
+    # Two short lines, wrapped further on a narrow figure (one or two silos): the caption under
+    # the figure says the rest.
+    fig.suptitle(
+        f"{run.federation} / {run.algorithm}: accuracy per silo\n"
+        "blue validation, orange test; dotted: the selected round",
+        fontsize=11,
+        wrap=True,
+    )
+    return fig
+
+
+def accuracy(run: RunData, out: Path) -> Figure:
+    """Per silo: validation and test accuracy over rounds, the selected round marked."""
     with _defaults():
-        fig, axes = _small_multiples(len(run.silos), 2.8, 1.9)
-        marker = "." if run.rounds <= 20 else None
-        for ax, silo in zip(axes, run.silos.values(), strict=True):
-            ax.plot(silo.rounds, silo.val_accuracy, color=VAL_COLOR, marker=marker, lw=1.2)
-            ax.plot(silo.rounds, silo.test_accuracy, color=TEST_COLOR, marker=marker, lw=1.2)
-            chosen = silo.selected_round
-            ax.axvline(chosen, color=OTHER_COLOR, ls=":", lw=1)
-            ax.plot([chosen], [silo.selected_test_accuracy], "o", color=TEST_COLOR, mec="black")
-            # y given: matplotlib then skips placing each title by its axes' tick labels.
-            title = f"{silo.name}: {silo.selected_test_accuracy:.3f} @ round {chosen}"
-            ax.set_title(title, y=1.0, fontsize=10)
-            ax.set_ylim(0, 1.02)
-            ax.yaxis.set_major_locator(FixedLocator([0, 0.25, 0.5, 0.75, 1.0]))
-            ax.xaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))
-            ax.grid(alpha=0.3)
-        fig.supxlabel("round")
-        fig.supylabel("accuracy")
-        fig.suptitle(
-            f"{run.federation} / {run.algorithm}: accuracy per silo over rounds "
-            "(blue validation, orange test; dotted line and dot: the selected round)"
-        )
-        _save(fig, out / "accuracy.png")
+        _save(accuracy_figure(run), out / "accuracy.png")
     return Figure(
         "accuracy.png",
         "Accuracy over rounds",
