@@ -241,6 +241,29 @@ def test_survivors_whose_masks_split_them_into_parts_are_unmasked_by_no_one(
             clients[name].confirm(request)
 
 
+def test_a_round_whose_survivors_cannot_rebuild_a_seed_fails_before_anyone_reveals():
+    """SecAgg+ (N = 10, k = 5: a secret is rebuilt from 5 of its 6 holders), two silos lost
+    after sharing their keys, before masking: a survivor's seed has 4 holders left among the
+    survivors. The server sees it in the signed pairings and asks for no reveal, so the round's
+    next attempt, with fresh keys, still has every silo (one that revealed would refuse it)."""
+    _, clients, server = protocol_federation(10, neighbors=5)
+    names = sorted(clients)
+    payloads, weights = _payloads(clients), _weights(clients)
+    adverts = [c.advertise(1, 1) for c in clients.values()]
+    server.enroll(1, 1, adverts)
+    inbox = server.route([clients[n].share_keys(adverts) for n in names])
+    alive = names[2:]
+    for name in alive:
+        clients[name].mask(payloads[name], weights[name], 1, 1, inbox[name])
+    with pytest.raises(SecureRoundError, match=r"4 survivors hold shares of silo s\d+'s self-mask"):
+        server.unmask_request(alive, pairings(clients, alive))
+    total, _ = run_round(clients, server, payloads, weights, attempt=2)
+    mean = decode_mean(total, SHAPES)
+    expected = weighted_mean([payloads[n] for n in names], [weights[n] for n in names])
+    for key in SHAPES:
+        np.testing.assert_allclose(mean[key], expected[key], rtol=0, atol=1e-6)
+
+
 def test_a_pairing_a_driver_withheld_or_altered_is_refused():
     """A full mesh of 4, one silo's shares to another withheld one way: those two disagree on
     whether they paired. A pairing altered (or another silo's) is not its silo's signed one."""

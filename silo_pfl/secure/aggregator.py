@@ -118,8 +118,30 @@ class SecureAggregator:
             )
         except PairingError as exc:
             raise SecureRoundError(f"round {self.round}: {exc}; nothing is aggregated") from None
+        self._check_recoverable(alive, dropped)
         self.request = UnmaskRequest(self.round, self.attempt, alive, dropped, pairings=shown)
         return self.request
+
+    def _check_recoverable(self, alive: Sequence[str], dropped: Sequence[str]) -> None:
+        """Before any silo reveals a share (after which none takes part in a retry of the
+        round): each survivor's seed, and the mask key of each dropped silo a survivor masked
+        with, has shares enough among the survivors, its holders being the silos that paired
+        with it (and a survivor itself). Else the round fails here, to be tried again afresh."""
+        assert self.topology is not None
+        needed = self.topology.threshold
+        holders = {
+            owner: sum(owner in self.paired[p] for p in alive) + (owner in self.paired)
+            for owner in (*alive, *dropped)
+        }
+        secrets = [(s, "self-mask seed") for s in alive] + [
+            (d, "mask key") for d in dropped if holders[d] > 0
+        ]
+        for owner, what in secrets:
+            if holders[owner] < needed:
+                raise SecureRoundError(
+                    f"round {self.round}: {holders[owner]} survivors hold shares of silo "
+                    f"{owner}'s {what}, {needed} needed; nothing is revealed or aggregated"
+                )
 
     def _signed(self, pairing: Pairing) -> bool:
         """Whether `pairing` is signed by its silo's identity (unchecked where the server holds
@@ -134,7 +156,8 @@ class SecureAggregator:
         request, plan = self.request, self.topology
         assert request is not None and plan is not None
         seeds: dict[str, dict[int, int]] = {name: {} for name in request.survivors}
-        keys: dict[str, dict[int, int]] = {name: {} for name in request.dropped}
+        paired_with = {name for peers in self.paired.values() for name in peers}
+        keys: dict[str, dict[int, int]] = {n: {} for n in request.dropped if n in paired_with}
         seen: set[str] = set()
         for reveal in reveals:
             if reveal.silo not in request.survivors or reveal.silo in seen:
