@@ -64,7 +64,8 @@ class UnmaskRequest:
     pairings: tuple[Pairing, ...] = ()  # each survivor's, as it signed it when it masked
 
     def signed_bytes(self, federation: str) -> bytes:
-        """What a survivor signs to confirm this request: all of it but the signatures."""
+        """What a survivor signs to confirm this request: its round, attempt and sets (not the
+        pairings, each signed by its own survivor, nor the signatures)."""
         sets = f"{','.join(sorted(self.survivors))}|{','.join(sorted(self.dropped))}"
         return f"silo_pfl secagg unmask|{federation}|{self.round}|{self.attempt}|{sets}".encode()
 
