@@ -3,8 +3,14 @@ opens its silos in the same processes, and computes exactly what fresh processes
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
+import ray
 
 from silo_pfl.callbacks import Callback
 from silo_pfl.federation import Federation
@@ -60,3 +66,21 @@ def test_a_failed_run_keeps_none_of_its_workers(job):
     with pytest.raises(Exception, match="diverged|not finite|nan"):
         _run(job, "train.lr=1e12")
     assert not any(host_pool._idle.values())
+
+
+def _pid(worker) -> int:
+    """The process id of a Ray actor, asked of the actor itself."""
+    return ray.get(worker.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+
+
+def test_an_idle_worker_that_died_is_not_handed_to_the_next_run(job):
+    host_pool.drain()
+    _run(job, "rounds=1")
+    (server,) = (w for k, idle in host_pool._idle.items() if "ServerHost" in k for w in idle)
+    pid = _pid(server)
+    os.kill(pid, signal.SIGKILL)  # the idle server dies (the OOM killer, say); Ray restarts none
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    per_silo, _, _ = _run(job, "rounds=1")  # a new server, not the dead one
+    assert len(per_silo) == 4

@@ -51,8 +51,7 @@ def start(cls: type, options: dict[str, Any], keep: bool) -> Any:
         idle = _idle.get(key, [])
         while idle:
             worker = idle.pop()
-            ready, _ = ray.wait([worker.__ray_ready__.remote()], timeout=READY_TIMEOUT_S)
-            if ready:
+            if _alive(worker):
                 _keys[worker._actor_id.hex()] = key
                 return worker
             ray.kill(worker, no_restart=True)
@@ -60,6 +59,14 @@ def start(cls: type, options: dict[str, Any], keep: bool) -> Any:
     if key is not None:
         _keys[worker._actor_id.hex()] = key
     return worker
+
+
+def _alive(worker: Any) -> bool:
+    """Whether an idle `worker` answers within READY_TIMEOUT_S. A dead actor's call is ready
+    too (it fails at once), so the answer is read, not only waited for."""
+    ref = worker.__ray_ready__.remote()
+    ready, _ = ray.wait([ref], timeout=READY_TIMEOUT_S)
+    return bool(ready) and _answered(ref)
 
 
 def release(workers: Sequence[Any], keep: bool, wait_gone: bool = False) -> None:
@@ -75,7 +82,7 @@ def release(workers: Sequence[Any], keep: bool, wait_gone: bool = False) -> None
     for worker in workers:
         key = _keys.pop(worker._actor_id.hex(), None)
         ref = closing.get(worker._actor_id.hex())
-        if key is not None and ref in ready and idle < KEEP and _closed(ref):
+        if key is not None and ref in ready and idle < KEEP and _answered(ref):
             _idle.setdefault(key, []).append(worker)
             idle += 1
         else:
@@ -86,7 +93,8 @@ def release(workers: Sequence[Any], keep: bool, wait_gone: bool = False) -> None
         ray.wait(killed, num_returns=len(killed), timeout=GONE_TIMEOUT_S)
 
 
-def _closed(ref: Any) -> bool:
+def _answered(ref: Any) -> bool:
+    """Whether the call `ref` returned, not an error (its actor died, or it raised)."""
     try:
         ray.get(ref)
     except ray.exceptions.RayError:

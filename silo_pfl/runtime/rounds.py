@@ -23,7 +23,9 @@ prepared (secure aggregation's keys and shares), the next round's first attempt 
 soon as the round was aggregated and its evaluations are in, and its fits are sent then, before
 the driver ends the round; not when a silo has died, since it rejoins before a round is prepared
 for it. A silo that dies or rejoins in between is sent a fit of its own after it rejoins, as
-before.
+before. A silo still busy with a fit of a round before the last is sent no new one, which
+would only queue behind it: the round waits for that fit's answer instead, as it would for
+the new one's, and leaves the silo out.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from silo_pfl.selection import Selector, evaluated
 
 log = logging.getLogger("silo_pfl.rounds")
 REJOIN_POLL_SECONDS = 0.5  # how often a restarting silo is asked again to rejoin
+BUSY = "still busy with its fit of round"  # why a silo two rounds behind is sent no fit
 
 
 @dataclass
@@ -97,9 +100,10 @@ class Ahead:
     prepared: Prepared | None = None  # the first attempt's, prepared during the round before
 
 
-def late_reason(timeout: float) -> str:
-    """Why a silo that did not answer by the deadline was left out."""
-    return f"no answer within round.timeout_s={timeout:g} s"
+def late_reason(timeout: float, key: str = "round.timeout_s") -> str:
+    """Why a silo that did not answer by the deadline (`timeout` s, config key `key`) was left
+    out."""
+    return f"no answer within {key}={timeout:g} s"
 
 
 def gather(
@@ -202,6 +206,9 @@ class RoundRunner:
         self.steps = steps(server, gather, self.timeout)
         self.ahead: Ahead | None = None  # the next round's fits, if already sent
         self.down: dict[str, str] = {}  # dead silos that cannot rejoin now, and why
+        self.unjoined: dict[str, str] = {}  # dead silos whose last rejoin failed, and why
+        # Each silo's fits sent and not known to have answered: (round, ref of its metrics).
+        self.unanswered: dict[str, list[tuple[int, Any]]] = {}
 
     def run(self, round_: int) -> RoundSummary:
         """Run `round_` until an attempt has a quorum; fail, naming who was missing, if none."""
@@ -226,14 +233,15 @@ class RoundRunner:
         """Each silo whose process died is restarted by Ray, then restores its last commit.
         Until Ray has it running again a call fails at once, so this asks again, bounded by
         round.call_timeout_s; a silo pinned to labels no live node carries is not waited for
-        (`down` says why it stays out)."""
+        (`down` says why it stays out), and one whose rejoin failed is not asked again before
+        the next attempt (`unjoined` says why)."""
         args = self.rejoin_args
         limit = self.cfg.round.call_timeout_s
         deadline = time.monotonic() + limit
-        late = f"no answer within round.call_timeout_s={limit:g} s"
+        late = late_reason(limit, "round.call_timeout_s")
         waiting = [n for n, p in self.parties.items() if p.died]
         rejoined: dict[str, RejoinInfo] = {}
-        self.down = {}
+        self.down, self.unjoined = {}, {}
         while waiting and time.monotonic() < deadline:
             gone = homeless({n: silo_selector(self.cfg, n) for n in waiting})
             for name, reason in sorted(gone.items()):
@@ -259,6 +267,7 @@ class RoundRunner:
                 party.died, party.restarts = False, party.restarts + 1
                 party.committed = info.round
                 rejoined[name] = info
+                self.unanswered.pop(name, None)  # its restarted worker runs none of them
                 log.warning(
                     "round %d: silo %s restarted (pid %d) and goes on from its round %d",
                     round_,
@@ -268,6 +277,7 @@ class RoundRunner:
                 )
             for name in set(absent) - restarting:
                 log.warning("round %d: silo %s did not rejoin: %s", round_, name, absent[name])
+                self.unjoined[name] = f"could not rejoin: {absent[name].removeprefix('failed: ')}"
             waiting = sorted(restarting)
             if waiting:
                 time.sleep(REJOIN_POLL_SECONDS)
@@ -295,13 +305,20 @@ class RoundRunner:
             for n, r in (ahead.refs if ahead else {}).items()
             if n in fitting and n not in rejoined
         }
-        rest = {n: h for n, h in fitting.items() if n not in fit_refs}
+        busy = self._busy([n for n in fitting if n not in fit_refs], round_)
+        rest = {n: h for n, h in fitting.items() if n not in fit_refs and n not in busy}
         if rest:
             fit_refs.update(self._fits(rest, round_, attempt, self.inputs, prepared.inbox))
-        fits, absent, died = gather({n: m for n, (_, m) in fit_refs.items()}, self.timeout)
+        # A busy silo's last fit is waited for as its new one would be: the round keeps its pace.
+        awaited = {n: self.unanswered[n][-1][1] for n in busy}
+        metrics_refs = {n: m for n, (_, m) in fit_refs.items()}
+        fits, absent, died = gather({**metrics_refs, **awaited}, self.timeout)
+        for name in busy:
+            fits.pop(name, None)
+            if name not in died:
+                absent[name] = busy[name]
         absent.update(prepared.absent)
-        pending = "not running (restart pending)"
-        absent.update({n: self.down.get(n, pending) for n in self.parties if n not in live})
+        absent.update({n: self._why_not_running(n) for n in self.parties if n not in live})
         sent: dict[str, FitMetrics] = {}
         for name, metrics in fits.items():
             # A commit that answered late is the silo's last all the same: rejoin and resume
@@ -374,7 +391,9 @@ class RoundRunner:
         `report` (the previous round's, or its ref) says it was aggregated."""
         if not self.steps.fits_alone or round_ > self.cfg.rounds:
             return
-        self.ahead = Ahead(round_, self._fits(alive, round_, 1, inputs, after=report))
+        busy = self._busy(list(alive), round_)
+        free = {n: h for n, h in alive.items() if n not in busy}
+        self.ahead = Ahead(round_, self._fits(free, round_, 1, inputs, after=report))
 
     def _prepare_ahead(self, alive: dict[str, Any], round_: int, inputs: tuple[Any, Any]) -> None:
         """Where a fit needs its steps prepared (secure aggregation's keys and shares): once the
@@ -393,8 +412,8 @@ class RoundRunner:
             refs = self._fits(fitting, round_, 1, inputs, prepared.inbox)
         self.ahead = Ahead(round_, refs, prepared=prepared)
 
-    @staticmethod
     def _fits(
+        self,
         handles: dict[str, Any],
         round_: int,
         attempt: int,
@@ -406,7 +425,7 @@ class RoundRunner:
         broadcast `inputs` (with its own `per_silo` input, and after `after`, if given): the refs
         of its update and its metrics."""
         global_ref, broadcast_ref = inputs
-        return call_many(
+        refs = call_many(
             handles,
             "fit",
             global_ref,
@@ -417,6 +436,25 @@ class RoundRunner:
             per_silo=per_silo,
             after=after,
         )
+        for name, (_, metrics) in refs.items():
+            self.unanswered.setdefault(name, []).append((round_, metrics))
+        return refs
+
+    def _busy(self, names: list[str], round_: int) -> dict[str, str]:
+        """Of `names`, the silos still busy with a fit of a round before `round_ - 1`, and why:
+        a fit of `round_` would only queue behind it (and hold that round's global keys in the
+        object store), so none is sent. A fit of the round before may still end in time."""
+        sent = {n: self.unanswered.get(n, []) for n in names}
+        refs = list({_object(ref): None for fits in sent.values() for _, ref in fits})
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)[0])
+        busy: dict[str, str] = {}
+        for name, fits in sent.items():
+            left = [(r, ref) for r, ref in fits if _object(ref) not in ready]
+            self.unanswered[name] = left
+            oldest = min((r for r, _ in left), default=round_)
+            if oldest < round_ - 1:
+                busy[name] = f"{BUSY} {oldest}"
+        return busy
 
     def finish(self) -> None:
         """After the last round: rejoin the silos that died, and give every silo the model
@@ -438,13 +476,14 @@ class RoundRunner:
                 )
             actors = {n: self.parties[n].actor for n in chosen}
             refs = call_many(actors, "select", per_silo=chosen)
-            _, absent, died = gather(
-                {n: r for n, (r,) in refs.items()}, self.cfg.round.call_timeout_s
-            )
+            limit = self.cfg.round.call_timeout_s
+            late = late_reason(limit, "round.call_timeout_s")
+            _, absent, died = gather({n: r for n, (r,) in refs.items()}, limit, late)
             self._mark_dead(died)
             if not absent or set(absent) != died or last:
                 break
             chosen = {n: chosen[n] for n in died}
+        absent.update({n: r for n, r in self.unjoined.items() if n in absent})
         if absent:
             raise FederationError(f"the final selection failed{_reasons(absent)}")
 
@@ -472,12 +511,16 @@ class RoundRunner:
                 continue
             if name in died:
                 why[name] = "died"
-            elif reason == late:
+            elif reason == late or reason.startswith(BUSY):
                 why[name] = "late"
             else:  # not running since an earlier death, or its fit raised
                 why[name] = "down" if self.parties[name].died else "failed"
         why.update({n: "rejected" for n in report.rejected})
         self.metrics.left_out(why)
+
+    def _why_not_running(self, name: str) -> str:
+        """Why dead silo `name` was not running for an attempt."""
+        return self.down.get(name) or self.unjoined.get(name, "not running (restart pending)")
 
     def _mark_dead(self, names: set[str]) -> None:
         for name in names:

@@ -1,0 +1,118 @@
+"""The driver's round bookkeeping (runtime.rounds): each reason a silo is left out names the
+setting or failure that put it out, and a silo still busy with an old fit is sent no more."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from silo_pfl.callbacks import Callback
+from silo_pfl.errors import FederationError
+from silo_pfl.federation import Federation
+from silo_pfl.runtime import rounds
+from silo_pfl.runtime.rounds import Party, Rejoin, RoundRunner
+from silo_pfl.selection import Selector
+
+
+def test_a_final_selection_that_times_out_names_round_call_timeout_s(job, ray_local, monkeypatch):
+    cfg = job("jobs/heart_disease.yaml", "round.timeout_s=15", "round.call_timeout_s=0.5")
+    never = ray.remote(resources={"nowhere": 1})(lambda: None).remote()  # never scheduled
+    monkeypatch.setattr(
+        rounds, "call_many", lambda actors, method, per_silo: {n: (never,) for n in actors}
+    )
+    parties = {"va": Party("va", actor=None, selected=1)}
+    runner = RoundRunner(cfg, None, parties, Rejoin((13,), 2), Selector("last"))
+    try:
+        with pytest.raises(FederationError) as failed:
+            runner.finish()
+    finally:
+        ray.cancel(never)
+    assert "va: no answer within round.call_timeout_s=0.5 s" in str(failed.value)
+    assert "round.timeout_s" not in str(failed.value)
+
+
+class LoseSilo(Callback):
+    """After round 1, silo va loses its directory and its process; keeps every round's summary."""
+
+    def __init__(self) -> None:
+        self.history = []
+
+    def on_start(self, config, silos, split) -> None:
+        self.pid = next(info.pid for info in silos if info.silo == "va")
+        self.runs = Path(config.output_dir) / config.name
+
+    def on_round_end(self, summary) -> None:
+        self.history.append(summary)
+        if summary.round == 1:
+            for directory in self.runs.glob("*/silos/va"):
+                shutil.rmtree(directory)
+            os.kill(self.pid, signal.SIGKILL)
+            time.sleep(1)
+
+
+def test_a_failed_rejoin_is_reported_with_its_reason(job, ray_local):
+    lose = LoseSilo()
+    cfg = job(
+        "jobs/heart_disease.yaml",
+        "rounds=3",
+        "round.min_silos=3",
+        "ray.silos_per_worker=1",
+        "tracking.enabled=false",
+        "train.local_epochs=1",
+    )
+    with pytest.raises(FederationError) as failed:
+        Federation(cfg, callbacks=[lose]).run()
+    reason = "no state to resume from"
+    assert [s.round for s in lose.history] == [1, 2, 3]
+    assert "could not rejoin" in lose.history[2].absent["va"]
+    assert reason in lose.history[2].absent["va"]
+    assert reason in str(failed.value)
+
+
+class WakeAfter(Callback):
+    """Sends SIGCONT to the process whose pid is in `marker` as round `round_` ends."""
+
+    def __init__(self, marker: Path, round_: int) -> None:
+        self.marker, self.round = marker, round_
+
+    def on_round_end(self, summary) -> None:
+        if summary.round == self.round:
+            os.kill(int(self.marker.read_text()), signal.SIGCONT)
+
+
+def test_a_silo_still_busy_with_an_older_round_is_sent_no_more_fits(job, ray_local, tmp_path):
+    """va's process stops mid-fit in round 3 (SIGSTOP) until round 6 ends: its fit of round 4
+    queues behind, but no later one does; rounds 5 and 6 say why va was left out, and still
+    wait for it until the deadline. Once it answers, it takes part again."""
+    marker = tmp_path / "stop_once.pid"
+    cfg = job(
+        "jobs/heart_disease.yaml",
+        "plugins=[tests.fault_plugins]",
+        "algorithm.name=stop_once",
+        "algorithm.stop_once.silo=va",
+        "algorithm.stop_once.round=3",
+        f"algorithm.stop_once.marker={marker}",
+        "rounds=8",
+        "round.timeout_s=2",
+        "round.min_silos=3",
+        "ray.silos_per_worker=1",
+        "tracking.enabled=false",
+        "train.local_epochs=1",
+    )
+    try:
+        result = Federation(cfg, callbacks=[WakeAfter(marker, 6)]).run()
+    finally:
+        if marker.exists():
+            os.kill(int(marker.read_text()), signal.SIGCONT)
+    absent = [s.absent.get("va") for s in result.history]
+    late = "no answer within round.timeout_s=2 s"
+    assert absent[2:4] == [late, late], absent
+    assert absent[4:6] == ["still busy with its fit of round 3"] * 2, absent
+    assert all(s.seconds >= 2 for s in result.history[4:6])
+    assert "va" in result.history[7].participants
