@@ -34,3 +34,21 @@ def test_round_timeout_must_be_positive(job):
 
     with pytest.raises(ConfigError, match="round.timeout_s: got 0.0, expected a number of seconds"):
         job("jobs/heart_disease.yaml", "round.timeout_s=0")
+
+
+def test_a_worker_that_cannot_open_its_silos_answers_why_not_that_it_restarted(ray_local, job):
+    """The driver imports tests' plugins (pytest puts tests/ on its path); the silos' workers
+    cannot, as a node without a plugin the driver has. The run ends with the import's error,
+    where it said that each silo's worker had restarted."""
+    from silo_pfl.errors import ConfigError
+    from silo_pfl.federation import Federation
+
+    cfg = job(
+        "jobs/heart_disease.yaml",
+        "plugins=[fault_plugins]",
+        "algorithm.name=slow_rounds",
+        "rounds=1",
+        "tracking.enabled=false",
+    )
+    with pytest.raises(ConfigError, match=r"^plugins\[0\]: cannot import 'fault_plugins' \("):
+        Federation(cfg).run()

@@ -116,3 +116,29 @@ def test_a_silo_still_busy_with_an_older_round_is_sent_no_more_fits(job, ray_loc
     assert absent[4:6] == ["still busy with its fit of round 3"] * 2, absent
     assert all(s.seconds >= 2 for s in result.history[4:6])
     assert "va" in result.history[7].participants
+
+
+def test_packed_silos_each_get_round_timeout_s_as_silos_of_their_own_do(job, ray_local):
+    """A worker runs its silos one after another and answers for them all at once: two silos
+    of 1.2 s each in one worker answer after 2.4 s. Each silo is held to round.timeout_s=2, as in
+    a process of its own: the worker gets 2 s for each of its silos, and every one is on time."""
+    slow = (
+        "plugins=[tests.fault_plugins]",
+        "algorithm.name=slow_rounds",
+        "algorithm.slow_rounds.seconds=1.2",
+        "algorithm.slow_rounds.until=5",
+    )
+    cfg = job(
+        "jobs/heart_disease.yaml",
+        *slow,
+        "rounds=2",
+        "round.timeout_s=2",
+        "round.retries=0",
+        "ray.silos_per_worker=2",
+        "tracking.enabled=false",
+        "train.local_epochs=1",
+    )
+    result = Federation(cfg).run()
+    everyone = ["cleveland", "hungarian", "switzerland", "va"]
+    assert [s.participants for s in result.history] == [everyone, everyone]
+    assert all(s.seconds >= 2.4 for s in result.history)  # each worker's two slow fits

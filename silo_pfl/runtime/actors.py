@@ -50,6 +50,7 @@ class SiloHost:
         self.metrics: dict[str, SiloMetrics] = {}
         # Silos this worker held before it restarted and has not restored yet (rejoin).
         self.lost: set[str] = set()
+        self.failed: Exception | None = None  # why the last `open` failed
 
     def open(
         self,
@@ -58,9 +59,14 @@ class SiloHost:
         run_id: str = "default",
         metric_tags: dict[str, str] | None = None,
     ) -> None:
-        """Hold the silos `names` of run `run_id`, as `config` (their view of it) describes."""
+        """Hold the silos `names` of run `run_id`, as `config` (their view of it) describes.
+        Where that fails (a plugin this node cannot import), each call answers its error."""
         self.close()
-        self.group = SiloGroup(config, names, run_id)
+        try:
+            self.group = SiloGroup(config, names, run_id)
+        except Exception as exc:
+            self.failed = exc
+            raise
         for silo in self.group.silos.values():
             silo.inputs_immutable = True  # what a call receives is read from the object store
         self.opened = (run_id, tuple(names))
@@ -70,6 +76,7 @@ class SiloHost:
     def close(self) -> None:
         """Drop the run's silos: nothing of them stays in the process."""
         self.group, self.opened, self.metrics, self.lost = None, None, {}, set()
+        self.failed = None
         gc.collect()
 
     def rejoin(self, name: str, opening: Opening, *args: Any) -> Any:
@@ -88,6 +95,8 @@ class SiloHost:
     def call(self, name: str, method: str, *args: Any) -> Any:
         """Silo `name`'s `method`; what it returns goes back to the driver. A silo this worker
         no longer holds (it restarted, idle or not, since the silo last answered) is SiloLost."""
+        if self.group is None and self.failed is not None:
+            raise self.failed
         if self.group is None or name in self.lost:
             raise SiloLost(
                 f"silo {name}: its worker restarted since its last call, and holds it no more"

@@ -109,21 +109,26 @@ def late_reason(timeout: float, key: str = "round.timeout_s") -> str:
 def gather(
     refs: dict[str, Any], timeout: float, late: str | None = None
 ) -> tuple[dict[str, Any], dict[str, str], set[str]]:
-    """Wait for every ref (or `Shared` item of a worker's answers) until `timeout` s from now.
-    Returns the answers, a reason for each silo that failed or was late (`late`, else
-    round.timeout_s's), and the silos whose process died: during the call, or before it (their
-    restarted worker holds them no more: SiloLost)."""
+    """Wait for every ref (or `Shared` item of a worker's answers) until `timeout` s from now,
+    for each silo: a worker answering for k silos of one call (packed), which it runs one after
+    another, is waited for k times `timeout`. Returns the answers, a reason for each silo that
+    failed or was late (`late`, else round.timeout_s's), and the silos whose process died:
+    during the call, or before it (their restarted worker holds them no more: SiloLost)."""
     if not refs:
         return {}, {}, set()
-    objects = {_object(ref): None for ref in refs.values()}  # each once, in order
-    ready, _ = ray.wait(list(objects), num_returns=len(objects), timeout=timeout)
+    silos: dict[Any, int] = {}  # each object once, in order: how many silos it answers for
+    for ref in refs.values():
+        silos[_object(ref)] = silos.get(_object(ref), 0) + 1
+    ready = _wait_each(silos, timeout)
     got = dict(zip(ready, _get_each(ready), strict=True))
     answers: dict[str, Any] = {}
     absent: dict[str, str] = {}
     died: set[str] = set()
     for name, ref in refs.items():
         if _object(ref) not in got:
-            absent[name] = late or late_reason(timeout)
+            count = silos[_object(ref)]
+            packed = f" (its worker's call for {count} silos: {count * timeout:g} s)"
+            absent[name] = (late or late_reason(timeout)) + (packed if count > 1 else "")
             continue
         answer = got[_object(ref)]
         if isinstance(answer, ray.exceptions.RayTaskError):
@@ -143,6 +148,23 @@ def gather(
         else:
             answers[name] = answer
     return answers, absent, died
+
+
+def _wait_each(silos: dict[Any, int], timeout: float) -> list[Any]:
+    """The objects of `silos` ready before each one's deadline: `timeout` s from now for each
+    silo it answers for."""
+    start, ready = time.monotonic(), set()
+    pending = dict(silos)
+    while pending:
+        left = {o: start + k * timeout - time.monotonic() for o, k in pending.items()}
+        waiting = [o for o, seconds in left.items() if seconds > 0]
+        if not waiting:
+            break
+        wait = min(left[o] for o in waiting)
+        done, _ = ray.wait(waiting, num_returns=len(waiting), timeout=wait)
+        ready.update(done)
+        pending = {o: pending[o] for o in waiting if o not in ready}
+    return [o for o in silos if o in ready]  # in their order
 
 
 def _object(ref: Any) -> Any:
