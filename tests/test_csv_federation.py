@@ -55,6 +55,20 @@ def write_silo_files(directory: Path) -> dict[str, Path]:
     return paths
 
 
+def plain_config(paths: dict[str, Path], tmp_path: Path):
+    """The heart-disease job's settings over these silos' files, untracked, for plain Silos."""
+    return load_config(
+        "jobs/heart_disease.yaml",
+        [
+            f"name={NAME}",
+            "data={source: csv, num_classes: 2, label_column: " + LABEL + "}",
+            *(f"data.paths.{silo}={path}" for silo, path in paths.items()),
+            f"output_dir={tmp_path / 'runs'}",
+            "tracking.enabled=false",
+        ],
+    )
+
+
 @pytest.fixture(scope="module")
 def csv_run(tmp_path_factory, ray_local) -> CsvRun:
     """One tracked CSV federation (FedPer, 3 rounds), shared by this module's tests."""
@@ -152,17 +166,7 @@ def test_silos_whose_columns_differ_in_name_or_order_are_refused(tmp_path, chang
     else:
         rows[0][0] = "radius of something else"
     paths["clinic_b"].write_text("\n".join(",".join(r) for r in rows) + "\n")
-    where = [f"data.paths.{silo}={path}" for silo, path in paths.items()]
-    cfg = load_config(
-        "jobs/heart_disease.yaml",
-        [
-            f"name={NAME}",
-            "data={source: csv, num_classes: 2, label_column: " + LABEL + "}",
-            *where,
-            f"output_dir={tmp_path / 'runs'}",
-            "tracking.enabled=false",
-        ],
-    )
+    cfg = plain_config(paths, tmp_path)
     infos = [Silo(to_dict(cfg), silo).setup() for silo in SILOS]
     assert infos[0].columns == infos[2].columns != infos[1].columns
     assert "radius" not in repr(infos[1])
@@ -180,16 +184,7 @@ def test_a_silo_whose_file_changed_since_its_commit_refuses_to_resume(tmp_path):
     from silo_pfl.silo import Silo
 
     paths = write_silo_files(tmp_path)
-    cfg = load_config(
-        "jobs/heart_disease.yaml",
-        [
-            f"name={NAME}",
-            "data={source: csv, num_classes: 2, label_column: " + LABEL + "}",
-            *(f"data.paths.{silo}={path}" for silo, path in paths.items()),
-            f"output_dir={tmp_path / 'runs'}",
-            "tracking.enabled=false",
-        ],
-    )
+    cfg = plain_config(paths, tmp_path)
 
     def resumed(resume: bool) -> Silo:
         silo = Silo(to_dict(cfg), "clinic_b", "run")
