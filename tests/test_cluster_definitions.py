@@ -712,6 +712,8 @@ def test_every_entry_point_in_cluster_names_an_absolute_output_dir(rayjob):
     for where, command in commands:
         given = output_dirs(command)
         assert len(given) == 1 and output_dir_note(given[0], False) is None, (where, command)
+        # A shell expands an unquoted ~ on the submitting machine: its home, not the node's.
+        assert not re.search(r"(^|\s)output_dir=~", command), (where, command)
 
 
 def test_the_rayjob_output_dir_is_a_writable_volume_of_every_pod(raycluster, rayjob):

@@ -533,7 +533,7 @@ class RoundRunner:
                 continue
             if name in died:
                 why[name] = "died"
-            elif reason == late or reason.startswith(BUSY):
+            elif reason.startswith((late, BUSY)):  # a packed worker's: with its call's time
                 why[name] = "late"
             else:  # not running since an earlier death, or its fit raised
                 why[name] = "down" if self.parties[name].died else "failed"
