@@ -142,3 +142,25 @@ def test_packed_silos_each_get_round_timeout_s_as_silos_of_their_own_do(job, ray
     everyone = ["cleveland", "hungarian", "switzerland", "va"]
     assert [s.participants for s in result.history] == [everyone, everyone]
     assert all(s.seconds >= 2.4 for s in result.history)  # each worker's two slow fits
+
+
+def test_a_packed_silo_left_out_by_the_deadline_counts_as_late_in_the_live_metrics():
+    """A packed worker's late reason carries its call's time; the metrics still say late."""
+    from types import SimpleNamespace
+
+    from silo_pfl.messages import RoundReport
+    from silo_pfl.runtime.rounds import RoundRunner, late_reason
+
+    recorded: dict[str, str] = {}
+    runner = SimpleNamespace(
+        timeout=2.0,
+        parties={"a": SimpleNamespace(died=False), "b": SimpleNamespace(died=False)},
+        metrics=SimpleNamespace(fits=lambda seconds: None, left_out=recorded.update),
+    )
+    absent = {
+        "a": late_reason(2.0),
+        "b": late_reason(2.0) + " (its worker's call for 2 silos: 4 s)",
+    }
+    report = RoundReport(1, (), {}, False, "")
+    RoundRunner._record_fits(runner, {}, absent, set(), report)
+    assert recorded == {"a": "late", "b": "late"}
