@@ -132,8 +132,8 @@ class AggregationConfig:
     # Under secure: bound every value of an update to [-clip, clip] before encoding; None: a
     # value outside the fixed-point range is an error naming the silo.
     clip: float | None = None
-    # Reject a silo's update whose L2 norm (over the global parameters, not buffers such as
-    # BatchNorm's running statistics and step count) exceeds this; None: no bound.
+    # Reject a silo's update whose L2 norm (over the global keys' float values: not integer
+    # counters such as BatchNorm's step count) exceeds this; None: no bound.
     max_update_norm: float | None = None
 
 

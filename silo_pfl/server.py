@@ -77,7 +77,9 @@ class Server:
         # Under secure: the accepted masked vectors awaiting their reveals, and the rejected.
         self._pending: tuple[int, dict[str, np.ndarray], dict[str, str]] | None = None
         self.max_norm = self.cfg.aggregation.max_update_norm
-        self.parameters = frozenset(start.parameters)  # what max_update_norm measures
+        # What max_update_norm measures: every float key, not integer counters (BatchNorm's
+        # num_batches_tracked, a silo's local steps, would outweigh the rest).
+        self.measured = frozenset(k for k, v in self.state.items() if v.dtype.kind == "f")
         self.dir = server_dir(self.cfg, run_id)
         run_lock.hold(self.dir, run_id)  # one driver at a time runs this run
         self._release = weakref.finalize(self, run_lock.release, self.dir)  # once, however it ends
@@ -172,7 +174,7 @@ class Server:
             squares = (
                 np.sum(np.square(v, dtype=np.float64))
                 for k, v in update.delta.items()
-                if k in self.parameters  # not buffers: BatchNorm's step count would dominate it
+                if k in self.measured
             )
             norm = float(np.sqrt(sum(squares)))
             if norm > self.max_norm:

@@ -127,15 +127,15 @@ def test_an_update_over_the_norm_bound_is_rejected(job):
     assert report.accepted == tuple(n for n in ("hungarian", "va") if n != larger)
 
 
-def test_the_norm_bound_measures_the_parameters_not_batchnorms_buffers(job):
-    """A shared BatchNorm's update holds its step count (the silo's local steps) and running
-    statistics: measured in, they outweighed the weights, so the bound rejected silos for their
-    rows and epochs. Two silos of 159 and 30 rows, five epochs, a bound twice the larger one's
-    update of its parameters: both are accepted."""
+def test_the_norm_bound_measures_float_values_not_batchnorms_step_count(job):
+    """A shared BatchNorm's update holds its step count (the silo's local steps): measured in, it
+    outweighed the rest, so the bound rejected silos for their rows and epochs. Two silos of 159
+    and 30 rows, five epochs, a bound 1.5 times the larger one's float values: both are
+    accepted. Its running statistics are measured: a running variance pushed far is rejected."""
     from plain_federation import federation as plain_federation
     from plain_federation import fit_all
 
-    overrides = ("model.name=cnn_small_bn", "train.local_epochs=5", "round.min_silos=2")
+    overrides = ("model.name=cnn_small_bn", "train.local_epochs=5", "round.min_silos=1")
     silos, server = plain_federation(
         job, "fedavg", *overrides, silos=("silo_5", "silo_8"), path="jobs/digits_dirichlet.yaml"
     )
@@ -144,9 +144,10 @@ def test_the_norm_bound_measures_the_parameters_not_batchnorms_buffers(job):
     def norm(update, keys) -> float:
         return float(np.sqrt(sum(np.sum(update.delta[k].astype(np.float64) ** 2) for k in keys)))
 
-    assert any(k.endswith("num_batches_tracked") for k in server.parameters ^ set(server.state))
-    bound = 2 * max(norm(u, server.parameters) for u in updates)
-    assert max(norm(u, server.state) for u in updates) > bound  # the buffers alone exceed it
+    floats = [k for k, v in server.state.items() if v.dtype.kind == "f"]
+    assert any(k.endswith("num_batches_tracked") for k in set(server.state) - set(floats))
+    bound = 1.5 * max(norm(u, floats) for u in updates)
+    assert max(norm(u, server.state) for u in updates) > bound  # the step count alone exceeds it
     config = job(
         "jobs/digits_dirichlet.yaml",
         "algorithm.name=fedavg",
@@ -156,3 +157,8 @@ def test_the_norm_bound_measures_the_parameters_not_batchnorms_buffers(job):
     bounded = new_server(to_dict(config), silos[0].data.input_shape, silos[0].num_classes)
     report = bounded.aggregate(*updates)
     assert report.rejected == {} and report.accepted == ("silo_5", "silo_8")
+    (variance,) = [k for k in floats if k.endswith("running_var")][:1]
+    pushed = dataclasses.replace(
+        updates[1], round=2, delta={**updates[1].delta, variance: updates[1].delta[variance] - 1e6}
+    )
+    assert "exceeds aggregation.max_update_norm" in bounded.aggregate(pushed).rejected["silo_8"]
