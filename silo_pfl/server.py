@@ -367,10 +367,14 @@ class Server:
     def state_bytes(self, round_: int | None = None) -> bytes:
         """The global keys as the bytes of an .npz file: what the driver saves, on its own disk.
         Those of round `round_` if given (the round every silo selected, whose checkpoint is
-        kept for it), else the last round's."""
+        kept for it), else the last round's: also where that checkpoint is gone (pruned by a
+        version that did not keep it, before a resume), which is said."""
         state = self.state
         if round_ is not None and round_ != self.round:
-            state = _arrays(checkpoint.load(self.dir, round_)["global"])
+            try:
+                state = _arrays(checkpoint.load(self.dir, round_)["global"])
+            except checkpoint.CheckpointError as exc:
+                log.warning("%s; the run keeps the last round's global keys instead", exc)
         buffer = io.BytesIO()
         np.savez(buffer, **state)
         return buffer.getvalue()

@@ -271,16 +271,17 @@ def _check_nodes_apart(cfg: FederationConfig, names: list[str]) -> None:
         taken[labels] = silo
 
 
-def _check_node_variables(cfg: FederationConfig, names: list[str]) -> None:
+def check_node_variables(cfg: FederationConfig, on_cluster: bool) -> None:
     """On a cluster, a silo whose file or own store names $VARS, which each node fills in from
     its own environment, must be pinned to its node: Ray could run it on another institution's
-    node, whose variable names that node's file."""
+    node, whose variable names that node's file. `on_cluster`: the run joins one (ray.address,
+    RAY_ADDRESS; a submitted job's always does)."""
     from silo_pfl.node_env import names_variables
 
-    if ray_address(cfg.ray.address) is None:
+    if not on_cluster:
         return
     paths = getattr(cfg.data, "paths", None) or {}
-    for silo in names:
+    for silo in all_silo_names(cfg.data):
         own = cfg.silos.get(silo)
         named = {
             f"data.paths.{silo}": paths.get(silo),
@@ -407,5 +408,5 @@ def _check_silos(cfg: FederationConfig) -> None:
         check_node_label(settings.node_label, f"silos.{silo}.node_label")
     check_node_label(cfg.server.node_label, "server.node_label")
     _check_nodes_apart(cfg, every)
-    _check_node_variables(cfg, every)
+    check_node_variables(cfg, ray_address(cfg.ray.address) is not None)
     cfg.tracking.uri = resolve_uri(cfg.tracking.uri, "tracking.uri")

@@ -289,3 +289,24 @@ def test_a_namespace_package_plugin_is_shipped(tmp_path, monkeypatch):
     importlib.invalidate_caches()
     with pytest.raises(ConfigError, match="^plugins: nsplug.algo: namespace package nsplug spans"):
         plugin_code(["nsplug.algo"])
+
+
+def test_a_submission_whose_silo_reads_a_node_variable_unpinned_is_refused_before_it_goes(
+    monkeypatch, capsys
+):
+    """A submitted job always runs on a cluster, though the submitting machine joins none: a
+    silo whose file names a node's $VARS, left to any node, is refused here, nothing sent."""
+    from silo_pfl.cli import main
+    from silo_pfl.runtime.jobs import JobsClient
+
+    fake = _FakeJobs()
+    monkeypatch.setattr(JobsClient, "client", property(lambda _self: fake))
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "t")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    job = "jobs/hospitals_on_nodes.yaml"
+    options = ["tracking.enabled=false", "output_dir=/var/tmp/silo_pfl", "--no-wait"]
+    code = main(["submit", job, "ray.placement=any", *options, "--address", "http://h:8265"])
+    err = capsys.readouterr().err
+    assert code == 2 and fake.submitted == [], err
+    assert err.startswith("error: data.paths.cleveland: $SILO_PFL_DATA_DIR/heart.csv names an ")
+    assert err.count("\n") == 1

@@ -162,3 +162,21 @@ def test_the_norm_bound_measures_float_values_not_batchnorms_step_count(job):
         updates[1], round=2, delta={**updates[1].delta, variance: updates[1].delta[variance] - 1e6}
     )
     assert "exceeds aggregation.max_update_norm" in bounded.aggregate(pushed).rejected["silo_8"]
+
+
+def test_a_selected_round_whose_checkpoint_is_gone_gives_the_last_rounds_state_and_says_so(
+    job, tmp_path, caplog
+):
+    """A run resumed from a version that did not keep the selected round's checkpoint: its end
+    keeps the last round's global keys, with a warning, where it failed after every round."""
+    import io
+    import logging
+
+    config = to_dict(job("jobs/heart_disease.yaml", f"output_dir={tmp_path}"))
+    server = new_server(config, (13,), 2)
+    server.checkpoint(0, {})
+    with caplog.at_level(logging.WARNING, logger="silo_pfl.server"):
+        kept = np.load(io.BytesIO(server.state_bytes(3)))
+    assert all(np.array_equal(kept[k], v) for k, v in server.global_state().items())
+    assert "round-000003" in caplog.text
+    assert "the run keeps the last round's global keys instead" in caplog.text

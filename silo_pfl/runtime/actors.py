@@ -96,7 +96,7 @@ class SiloHost:
         """Silo `name`'s `method`; what it returns goes back to the driver. A silo this worker
         no longer holds (it restarted, idle or not, since the silo last answered) is SiloLost."""
         if self.group is None and self.failed is not None:
-            raise self.failed
+            raise self.failed.with_traceback(None)  # a fresh traceback each time, not a longer one
         if self.group is None or name in self.lost:
             raise SiloLost(
                 f"silo {name}: its worker restarted since its last call, and holds it no more"
