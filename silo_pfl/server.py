@@ -131,6 +131,10 @@ class Server:
             update.attempt,
         ):
             raise ValueError(f"update from silo {update.silo}: masked without its signed pairing")
+        if not self._secure().signed(pairing):
+            raise ValueError(
+                f"update from silo {update.silo}: its pairing is not signed by its identity key"
+            )
         if masked.dtype != np.uint64 or masked.shape != self.masked_shape:
             raise ValueError(
                 f"update from silo {update.silo}: masked vector of {masked.dtype} "

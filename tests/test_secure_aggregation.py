@@ -712,3 +712,24 @@ def test_identity_key_errors_name_the_silo_or_the_file(job, tmp_path):
             HEART, "aggregation.secure=true", f"aggregation.identity_keys={keys_file}",
             "silos.va.identity_key=" + text.splitlines()[1].split()[1],
         )  # fmt: skip
+
+
+def test_an_update_whose_pairing_is_not_its_silos_signed_one_is_rejected_alone(job):
+    """A masked vector comes with the signed set of peers it was masked with; one whose pairing
+    was altered is rejected on arrival, as dropped, and the round goes on without it, where the
+    bad signature failed the whole round at the unmask request."""
+    from plain_federation import aggregate
+
+    secure = ("aggregation.secure=true", "round.min_silos=3")
+    silos, server = federation(job, "fedavg", *secure, silos=HOSPITALS)
+    # As where the config lists every silo's identity key (else only the silos check them).
+    server.protocol.trusted = {s.name: identity.public_bytes(s._identity) for s in silos}
+    updates = [update for update, _ in fit_all(silos, server, 1)]
+    forged = dataclasses.replace(
+        updates[0], pairing=dataclasses.replace(updates[0].pairing, peers=("hungarian",))
+    )
+    report = aggregate(silos, server, [forged, *updates[1:]])
+    assert report.rejected == {
+        "cleveland": "update from silo cleveland: its pairing is not signed by its identity key"
+    }
+    assert report.aggregated and report.accepted == ("hungarian", "switzerland", "va")

@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from silo_pfl.errors import FederationError
 from silo_pfl.secure import shamir
 from silo_pfl.secure.agreement import mask_key
-from silo_pfl.secure.client import signed_by, verify
+from silo_pfl.secure.client import pairing_signed, verify
 from silo_pfl.secure.messages import Advertisement, Pairing, Reveal, SealedShares, UnmaskRequest
 from silo_pfl.secure.pairings import PairingError, check_pairings
 from silo_pfl.secure.params import SecureParams
@@ -114,7 +114,7 @@ class SecureAggregator:
         shown = tuple(pairings[name] for name in alive if name in pairings)
         try:
             self.paired = check_pairings(
-                shown, alive, dropped, self.round, self.attempt, self._signed
+                shown, alive, dropped, self.round, self.attempt, self.signed
             )
         except PairingError as exc:
             raise SecureRoundError(f"round {self.round}: {exc}; nothing is aggregated") from None
@@ -143,13 +143,12 @@ class SecureAggregator:
                     f"{owner}'s {what}, {needed} needed; nothing is revealed or aggregated"
                 )
 
-    def _signed(self, pairing: Pairing) -> bool:
+    def signed(self, pairing: Pairing) -> bool:
         """Whether `pairing` is signed by its silo's identity (unchecked where the server holds
         no identity keys: every silo checks it)."""
         if self.trusted is None:
             return True
-        message = pairing.signed_bytes(self.params.federation)
-        return signed_by(self.trusted.get(pairing.silo), pairing.signature, message)
+        return pairing_signed(pairing, self.trusted, self.params.federation)
 
     def _recover(self, reveals: Sequence[Reveal]) -> tuple[dict[str, bytes], dict[str, bytes]]:
         """Each survivor's seed and each dropped silo's mask key, from the revealed shares."""

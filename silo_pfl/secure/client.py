@@ -100,6 +100,12 @@ def signed_by(identity: bytes | None, signature: bytes, message: bytes) -> bool:
     return True
 
 
+def pairing_signed(pairing: Pairing, trusted: Mapping[str, bytes], federation: str) -> bool:
+    """Whether `pairing` is signed by the identity key `trusted` lists for its silo."""
+    message = pairing.signed_bytes(federation)
+    return signed_by(trusted.get(pairing.silo), pairing.signature, message)
+
+
 class SecureClient:
     """One silo's party in secure aggregation."""
 
@@ -142,9 +148,7 @@ class SecureClient:
                 request.dropped,
                 state.round,
                 state.attempt,
-                lambda p: signed_by(
-                    self.trusted.get(p.silo), p.signature, p.signed_bytes(federation)
-                ),
+                lambda p: pairing_signed(p, self.trusted, federation),
             )
         except PairingError as exc:
             raise self._fail(f"{exc}; it reveals nothing") from None
