@@ -164,3 +164,28 @@ def test_a_packed_silo_left_out_by_the_deadline_counts_as_late_in_the_live_metri
     report = RoundReport(1, (), {}, False, "")
     RoundRunner._record_fits(runner, {}, absent, set(), report)
     assert recorded == {"a": "late", "b": "late"}
+
+
+def test_a_secure_runs_answered_fits_are_forgotten_round_by_round(job, ray_local, monkeypatch):
+    """Under secure aggregation every fit is sent ahead; the driver still forgets those that
+    answered, rather than keep a ref to each round's metrics of each silo for the whole run."""
+    from silo_pfl.runtime.rounds import RoundRunner
+
+    held: list[int] = []
+    run = RoundRunner.run
+
+    def counted(self, round_):
+        summary = run(self, round_)
+        held.append(max(len(fits) for fits in self.unanswered.values()))
+        return summary
+
+    monkeypatch.setattr(RoundRunner, "run", counted)
+    cfg = job(
+        "jobs/heart_disease.yaml",
+        "aggregation.secure=true",
+        "rounds=6",
+        "tracking.enabled=false",
+        "train.local_epochs=1",
+    )
+    Federation(cfg).run()
+    assert len(held) == 6 and max(held) <= 2, held

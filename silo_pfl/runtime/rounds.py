@@ -327,7 +327,9 @@ class RoundRunner:
             for n, r in (ahead.refs if ahead else {}).items()
             if n in fitting and n not in rejoined
         }
-        busy = self._busy([n for n in fitting if n not in fit_refs], round_)
+        # Every fitting silo's answered fits are forgotten (under secure aggregation all were
+        # sent ahead); only those not sent one ahead may be found busy.
+        busy = {n: r for n, r in self._busy(list(fitting), round_).items() if n not in fit_refs}
         rest = {n: h for n, h in fitting.items() if n not in fit_refs and n not in busy}
         if rest:
             fit_refs.update(self._fits(rest, round_, attempt, self.inputs, prepared.inbox))
