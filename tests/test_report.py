@@ -404,3 +404,7 @@ def test_the_accuracy_figure_breaks_a_silos_lines_where_it_missed_rounds_and_tit
     FigureCanvasAgg(fig).draw()
     title = fig._suptitle.get_window_extent(fig.canvas.get_renderer())
     assert title.x0 >= 0 and title.x1 <= fig.bbox.x1 and title.y1 <= fig.bbox.y1, title
+    # Beyond 20 rounds too, a point between missed rounds shows: as its dot.
+    long = {"a": _series("a", tuple(range(1, 26))), "b": _series("b", (1, 3, 25))}
+    fig = accuracy_figure(dataclasses.replace(run, rounds=25, silos=long))
+    assert all(line.get_marker() == "." for line in fig.axes[1].lines[:2])

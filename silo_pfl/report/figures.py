@@ -109,12 +109,14 @@ def accuracy_figure(run: RunData) -> MplFigure:
 
     evaluated = sorted({r for silo in run.silos.values() for r in silo.rounds})
     fig, axes = _small_multiples(len(run.silos), 2.8, 1.9)
-    marker = "." if run.rounds <= 20 else None
+    # A dot on every point, small beyond 20 rounds: a point between missed rounds (a line of
+    # one point) shows only as its dot.
+    size = 6.0 if run.rounds <= 20 else 2.0
     for ax, silo in zip(axes, run.silos.values(), strict=True):
         for values, color in ((silo.val_accuracy, VAL_COLOR), (silo.test_accuracy, TEST_COLOR)):
             at = dict(zip(silo.rounds, values, strict=True))
             y = [at.get(r, math.nan) for r in evaluated]
-            ax.plot(evaluated, y, color=color, marker=marker, lw=1.2)
+            ax.plot(evaluated, y, color=color, marker=".", markersize=size, lw=1.2)
         chosen = silo.selected_round
         ax.axvline(chosen, color=OTHER_COLOR, ls=":", lw=1)
         ax.plot([chosen], [silo.selected_test_accuracy], "o", color=TEST_COLOR, mec="black")
