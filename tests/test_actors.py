@@ -36,19 +36,34 @@ def test_round_timeout_must_be_positive(job):
         job("jobs/heart_disease.yaml", "round.timeout_s=0")
 
 
-def test_a_worker_that_cannot_open_its_silos_answers_why_not_that_it_restarted(ray_local, job):
-    """The driver imports tests' plugins (pytest puts tests/ on its path); the silos' workers
-    cannot, as a node without a plugin the driver has. The run ends with the import's error,
+PLUGIN = """
+from silo_pfl.algorithms import register
+from silo_pfl.algorithms.fedavg import FedAvg
+
+
+@register
+class OnTheDriverOnly(FedAvg):
+    name = "on_the_driver_only"
+"""
+
+
+def test_a_worker_that_cannot_open_its_silos_answers_why_not_that_it_restarted(
+    ray_local, job, tmp_path, monkeypatch
+):
+    """A plugin the driver imports (from a directory on its own path) and the silos' workers
+    cannot, as a node without a plugin the driver has: the run ends with the import's error,
     where it said that each silo's worker had restarted."""
     from silo_pfl.errors import ConfigError
     from silo_pfl.federation import Federation
 
+    (tmp_path / "driver_only_plugin.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
     cfg = job(
         "jobs/heart_disease.yaml",
-        "plugins=[fault_plugins]",
-        "algorithm.name=slow_rounds",
+        "plugins=[driver_only_plugin]",
+        "algorithm.name=on_the_driver_only",
         "rounds=1",
         "tracking.enabled=false",
     )
-    with pytest.raises(ConfigError, match=r"^plugins\[0\]: cannot import 'fault_plugins' \("):
+    with pytest.raises(ConfigError, match=r"^plugins\[0\]: cannot import 'driver_only_plugin' \("):
         Federation(cfg).run()

@@ -403,7 +403,11 @@ def test_two_silos_on_one_node_under_per_node_fail_before_training(at_once):
 
 def test_the_data_path_exists_only_on_the_silos_own_node(ray_local, tmp_path):
     """Off the silo's node (here: the session's local Ray, no $SILO_PFL_DATA_DIR) the file cannot
-    be found."""
+    be found. A run that joins a cluster with its silos left to any node is refused at load; a
+    silo that runs where the variable is unset says so, naming it."""
+    from silo_pfl.data.csv_source import node_path
+    from silo_pfl.errors import DataError
+
     assert "SILO_PFL_DATA_DIR" not in os.environ  # nor in the local Ray's workers, then
     env = {k: v for k, v in joining_env().items() if k != "SILO_PFL_DATA_DIR"}
     done = _cli(
@@ -415,8 +419,13 @@ def test_the_data_path_exists_only_on_the_silos_own_node(ray_local, tmp_path):
         "tracking.enabled=false",
         f"output_dir={tmp_path}",
     )
-    assert done.returncode == 1
+    assert done.returncode == 2
     line = done.stderr.strip().splitlines()[-1]
-    assert "silo cleveland" in line or "silo hungarian" in line, line
-    assert "SILO_PFL_DATA_DIR is not set on the node the silo ran on; set it where its" in line
-    assert "(ray.placement=per_node, or silos." in line, line
+    assert line.startswith("error: data.paths.cleveland: $SILO_PFL_DATA_DIR/heart.csv names"), line
+    assert line.endswith("pin it: ray.placement=per_node, or silos.cleveland.node_label"), line
+    with pytest.raises(DataError) as unset:
+        node_path("cleveland", "$SILO_PFL_DATA_DIR/heart.csv")
+    assert "SILO_PFL_DATA_DIR is not set on the node the silo ran on; set it where its" in str(
+        unset.value
+    )
+    assert "(ray.placement=per_node, or silos.cleveland.node_label)" in str(unset.value)
