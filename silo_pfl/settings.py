@@ -337,8 +337,8 @@ def _check_secure(cfg: FederationConfig, names: list[str]) -> None:
 
 def _check_graph(neighbors: int, silos: int, threshold: int) -> None:
     """Warn of a SecAgg+ graph that is not what its k says: a full mesh (k raised to an even
-    degree, or k >= N - 1), or one whose secrets need every holder, so that any silo dropping
-    fails the round."""
+    degree, or k >= N - 1), or one whose secrets need every holder (or so many of them that fewer
+    silos dropping than the threshold tolerates fail the round)."""
     from silo_pfl.secure.topology import degree, share_threshold
 
     key = f"aggregation.secure_graph.neighbors={neighbors}"
@@ -365,7 +365,8 @@ def _check_graph(neighbors: int, silos: int, threshold: int) -> None:
             peers,
         )
     holders = peers + 1
-    tolerated = holders - share_threshold(holders, threshold, silos)
+    needed = share_threshold(holders, threshold, silos)
+    tolerated = holders - needed
     if tolerated == 0:
         log.warning(
             "%s: each silo's secrets are shared among its %d holders (itself and its peers) and "
@@ -373,6 +374,18 @@ def _check_graph(neighbors: int, silos: int, threshold: int) -> None:
             "dropouts",
             key,
             holders,
+        )
+    elif tolerated < silos - threshold:
+        log.warning(
+            "%s: each silo's secrets need %d of its %d holders (itself and its peers), so %d of "
+            "one silo's peers lost after sharing keys fail the round, where "
+            "aggregation.secure_threshold=%d tolerates %d lost; a larger k tolerates more",
+            key,
+            needed,
+            holders,
+            tolerated + 1,
+            threshold,
+            silos - threshold,
         )
 
 

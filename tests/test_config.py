@@ -359,33 +359,53 @@ def test_a_secagg_graph_as_large_as_the_full_mesh_is_named(caplog):
 
 
 @pytest.mark.parametrize(
-    ("overrides", "line"),
+    ("overrides", "lines"),
     [
         (
             ["data.num_silos=5", "aggregation.secure_graph.neighbors=3"],
-            "aggregation.secure_graph.neighbors=3 (raised to 4: 3 and 5 are both odd): with 5 "
-            "silos each silo pairs with every other, a full mesh as with null; SecAgg+ saves only "
-            "with fewer than 3",
+            [
+                "aggregation.secure_graph.neighbors=3 (raised to 4: 3 and 5 are both odd): with 5 "
+                "silos each silo pairs with every other, a full mesh as with null; SecAgg+ saves "
+                "only with fewer than 3"
+            ],
         ),
         (
             ["data.num_silos=7", "aggregation.secure_graph.neighbors=3"],
-            "aggregation.secure_graph.neighbors=3: no 3-regular graph of 7 silos exists, so each "
-            "silo pairs with 4",
+            [
+                "aggregation.secure_graph.neighbors=3: no 3-regular graph of 7 silos exists, so "
+                "each silo pairs with 4",
+                "aggregation.secure_graph.neighbors=3: each silo's secrets need 4 of its 5 "
+                "holders (itself and its peers), so 2 of one silo's peers lost after sharing keys "
+                "fail the round, where aggregation.secure_threshold=5 tolerates 2 lost; a larger "
+                "k tolerates more",
+            ],
         ),
         (
             ["data.num_silos=10", "aggregation.secure_graph.neighbors=2"],
-            "aggregation.secure_graph.neighbors=2: each silo's secrets are shared among its 3 "
-            "holders (itself and its peers) and need all of them, so any silo that drops fails "
-            "the round; a larger k tolerates dropouts",
+            [
+                "aggregation.secure_graph.neighbors=2: each silo's secrets are shared among its 3 "
+                "holders (itself and its peers) and need all of them, so any silo that drops "
+                "fails the round; a larger k tolerates dropouts"
+            ],
+        ),
+        (
+            ["data.num_silos=10", "aggregation.secure_graph.neighbors=5"],
+            [
+                "aggregation.secure_graph.neighbors=5: each silo's secrets need 5 of its 6 "
+                "holders (itself and its peers), so 2 of one silo's peers lost after sharing keys "
+                "fail the round, where aggregation.secure_threshold=7 tolerates 3 lost; a larger "
+                "k tolerates more"
+            ],
         ),
     ],
 )
-def test_a_secagg_graph_other_than_its_k_says_is_named(caplog, overrides, line):
-    """k and N both odd raise the degree (at 5 silos, to a full mesh); with 4 silos and k = 2,
-    every secret needs its 3 holders, so the threshold's promise of one dropout would fail."""
+def test_a_secagg_graph_other_than_its_k_says_is_named(caplog, overrides, lines):
+    """k and N both odd raise the degree (at 5 silos, to a full mesh); with 10 silos and k = 2,
+    every secret needs its 3 holders; with k = 5 (and 7 silos with k = 3), two of one silo's
+    peers lost fail the round, fewer than the threshold's promise."""
     with caplog.at_level("WARNING", logger="silo_pfl.settings"):
         load_config("jobs/digits_label_skew.yaml", ["aggregation.secure=true", *overrides])
-    assert [r.getMessage() for r in caplog.records if "secure_graph" in r.getMessage()] == [line]
+    assert [r.getMessage() for r in caplog.records if "secure_graph" in r.getMessage()] == lines
 
 
 def test_a_loaded_config_handed_to_the_python_api_warns_once(caplog):
