@@ -162,6 +162,35 @@ def test_a_driver_that_shrinks_the_peer_set_is_caught():
         clients["s00"].share_keys(adverts[:2])
 
 
+def _masked_round(
+    count: int,
+    k: int,
+    left_out: frozenset[str] = frozenset(),
+    part: set[str] | None = None,
+    lost: frozenset[str] = frozenset(),
+):
+    """A SecAgg+ round to its masked input: the coordinator relays no key of `left_out`, and
+    delivers each silo only the shares of silos on its side of `part` (None: all of them); the
+    silos of `lost` share keys and are lost before masking; every other silo masks (with
+    `_payloads` and `_weights`). Returns the parameters, the clients, the server and the
+    maskers."""
+    params, clients, server = protocol_federation(count, neighbors=k)
+    names = sorted(clients)
+    enrolled = [n for n in names if n not in left_out]
+    payloads, weights = _payloads(clients), _weights(clients)
+    adverts = [clients[n].advertise(1, 1) for n in names]
+    relayed = [a for a in adverts if a.silo in enrolled]
+    server.enroll(1, 1, relayed)
+    inbox = server.route([clients[n].share_keys(relayed) for n in enrolled])
+    if part is not None:
+        side = {n: part if n in part else set(names) - part for n in names}
+        inbox = {n: {s: c for s, c in box.items() if s in side[n]} for n, box in inbox.items()}
+    maskers = [n for n in enrolled if n not in lost]
+    for name in maskers:
+        clients[name].mask(payloads[name], weights[name], 1, 1, inbox[name])
+    return params, clients, server, maskers
+
+
 def test_a_driver_that_shows_silos_different_survivor_sets_unmasks_nothing_of_one_silo():
     """SecAgg+ (N = 10, k = 3, t = 7): to strip silo B's masks a coordinator needs B's
     self-mask seed from B's holders, its neighbours, told that B survived, and the neighbours'
@@ -169,14 +198,7 @@ def test_a_driver_that_shows_silos_different_survivor_sets_unmasks_nothing_of_on
     survived and the other silos one in which the neighbours dropped. The others refuse theirs:
     B, cut off from every other survivor, would be unmasked alone. Each neighbour signs the one
     request it is shown, which gathers one signature: no one reveals anything of B."""
-    params, clients, server = protocol_federation(10, neighbors=3)
-    names = list(clients)
-    payloads, weights = _payloads(clients), _weights(clients)
-    adverts = [c.advertise(1, 1) for c in clients.values()]
-    server.enroll(1, 1, adverts)
-    inbox = server.route([clients[n].share_keys(adverts) for n in names])
-    for name in names:
-        clients[name].mask(payloads[name], weights[name], 1, 1, inbox[name])
+    params, clients, server, names = _masked_round(10, 3)
     plan, victim = server.topology, names[0]
     neighbours = set(plan.peers[victim])
     shown = {}
@@ -197,26 +219,6 @@ def test_a_driver_that_shows_silos_different_survivor_sets_unmasks_nothing_of_on
             clients[name].unmask(request)
 
 
-def _split_round(count: int, k: int, left_out: set[str], part: set[str] | None):
-    """A SecAgg+ round whose coordinator relays no key of `left_out`, and delivers each silo
-    only the shares of silos on its side of `part` (None: all of them); every other silo
-    masks. Returns the clients, the server and the maskers."""
-    _, clients, server = protocol_federation(count, neighbors=k)
-    names = sorted(clients)
-    enrolled = [n for n in names if n not in left_out]
-    payloads, weights = _payloads(clients), _weights(clients)
-    adverts = [clients[n].advertise(1, 1) for n in names]
-    relayed = [a for a in adverts if a.silo in enrolled]
-    server.enroll(1, 1, relayed)
-    inbox = server.route([clients[n].share_keys(relayed) for n in enrolled])
-    if part is not None:
-        side = {n: part if n in part else set(names) - part for n in names}
-        inbox = {n: {s: c for s, c in box.items() if s in side[n]} for n, box in inbox.items()}
-    for name in enrolled:
-        clients[name].mask(payloads[name], weights[name], 1, 1, inbox[name])
-    return clients, server, enrolled
-
-
 @pytest.mark.parametrize(
     ("count", "k", "left_out", "part"),
     [
@@ -232,7 +234,7 @@ def test_survivors_whose_masks_split_them_into_parts_are_unmasked_by_no_one(
     that withholds the shares between two halves, can split the survivors into parts whose
     masks cancel within each: each part's sum would be unmasked on its own. Every survivor
     signs the peers it masked with; the server will not ask, and no silo confirms."""
-    clients, server, survivors = _split_round(count, k, left_out, part)
+    _, clients, server, survivors = _masked_round(count, k, frozenset(left_out), part)
     with pytest.raises(SecureRoundError, match=r"masks split them into parts \(.* apart from"):
         server.unmask_request(survivors, pairings(clients, survivors))
     request = unmask_request(clients, survivors)
@@ -246,15 +248,8 @@ def test_a_round_whose_survivors_cannot_rebuild_a_seed_fails_before_anyone_revea
     after sharing their keys, before masking: a survivor's seed has 4 holders left among the
     survivors. The server sees it in the signed pairings and asks for no reveal, so the round's
     next attempt, with fresh keys, still has every silo (one that revealed would refuse it)."""
-    _, clients, server = protocol_federation(10, neighbors=5)
-    names = sorted(clients)
-    payloads, weights = _payloads(clients), _weights(clients)
-    adverts = [c.advertise(1, 1) for c in clients.values()]
-    server.enroll(1, 1, adverts)
-    inbox = server.route([clients[n].share_keys(adverts) for n in names])
-    alive = names[2:]
-    for name in alive:
-        clients[name].mask(payloads[name], weights[name], 1, 1, inbox[name])
+    _, clients, server, alive = _masked_round(10, 5, lost=frozenset({"s00", "s01"}))
+    names, payloads, weights = sorted(clients), _payloads(clients), _weights(clients)
     with pytest.raises(SecureRoundError, match=r"4 survivors hold shares of silo s\d+'s self-mask"):
         server.unmask_request(alive, pairings(clients, alive))
     total, _ = run_round(clients, server, payloads, weights, attempt=2)
