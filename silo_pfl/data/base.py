@@ -36,8 +36,10 @@ def fit_preprocessing(
     names: tuple[str, ...], features: np.ndarray, ddof: int = 0, where: str = ""
 ) -> Preprocessing:
     """Mean and std (with `ddof`) of a silo's training rows; a constant feature, or too few rows
-    for a std, keeps std 1. A column whose values are too large for them to be finite in float64
-    is a DataError naming it (`where`: the silo and its file), never a value."""
+    for a std, keeps std 1. A constant feature is one whose rows are all equal (its float std
+    may be 4e-17 rather than 0): its mean is that value, so its training rows become exactly 0.
+    A column whose values are too large for them to be finite in float64 is a DataError naming
+    it (`where`: the silo and its file), never a value."""
     with np.errstate(over="ignore", invalid="ignore"):
         mean = features.mean(axis=0)
         std = (
@@ -50,6 +52,10 @@ def fit_preprocessing(
             f"{where or 'data'}: column {column!r}: its values are too large to standardise (their "
             "mean and spread overflow float64); rescale the column, e.g. to other units"
         )
+    if len(features):
+        constant = features.max(axis=0) == features.min(axis=0)
+        mean = np.where(constant, features[0], mean)
+        std = np.where(constant, 0.0, std)
     return Preprocessing(
         feature_names=names,
         mean=tuple(float(v) for v in mean),

@@ -126,11 +126,13 @@ class _Table:
             raise self.error("is empty; expected a header row, then one row per example")
         duplicates = sorted({name for name in header if header.count(name) > 1})
         if duplicates:
-            raise self.error(f"repeats column name(s) {', '.join(duplicates)} in its header")
+            raise self.error(
+                f"repeats column name(s) {', '.join(map(repr, duplicates))} in its header"
+            )
         if self.label_column not in header:
             raise self.error(
                 f"has no label column {self.label_column!r} (data.label_column); columns found: "
-                f"{', '.join(header)}"
+                f"{', '.join(map(repr, header))}"
             )
         if len(header) < 2:
             raise self.error(f"has only the label column {self.label_column!r}, no features")

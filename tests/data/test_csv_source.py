@@ -127,6 +127,26 @@ def test_constant_feature_keeps_unit_std(tmp_path):
     assert np.all(data.x_train == 0.0)
 
 
+def test_a_constant_decimal_feature_is_constant_and_a_new_value_stays_finite(tmp_path):
+    lines = ["dose,age,label"] + [f"0.1,{30 + i},{i % 2}" for i in range(40)]
+    path = write(tmp_path / "d.csv", "\n".join(lines) + "\n")
+    data = csv_source.load(config({"d": path}, num_classes=2), "d", seed=0)
+    assert data.preprocessing.std[0] == 1.0
+    assert np.all(data.x_train[:, 0] == 0.0)
+    served = data.preprocessing.apply(np.array([[0.2, 40.0]]))
+    assert abs(served[0, 0] - 0.1) < 1e-6
+
+
+def test_header_names_with_line_breaks_stay_on_one_line(tmp_path):
+    header = '"Blood pressure\n(mmHg)",age'
+    for text in (
+        f"{header},Outcome\n1,2,0\n",
+        f'{header},"Blood pressure\n(mmHg)",label\n1,2,3,0\n',
+    ):
+        message = load_error(tmp_path, text)
+        assert "\n" not in message and "Blood pressure" in message
+
+
 def test_two_rows_are_enough(tmp_path):
     path = write(tmp_path / "t.csv", "f,label\n1,0\n2,1\n")
     data = csv_source.load(config({"t": path}), "t", seed=0)
@@ -139,7 +159,7 @@ def test_missing_file(tmp_path):
 
 def test_missing_label_column_lists_columns(tmp_path):
     message = load_error(tmp_path, "a,b,target\n1,2,0\n3,4,1\n")
-    assert "'label'" in message and "columns found: a, b, target" in message
+    assert "'label'" in message and "columns found: 'a', 'b', 'target'" in message
 
 
 def test_non_numeric_value_names_column_and_row(tmp_path):
