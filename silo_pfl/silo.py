@@ -186,9 +186,14 @@ class Silo:
             num_classes=data.num_classes,
             identity_key=identity.public_bytes(self._identity) if self._identity else b"",
             pid=os.getpid(),
-            label_counts=() if self.cfg.aggregation.secure else label_counts(data),
+            label_counts=label_counts(data) if self._counts_leave() else (),
             columns=columns_digest(data.raw_columns),
         )
+
+    def _counts_leave(self) -> bool:
+        """Whether this silo's training rows per class go to the central store (`partition.json`):
+        only under privacy.central_models=full, and never under aggregation.secure."""
+        return self.cfg.privacy.central_models == "full" and not self.cfg.aggregation.secure
 
     def build(
         self,

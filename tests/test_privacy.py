@@ -103,3 +103,21 @@ def test_server_refuses_an_update_with_a_local_key(job):
     report = server.aggregate(SiloUpdate("hungarian", 1, update.num_examples, leaked))
     assert "silo hungarian: unexpected keys ['head.weight']" in report.rejected["hungarian"]
     assert not report.aggregated and server.round == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "counted"),
+    [
+        ((), True),
+        (("privacy.central_models=global_only",), False),
+        (("privacy.central_models=none",), False),
+        (("aggregation.secure=true",), False),
+    ],
+    ids=["full", "global_only", "none", "secure"],
+)
+def test_a_silo_counts_its_rows_per_class_only_for_a_central_store_that_keeps_them(
+    job, options, counted
+):
+    silo = Silo(to_dict(job("jobs/heart_disease.yaml", *options)), "va")
+    counts = silo.setup().label_counts
+    assert (sum(counts) == len(silo.data.y_train)) if counted else counts == ()
