@@ -12,6 +12,7 @@ import importlib
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from silo_pfl.config import (
 from silo_pfl.data import all_silo_names, data_config, known_input_shape, silo_names
 from silo_pfl.errors import ConfigError, scrub, typed_line
 from silo_pfl.models import build_model, check_adapters, check_hidden
+from silo_pfl.node_env import names_variables
 from silo_pfl.server_optimizers import resolve_server_optimizer
 from silo_pfl.split import compute_split, parse_rules
 from silo_pfl.training import has_batchnorm
@@ -276,8 +278,6 @@ def check_node_variables(cfg: FederationConfig, on_cluster: bool) -> None:
     its own environment, must be pinned to its node: Ray could run it on another institution's
     node, whose variable names that node's file. `on_cluster`: the run joins one (ray.address,
     RAY_ADDRESS; a submitted job's always does)."""
-    from silo_pfl.node_env import names_variables
-
     if not on_cluster:
         return
     paths = getattr(cfg.data, "paths", None) or {}
@@ -296,6 +296,26 @@ def check_node_variables(cfg: FederationConfig, on_cluster: bool) -> None:
                 "(ray.placement=any), where it would read that node's; pin it: "
                 f"ray.placement=per_node, or silos.{silo}.node_label"
             )
+
+
+def check_files_apart(cfg: FederationConfig, on_cluster: bool) -> None:
+    """On one machine, two silos may not read one file: each would split the same rows its own
+    way, so one silo's test rows would be another's training rows. On a cluster one path may
+    name each node's own file, and so may a path with $VARS, so neither is checked."""
+    paths = getattr(cfg.data, "paths", None) or {}
+    if on_cluster:
+        return
+    seen: dict[Path, str] = {}
+    for silo, path in paths.items():
+        if names_variables(str(path)):
+            continue
+        where = Path(os.path.expanduser(str(path))).resolve()
+        if where in seen:
+            raise ConfigError(
+                f"data.paths.{silo}: names the file of silo {seen[where]} ({where}); each silo "
+                "reads a file of its own rows, or rows would be in two silos"
+            )
+        seen[where] = str(silo)
 
 
 def _check_secure(cfg: FederationConfig, names: list[str]) -> None:
@@ -393,7 +413,6 @@ def _check_silos(cfg: FederationConfig) -> None:
     """Every silo's name must be fit for paths (config.check_name); silos.<name> must name a silo
     of this federation; store URIs must be usable; secure aggregation's settings must fit its
     silos."""
-    from silo_pfl.node_env import names_variables
     from silo_pfl.tracking.uri import check_uri, resolve_uri
 
     given = getattr(cfg.data, "paths", None) or {}
@@ -421,5 +440,7 @@ def _check_silos(cfg: FederationConfig) -> None:
         check_node_label(settings.node_label, f"silos.{silo}.node_label")
     check_node_label(cfg.server.node_label, "server.node_label")
     _check_nodes_apart(cfg, every)
-    check_node_variables(cfg, ray_address(cfg.ray.address) is not None)
+    on_cluster = ray_address(cfg.ray.address) is not None
+    check_node_variables(cfg, on_cluster)
+    check_files_apart(cfg, on_cluster)
     cfg.tracking.uri = resolve_uri(cfg.tracking.uri, "tracking.uri")

@@ -79,6 +79,24 @@ def test_a_csv_silo_name_that_is_no_plain_path_component_is_refused(tmp_path):
     assert refused(job=job).startswith("data.paths: got silo name '../evil', expected 1 to 63")
 
 
+def test_two_silos_reading_one_file_on_one_machine_are_refused(tmp_path, monkeypatch):
+    """Each silo splits its file its own way: one file for two silos puts one silo's test rows
+    in the other's training rows. On a cluster one path names each node's own file."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "name: csv_twice\nrounds: 1\nmodel: {name: mlp}\nalgorithm: {name: fedavg}\n"
+        "data:\n  source: csv\n  num_classes: 2\n  paths:\n"
+        f"    a: {tmp_path / 'x.csv'}\n    b: {tmp_path / 'y.csv'}\n"
+        f"    c: {tmp_path / 'sub' / '..' / 'x.csv'}\n"
+    )
+    assert refused(job=job) == (
+        f"data.paths.c: names the file of silo a ({tmp_path / 'x.csv'}); each silo reads a file "
+        "of its own rows, or rows would be in two silos"
+    )
+    load_config(job, [*QUIET, "ray.address=10.0.0.1:6379", "ray.placement=per_node"])
+
+
 # 2. MLflow's file store no longer opens: a file: URI is refused at load.
 
 
