@@ -33,6 +33,7 @@ from silo_pfl.config import (
     to_dict,
     written_keys,
 )
+from silo_pfl.config_views import HIDDEN
 from silo_pfl.data import all_silo_names, data_config, known_input_shape, silo_names
 from silo_pfl.errors import ConfigError, scrub, typed_line
 from silo_pfl.models import build_model, check_adapters, check_hidden
@@ -307,7 +308,7 @@ def check_files_apart(cfg: FederationConfig, on_cluster: bool) -> None:
         return
     seen: dict[Path, str] = {}
     for silo, path in paths.items():
-        if names_variables(str(path)):
+        if names_variables(str(path)) or path == HIDDEN:  # HIDDEN: another silo's, in its view
             continue
         where = Path(os.path.expanduser(str(path))).resolve()
         if where in seen:
