@@ -80,7 +80,8 @@ def _job(root: Path, paths: dict[str, Path]) -> Path:
 
 
 def _patterns(markers: bool = True) -> dict[str, list[bytes]]:
-    """Each canary's byte forms: its text, and runs of it as float64, float32 and float16."""
+    """Each canary's byte forms: its text, runs of it as float64, float32 and float16, and a
+    local tensor's value alone (a float64 either way round, a float32)."""
     found: dict[str, list[bytes]] = {
         "secret": [PASSWORD.encode()],
         "beta's data path": [BETA_PATH.encode()],
@@ -99,6 +100,8 @@ def _patterns(markers: bool = True) -> dict[str, list[bytes]]:
             found["a local tensor"].append(repr(value).encode())
             for dtype in (np.float64, np.float32, np.float16):
                 found["a local tensor"].append(np.full(4, value, dtype=dtype).tobytes())
+            for dtype in ("<f8", ">f8", "<f4"):  # one value: a number, as pickle writes it
+                found["a local tensor"].append(np.array(value, dtype=dtype).tobytes())
     return found
 
 

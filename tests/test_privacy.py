@@ -17,7 +17,8 @@ from silo_pfl.silo import Silo
 
 
 def _arrays_and_keys(value, keys: set[str], arrays: list[np.ndarray]) -> None:
-    """Collect every dict key and every array reachable from a returned value."""
+    """Collect every dict key, and every array and float (as an array), reachable from a
+    returned value."""
     if dataclasses.is_dataclass(value):
         value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     if isinstance(value, dict):
@@ -27,7 +28,7 @@ def _arrays_and_keys(value, keys: set[str], arrays: list[np.ndarray]) -> None:
     elif isinstance(value, (list, tuple)):
         for v in value:
             _arrays_and_keys(v, keys, arrays)
-    elif isinstance(value, (np.ndarray, torch.Tensor)):
+    elif isinstance(value, (np.ndarray, torch.Tensor, float, np.floating)):
         arrays.append(np.asarray(value))
 
 
@@ -89,6 +90,18 @@ def test_nothing_a_silo_hands_out_holds_a_local_key(job, algorithm, model, sourc
     for array in arrays:
         for value in local_values:
             assert array.shape != value.shape or not np.array_equal(array, value)
+    assert not _shared_values(arrays, local_values), "a local value left as a number or a part"
+
+
+def _shared_values(arrays: list[np.ndarray], local: list[np.ndarray]) -> list[float]:
+    """The values of the local tensors (other than whole numbers, such as a BatchNorm weight's
+    initial 1 or a step count) found anywhere in the float arrays and numbers handed out."""
+    floats = [a.ravel().astype(np.float64) for a in local if a.dtype.kind == "f"]
+    values = np.unique(np.concatenate(floats)) if floats else np.empty(0)
+    values = values[values != np.round(values)]
+    out = [a.ravel().astype(np.float64) for a in arrays if a.dtype.kind == "f"]
+    handed = np.concatenate(out) if out else np.empty(0)
+    return sorted(set(handed[np.isin(handed, values)].tolist()))
 
 
 def test_server_refuses_an_update_with_a_local_key(job):
