@@ -103,6 +103,20 @@ class RoundReport:
     unmask: Any = None
     secure_seconds: float = 0.0  # unmasking, summing and decoding the masked updates
 
+    def verdict(self) -> Verdict:
+        """What the silos are told of the round: not the other silos' reasons (a rejected
+        update's norm, say), which stay with the driver."""
+        return Verdict(self.round, self.aggregated, self.accepted)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A round's report as the silos see it: whether it was aggregated, and whose updates."""
+
+    round: int
+    aggregated: bool
+    accepted: tuple[str, ...]
+
 
 @dataclass(frozen=True)
 class EvalMetrics:

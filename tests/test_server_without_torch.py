@@ -23,7 +23,7 @@ config, start, updates = pickle.load(sys.stdin.buffer)
 host = ServerHost()
 host.open(config, "no-torch")
 host.build(start)
-report, state, _ = host.aggregate([(0, i) for i in range(len(updates))], updates)
+report, _, state, _ = host.aggregate([(0, i) for i in range(len(updates))], updates)
 assert report.aggregated, report
 host.checkpoint(1, {"summary": None, "selector": {}})
 again = ServerHost()

@@ -20,7 +20,7 @@ from silo_pfl import durable
 from silo_pfl.config import FederationConfig
 from silo_pfl.config_views import actor_view
 from silo_pfl.errors import FederationError, SiloLost, SiloPflError, scrub, typed_line
-from silo_pfl.messages import CallFailed, RoundReport
+from silo_pfl.messages import CallFailed, Verdict
 from silo_pfl.runtime import host_pool, huge_pages
 from silo_pfl.runtime.metrics import SiloMetrics
 from silo_pfl.runtime.placement import actor_options, server_selector, silo_selector
@@ -113,7 +113,7 @@ class SiloHost:
 
     def many(
         self,
-        report: RoundReport | None,
+        report: Verdict | None,
         accepted_only: bool,
         method: str,
         names: Sequence[str],
@@ -150,7 +150,7 @@ class SiloHost:
             return CallFailed(typed_line(exc), lost=isinstance(exc, SiloLost))
 
 
-def _stopped(report: RoundReport | None, accepted_only: bool, name: str) -> str:
+def _stopped(report: Verdict | None, accepted_only: bool, name: str) -> str:
     """Why `report` stops silo `name`'s call sent before it ('' if it does not)."""
     if report is not None and not report.aggregated:
         return f"round {report.round} was not aggregated"

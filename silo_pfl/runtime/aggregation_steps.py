@@ -59,13 +59,15 @@ class PlainSteps:
         self, live: dict[str, Any], updates: list[Any], round_: int, then: Then = None
     ) -> Aggregated:
         """The server's sum of `updates` (`Shared` items of the workers' lists of updates, each
-        list sent once). `then(report, inputs)` is called with the refs of the report, the new
-        global keys and broadcast as soon as they exist, before the report is awaited, so that
-        the next steps reach the silos without waiting for the driver."""
+        list sent once). `then(verdict, inputs)` is called with the refs of the report's verdict
+        (`RoundReport.verdict`), the new global keys and broadcast as soon as they exist, before
+        the report is awaited, so that the next steps reach the silos without waiting for the
+        driver."""
         picks, lists = picked(updates)
-        report_ref, *inputs = self.server.aggregate.options(num_returns=3).remote(picks, *lists)
+        call = self.server.aggregate.options(num_returns=4)
+        report_ref, verdict, *inputs = call.remote(picks, *lists)
         if then is not None:
-            then(report_ref, (inputs[0], inputs[1]))
+            then(verdict, (inputs[0], inputs[1]))
         report = get(report_ref, f"round {round_}: aggregation", self.timeout, key=ROUND_TIMEOUT)
         return Aggregated(report, (inputs[0], inputs[1]))
 
@@ -110,7 +112,7 @@ class SecureSteps(PlainSteps):
         request = first.report.unmask
         if request is None:
             if then is not None:
-                then(first.report, first.inputs)
+                then(first.report.verdict(), first.inputs)
             return first
         survivors = {n: live[n] for n in request.survivors}
         refs = call_many(survivors, "confirm", request)
@@ -122,8 +124,9 @@ class SecureSteps(PlainSteps):
         died |= gone
         for name, reason in sorted(absent.items()):
             log.warning("round %d: silo %s revealed no shares: %s", round_, name, reason)
-        report_ref, *inputs = self.server.unmask.options(num_returns=3).remote(*reveals.values())
+        call = self.server.unmask.options(num_returns=4)
+        report_ref, verdict, *inputs = call.remote(*reveals.values())
         if then is not None:
-            then(report_ref, (inputs[0], inputs[1]))
+            then(verdict, (inputs[0], inputs[1]))
         report = get(report_ref, f"round {round_}: unmasking", self.timeout, key=ROUND_TIMEOUT)
         return Aggregated(report, (inputs[0], inputs[1]), died)

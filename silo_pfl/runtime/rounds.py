@@ -358,7 +358,7 @@ class RoundRunner:
 
         evaluating = evaluated(round_, self.cfg.rounds, self.cfg.eval.every)
 
-        def then(report: Any, inputs: tuple[Any, Any]) -> None:  # before the report is read
+        def then(verdict: Any, inputs: tuple[Any, Any]) -> None:  # before the report is read
             selected = {n: self.parties[n].selected for n in sent}
             commit = ("evaluate_and_commit", inputs[0]) if evaluating else ("commit_unevaluated",)
             eval_refs.update(
@@ -367,11 +367,11 @@ class RoundRunner:
                     *commit,
                     round_,
                     per_silo=selected,
-                    after=report,
+                    after=verdict,
                     accepted_only=True,
                 )
             )
-            self._send_ahead(going_on, round_ + 1, inputs, report)
+            self._send_ahead(going_on, round_ + 1, inputs, verdict)
 
         updates = [fit_refs[n][0] for n in sent]
         aggregated = self.steps.aggregate(live, updates, round_, then if sent else None)
@@ -408,16 +408,16 @@ class RoundRunner:
         return summary
 
     def _send_ahead(
-        self, alive: dict[str, Any], round_: int, inputs: tuple[Any, Any], report: Any
+        self, alive: dict[str, Any], round_: int, inputs: tuple[Any, Any], verdict: Any
     ) -> None:
         """Send `round_`'s first fits now, on the global keys and broadcast `inputs`, to the
         silos `alive`, if the fit needs nothing prepared and the run has that round. They run if
-        `report` (the previous round's, or its ref) says it was aggregated."""
+        `verdict` (the previous round's report's `Verdict`, or its ref) says it was aggregated."""
         if not self.steps.fits_alone or round_ > self.cfg.rounds:
             return
         busy = self._busy(list(alive), round_)
         free = {n: h for n, h in alive.items() if n not in busy}
-        self.ahead = Ahead(round_, self._fits(free, round_, 1, inputs, after=report))
+        self.ahead = Ahead(round_, self._fits(free, round_, 1, inputs, after=verdict))
 
     def _prepare_ahead(self, alive: dict[str, Any], round_: int, inputs: tuple[Any, Any]) -> None:
         """Where a fit needs its steps prepared (secure aggregation's keys and shares): once the

@@ -9,7 +9,7 @@ from typing import Any
 
 import ray
 
-from silo_pfl.messages import RoundReport, SiloUpdate
+from silo_pfl.messages import RoundReport, SiloUpdate, Verdict
 from silo_pfl.runtime import huge_pages
 from silo_pfl.runtime.metrics import ServerMetrics
 from silo_pfl.secure.aggregator import SecureRoundError
@@ -58,21 +58,21 @@ class ServerHost:
 
     def aggregate(
         self, picks: Sequence[tuple[int, int]], *lists: Sequence[SiloUpdate]
-    ) -> tuple[RoundReport, Any, Any]:
+    ) -> tuple[RoundReport, Verdict, Any, Any]:
         """The round's report on the updates `picks` names (item i of list a, for each (a, i):
-        a worker's silos' updates come as one list, `actors.picked`), and what the next step
-        reads (call with num_returns=3): the global keys and the strategy's broadcast as they
-        now are, aggregated or not."""
+        a worker's silos' updates come as one list, `actors.picked`), and what the next steps
+        read (call with num_returns=4): the report's verdict, which the silos are given, and the
+        global keys and the strategy's broadcast as they now are, aggregated or not."""
         return self._reported(self.server.aggregate(*(lists[a][i] for a, i in picks)))
 
-    def unmask(self, *reveals: Reveal) -> tuple[RoundReport, Any, Any]:
+    def unmask(self, *reveals: Reveal) -> tuple[RoundReport, Verdict, Any, Any]:
         """Secure aggregation's last step; returns like `aggregate`."""
         return self._reported(self.server.unmask(*reveals))
 
-    def _reported(self, report: RoundReport) -> tuple[RoundReport, Any, Any]:
+    def _reported(self, report: RoundReport) -> tuple[RoundReport, Verdict, Any, Any]:
         if self.metrics is not None and report.unmask is None:
             self.metrics.aggregated(report)
-        return report, self.server.global_state(), self.server.broadcast()
+        return report, report.verdict(), self.server.global_state(), self.server.broadcast()
 
     def enroll(self, round_: int, attempt: int, adverts: list[Advertisement]) -> str:
         """Secure aggregation, step 1; '' or why the attempt cannot go on."""
