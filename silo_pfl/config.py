@@ -178,7 +178,7 @@ class PrivacyConfig:
     # included) is registered there, unless silos.<name>.tracking_uri names the silo's own store;
     # global_only: only the global layers (the run's global_model artifact); each silo's model
     # goes to its own store, or stays in its directory on its node (silo-pfl models --local);
-    # none: no model and no per-silo statistic; the central run keeps params and metrics.
+    # none: no model; the central run keeps params and metrics (per silo too).
     central_models: str = "full"
 
 

@@ -27,7 +27,7 @@ class SiloInfo:
     identity_key: bytes = b""  # its public Ed25519 identity, only under aggregation.secure
     pid: int = 0  # the silo's process, for operators (and fault tests)
     # Its training rows per class (counts only, for the run report's partition figure); empty
-    # under aggregation.secure, where no per-silo statistic leaves the silo.
+    # unless privacy.central_models=full keeps them, and under aggregation.secure.
     label_counts: tuple[int, ...] = ()
     columns: str = ""  # SHA-256 of its raw columns' names, in order (`columns_digest`)
 

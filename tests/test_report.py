@@ -189,7 +189,7 @@ def test_secure_aggregation_reports_no_label_counts(runs, tmp_path):
     assert main(report(runs, run_id, out)) == 0
     page = (out / "report.html").read_text()
     assert not (out / "partition.png").exists() and "partition.png" not in page
-    assert "under secure aggregation the silos report no per-silo statistic" in page
+    assert "under secure aggregation the silos report no rows per class" in page
     assert {"report/report.html", "report/accuracy.png"} <= artifacts(runs.uri, run_id, "report")
 
 

@@ -111,7 +111,7 @@ def _notes(run: RunData, against: RunData | None) -> list[str]:
         )
     if run.partition is None:
         why = (
-            "under secure aggregation the silos report no per-silo statistic"
+            "under secure aggregation the silos report no rows per class"
             if run.secure
             else "the run logged no label counts"
         )
