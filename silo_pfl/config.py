@@ -180,6 +180,9 @@ class PrivacyConfig:
     # goes to its own store, or stays in its directory on its node (silo-pfl models --local);
     # none: no model; the central run keeps params and metrics (per silo too).
     central_models: str = "full"
+    # Each silo's training rows per class (partition.json, the report's partition figure), kept
+    # only under central_models=full, and never under aggregation.secure.
+    label_counts: bool = True
 
 
 @dataclass

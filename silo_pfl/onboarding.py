@@ -61,6 +61,8 @@ def joining_config(
     values = to_dict(cfg)
     values.update({key: trained.config[key] for key in FROM_TRAINED_RUN})
     values["aggregation"]["secure"] = False  # the joining silo sends nothing to mask
+    if cfg.aggregation.secure or trained.config.get("aggregation", {}).get("secure"):
+        values["privacy"]["label_counts"] = False  # as its founders, it keeps them
     joined = build_config(values)
     _check_written(trained, cfg, joined, written)
     return joined

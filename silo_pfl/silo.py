@@ -192,8 +192,11 @@ class Silo:
 
     def _counts_leave(self) -> bool:
         """Whether this silo's training rows per class go to the central store (`partition.json`):
-        only under privacy.central_models=full, and never under aggregation.secure."""
-        return self.cfg.privacy.central_models == "full" and not self.cfg.aggregation.secure
+        only with privacy.label_counts under privacy.central_models=full, and never under
+        aggregation.secure."""
+        privacy = self.cfg.privacy
+        wanted = privacy.label_counts and privacy.central_models == "full"
+        return wanted and not self.cfg.aggregation.secure
 
     def build(
         self,

@@ -56,6 +56,24 @@ def test_the_trained_run_decides_model_split_and_algorithm(job):
 
 
 @pytest.mark.parametrize(
+    ("trained_secure", "mine_secure", "counted"),
+    [(False, False, True), (True, False, False), (False, True, False)],
+    ids=["plain", "trained-secure", "job-secure"],
+)
+def test_a_silo_joining_a_secure_federation_keeps_its_rows_per_class(
+    job, trained_secure, mine_secure, counted
+):
+    """Its founders' counts never left them (aggregation.secure); the joining silo, which sends
+    nothing to mask and so runs with secure off, keeps its counts too."""
+    trained = _trained(job, f"aggregation.secure={trained_secure}")
+    mine = job(JOB, "tracking.enabled=false", f"aggregation.secure={mine_secure}")
+    cfg = joining_config(trained, mine, "va")
+    assert not cfg.aggregation.secure
+    silo = Silo(to_dict(cfg), "va")
+    assert bool(silo.setup().label_counts) is counted
+
+
+@pytest.mark.parametrize(
     ("overrides", "message"),
     [
         (["algorithm.name=fedavg"], "algorithm.name: got 'fedavg', but run run-1 was trained with"),

@@ -125,8 +125,9 @@ def test_server_refuses_an_update_with_a_local_key(job):
         (("privacy.central_models=global_only",), False),
         (("privacy.central_models=none",), False),
         (("aggregation.secure=true",), False),
+        (("privacy.label_counts=false",), False),
     ],
-    ids=["full", "global_only", "none", "secure"],
+    ids=["full", "global_only", "none", "secure", "not-wanted"],
 )
 def test_a_silo_counts_its_rows_per_class_only_for_a_central_store_that_keeps_them(
     job, options, counted
