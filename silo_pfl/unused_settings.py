@@ -13,6 +13,7 @@ from collections.abc import Collection, Iterator
 from fnmatch import fnmatchcase
 from typing import Any
 
+from silo_pfl.algorithms import ALGORITHMS
 from silo_pfl.config import FederationConfig
 
 # What a rule finds: its condition, the patterns of the keys it makes do nothing, and why ("{it}"
@@ -86,10 +87,24 @@ def _rules(cfg: FederationConfig, local_rules: list[str]) -> Iterator[Finding]:
             "nothing is recorded in MLflow",
         )
     name = cfg.algorithm["name"]
+    algorithm = ALGORITHMS[name]
+    if cfg.split.local is not None and algorithm.rules_key != "algorithm.name":
+        yield (
+            f"split.local is {list(cfg.split.local)}",
+            (algorithm.rules_key,),
+            "split.local replaces the split {it} would make",
+        )
     own_rules = getattr(cfg.algorithm[name], "unused", None)  # the chosen algorithm's own
     for condition, keys, why in own_rules() if own_rules else ():
         section = f"algorithm.{name}"
         yield f"{section}.{condition}", tuple(f"{section}.{key}" for key in keys), why
+
+
+def _ignored(cfg: FederationConfig) -> Iterator[Finding]:
+    """The settings outside its section that the chosen algorithm never reads."""
+    name = cfg.algorithm["name"]
+    for key, why in ALGORITHMS[name].ignores.items():
+        yield f"algorithm.name is {name}", (key,), why
 
 
 def _other_algorithms(cfg: FederationConfig) -> Finding:
@@ -108,8 +123,12 @@ def unused(
 ) -> list[str]:
     """One line per condition naming the keys in `written` that it makes do nothing, each key
     once. Another algorithm's options are named only from `overridden` (the overrides' keys): a
-    job's own sections may serve a switch of algorithm.name."""
+    job's own sections may serve a switch of algorithm.name, and so may its settings that the
+    algorithm switched to does not read (fedrep's train.local_epochs): those are named from
+    `overridden` too, unless the job itself chose the algorithm."""
     findings = [(rule, written) for rule in _rules(cfg, local_rules)]
+    switched = "algorithm.name" in overridden
+    findings += [(rule, overridden if switched else written) for rule in _ignored(cfg)]
     findings.append((_other_algorithms(cfg), overridden))
     named: set[str] = set()
     lines = []

@@ -103,6 +103,34 @@ CASES = [
         "algorithm.apfl.alpha is 0.3, so algorithm.apfl.alpha_init has no effect: only "
         "alpha=grid or alpha=learned reads it",
     ),
+    (
+        ["algorithm.name=fedrep", "train.local_epochs=7"],
+        "algorithm.name is fedrep, so train.local_epochs has no effect: a round trains "
+        "algorithm.fedrep.head_epochs, then algorithm.fedrep.body_epochs",
+    ),
+    (
+        ["algorithm.name=lg_fedavg", "algorithm.lg_fedavg.local_blocks=2", "split.local=[head]"],
+        "split.local is ['head'], so algorithm.lg_fedavg.local_blocks has no effect: split.local "
+        "replaces the split it would make",
+    ),
+    (
+        [
+            "algorithm.name=moe_heads",
+            "algorithm.moe_heads.experts=1",
+            "algorithm.moe_heads.class_bias=3",
+        ],
+        "algorithm.moe_heads.experts is 1, so algorithm.moe_heads.class_bias has no effect: a "
+        "single expert is given no class bias",
+    ),
+    (
+        [
+            "algorithm.name=finetune",
+            "algorithm.finetune.epochs=0",
+            "algorithm.finetune.trainable=local",
+        ],
+        "algorithm.finetune.epochs is 0, so algorithm.finetune.trainable has no effect: no "
+        "fine-tuning runs",
+    ),
 ]
 
 
@@ -192,3 +220,16 @@ def test_the_cli_prints_the_line_on_stderr_and_goes_on():
         "train.optimizer is adam, so train.momentum has no effect: only sgd reads it"
     )
     assert "optimizer: adam" in done.stdout
+
+
+def test_a_job_that_chooses_fedrep_and_sets_local_epochs_is_told_in_one_line(caplog, tmp_path):
+    """Switched to fedrep by an override, the job's own train.local_epochs is quiet (jobs are
+    compared so); a job that itself chooses fedrep is told its local_epochs do nothing."""
+    job = tmp_path / "fedrep.yaml"
+    job.write_text(Path(JOB).read_text().replace("name: fedper", "name: fedrep"))
+    assert "name: fedrep" in job.read_text()
+    assert warnings_of(caplog, lambda: load_config(str(job))) == [
+        "algorithm.name is fedrep, so train.local_epochs has no effect: a round trains "
+        "algorithm.fedrep.head_epochs, then algorithm.fedrep.body_epochs"
+    ]
+    assert warnings_of(caplog, lambda: load_config(JOB, ["algorithm.name=fedrep"])) == []

@@ -93,6 +93,9 @@ class Algorithm:
     default_local_rules: ClassVar[tuple[str, ...]] = ()
     # The config key that decides `local_rules`, named when they do not fit the model.
     rules_key: ClassVar[str] = "algorithm.name"
+    # Settings outside its own section that the algorithm never reads, and what it reads instead
+    # (silo_pfl.unused_settings warns of a job that sets one).
+    ignores: ClassVar[dict[str, str]] = {}
     # The split must leave some global keys: something to federate (only `local` needs none).
     needs_global_keys: ClassVar[bool] = True
     # The split must leave some local keys: the procedure trains or keeps personal keys.

@@ -27,6 +27,10 @@ class FedRep(Algorithm):
     Params = FedRepParams
     default_local_rules = ("head",)
     needs_local_keys = True
+    ignores = {
+        "train.local_epochs": "a round trains algorithm.fedrep.head_epochs, then "
+        "algorithm.fedrep.body_epochs"
+    }
 
     def phases(self) -> list[Phase]:
         return [Phase("local", self.params.head_epochs), Phase("global", self.params.body_epochs)]

@@ -28,6 +28,12 @@ class FineTuneParams:
                 "local, global"
             )
 
+    def unused(self) -> list[tuple[str, tuple[str, ...], str]]:
+        """Options the others make do nothing (silo_pfl.unused_settings)."""
+        if self.epochs == 0:
+            return [("epochs is 0", ("trainable",), "no fine-tuning runs")]
+        return []
+
 
 @register
 class FineTune(Algorithm):

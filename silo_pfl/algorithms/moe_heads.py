@@ -45,6 +45,12 @@ class MoEHeadsParams:
             )
         require_at_least("algorithm.moe_heads", self, 0, "class_bias", "gate_warmup_epochs")
 
+    def unused(self) -> list[tuple[str, tuple[str, ...], str]]:
+        """Options the others make do nothing (silo_pfl.unused_settings)."""
+        if self.experts == 1:
+            return [("experts is 1", ("class_bias",), "a single expert is given no class bias")]
+        return []
+
 
 @register
 class MoEHeads(Algorithm):
