@@ -23,10 +23,12 @@ from silo_pfl.stop_signals import interrupt
 
 CACHE_VERSION = 1  # a CSV job's key also holds its files' SHA-256 (`data_files`)
 # Config keys that cannot change a run's results: where it writes, MLflow, which Ray, where
-# actors are placed, how long a wait may last. Everything else is in the cache key.
+# actors are placed, how long a wait may last, whether counts per class are reported.
+# Everything else is in the cache key.
 IGNORED_KEYS = (
     "output_dir",
     "tracking",
+    "privacy.label_counts",
     "ray",
     "silos",
     "server.node_label",

@@ -375,3 +375,20 @@ def test_sigterm_stops_the_workers_their_ray_and_deletes_the_runs_directory(tmp_
             if alive(pid):
                 os.kill(pid, signal.SIGTERM)
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_whether_silos_report_counts_per_class_is_not_in_the_cache_key(tmp_path):
+    """privacy.label_counts changes what leaves a silo, not its results: the cache keys made
+    before the key existed still hold."""
+    spec = parse_spec(
+        {
+            "baseline": None,
+            "jobs": {"heart": {"config": HEART, "seeds": [0]}},
+            "algorithms": {"fedavg": {}},
+        },
+        str(tmp_path / "spec.yaml"),
+    )
+    job, row = spec.jobs["heart"], spec.rows["fedavg"]
+    plain = make_run(job, row, (), 0)
+    assert make_run(job, row, ("privacy.label_counts=false",), 0).key == plain.key
+    assert make_run(job, row, ("train.lr=0.5",), 0).key != plain.key
