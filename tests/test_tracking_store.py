@@ -211,6 +211,18 @@ def _other_sqlite(path) -> bytes:
     return path.read_bytes()
 
 
+def test_a_run_refuses_a_sqlite_file_of_another_database_and_leaves_it_untouched(tmp_path, capsys):
+    """MLflow would add its whole schema to an application's database."""
+    path = tmp_path / "app.db"
+    before = _other_sqlite(path)
+    code, _, err = _cli_error(capsys, f"tracking.uri=sqlite:///{path}", f"output_dir={tmp_path}")
+    assert code == 2 and "\n" not in err and "Traceback" not in err
+    assert f"{path} is not an MLflow store (no alembic_version or experiments table)" in err, err
+    assert "or at a new file for a new store" in err
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["app.db"]
+
+
 @pytest.mark.parametrize("content", ["other", "empty"])
 @pytest.mark.parametrize("command", ["models", "report"])
 def test_reading_a_sqlite_file_that_is_no_mlflow_store_leaves_it_untouched(

@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import sqlite3
+import ssl
 import tempfile
 import urllib.error
 import urllib.request
@@ -57,8 +58,29 @@ def _check_sqlite(uri: str, key: str) -> None:
     if not path.parent.is_dir():
         raise ConfigError(f"{key}: directory {path.parent} of the SQLite store does not exist")
     if path.exists():
+        if path.stat().st_size:  # an empty file becomes a store; another database does not
+            _check_mlflow_tables(path, key, redact(uri), "or at a new file for a new store")
         return
     _probe(path.parent, f"{key}: directory {path.parent} of the SQLite store is not writable")
+
+
+def _tls_context() -> ssl.SSLContext:
+    """The trust MLflow's client gives an HTTPS store: MLFLOW_TRACKING_INSECURE_TLS=true trusts
+    any certificate, MLFLOW_TRACKING_SERVER_CERT_PATH (or REQUESTS_CA_BUNDLE) names the CA to
+    trust, MLFLOW_TRACKING_CLIENT_CERT_PATH a client certificate with its key."""
+    if os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").strip().lower() == "true":
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    else:
+        cafile = os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH") or os.environ.get(
+            "REQUESTS_CA_BUNDLE"
+        )
+        context = ssl.create_default_context(cafile=cafile or None)
+    client = os.environ.get("MLFLOW_TRACKING_CLIENT_CERT_PATH")
+    if client:
+        context.load_cert_chain(client)
+    return context
 
 
 def _check_server(uri: str, key: str) -> None:
@@ -72,11 +94,18 @@ def _check_server(uri: str, key: str) -> None:
         user = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
         request.add_header("Authorization", "Basic " + base64.b64encode(user.encode()).decode())
     try:
-        urllib.request.urlopen(request, timeout=HEALTH_TIMEOUT_SECONDS).close()
+        context = _tls_context() if parts.scheme == "https" else None
+        urllib.request.urlopen(request, timeout=HEALTH_TIMEOUT_SECONDS, context=context).close()
     except urllib.error.HTTPError:
         return  # something answers; the store calls below tell whether it is MLflow
     except (OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
+        if isinstance(reason, ssl.SSLCertVerificationError):
+            raise FederationError(
+                f"{key}: the server at {redact(uri)} does not show a certificate this machine "
+                f"trusts ({one_line(reason)}); set MLFLOW_TRACKING_SERVER_CERT_PATH to its CA's "
+                "certificate"
+            ) from None
         raise FederationError(
             f"{key}: no MLflow server answers at {redact(uri)} ({one_line(reason)})"
         ) from None
@@ -118,13 +147,14 @@ def open_existing(uri: str | None, key: str) -> tuple[MlflowClient, str]:
             f"{key} at its store"
         )
     if path is not None:
-        _check_mlflow_tables(path, key, redact(uri))
+        _check_mlflow_tables(path, key, redact(uri), "(its tracking.uri)")
     return open_client(uri, key), uri
 
 
-def _check_mlflow_tables(path: Path, key: str, uri: str) -> None:
+def _check_mlflow_tables(path: Path, key: str, uri: str, other: str) -> None:
     """The SQLite file at `path` (of `key`'s `uri`) has MLflow's tables; read through a
-    read-only connection, so that nothing, not even a journal, is written to it."""
+    read-only connection, so that nothing, not even a journal, is written to it. `other`: what
+    else the error suggests pointing `key` at."""
     try:
         with contextlib.closing(
             sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro", uri=True)
@@ -139,7 +169,7 @@ def _check_mlflow_tables(path: Path, key: str, uri: str) -> None:
         what = f"no {' or '.join(missing)} table" if rows else "it holds no table"
     raise ConfigError(
         f"{key} {uri}: {path} is not an MLflow store ({what}); point {key} at the store a "
-        "federation ran with (its tracking.uri)"
+        f"federation ran with {other}"
     )
 
 
