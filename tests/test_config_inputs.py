@@ -11,6 +11,7 @@ from silo_pfl.cli import main
 from silo_pfl.config import check_name
 from silo_pfl.errors import ConfigError
 from silo_pfl.settings import load_config
+from silo_pfl.tracking.uri import check_uri
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = str(ROOT / "jobs" / "heart_disease.yaml")  # mlp, fedper
@@ -98,6 +99,12 @@ def test_two_silos_reading_one_file_on_one_machine_are_refused(tmp_path, monkeyp
 
 
 # 2. MLflow's file store no longer opens: a file: URI is refused at load.
+
+
+@pytest.mark.parametrize("uri", ["databricks", "databricks://my-profile"])
+def test_mlflows_databricks_store_is_taken_as_mlflow_writes_it(uri):
+    """MLflow's own form is the bare word `databricks`, which has no scheme to parse."""
+    assert check_uri(f" {uri} ", "tracking.uri") == uri
 
 
 def test_a_file_store_uri_is_refused_at_load_listing_the_schemes_that_work():

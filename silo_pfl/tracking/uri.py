@@ -28,7 +28,7 @@ FILE_STORE = "; MLflow's file store is retired, a local store is sqlite:///PATH"
 def check_uri(uri: str, key: str) -> str:
     """The URI, stripped, if MLflow can use it as a tracking and registry store."""
     uri = str(uri).strip()
-    scheme = urlsplit(uri).scheme.split("+")[0]
+    scheme = "databricks" if uri == "databricks" else urlsplit(uri).scheme.split("+")[0]
     if scheme not in SCHEMES:
         retired = FILE_STORE if scheme in ("", "file") else ""
         raise ConfigError(
