@@ -16,8 +16,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,7 @@ from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig, to_dict
 from silo_pfl.config_views import logged_view
 from silo_pfl.data import silo_names
-from silo_pfl.errors import FederationError, one_line, typed_line
+from silo_pfl.errors import ConfigError, FederationError, one_line, typed_line
 from silo_pfl.messages import SiloInfo, SplitInfo, model_shape
 from silo_pfl.results import FederationResult, RoundSummary
 from silo_pfl.settings import split_rules
@@ -105,6 +106,18 @@ def _open(
         opening.set_exception(exc)
 
 
+def _answered(exc: Exception) -> bool:
+    """Whether the store answered the call that raised `exc`, with an error of its own (a
+    run deleted, a logged model gone): an HTTP store's error response, or a local store's
+    MLflow error with a code. A request that got no answer after MLflow's retries is an
+    MlflowException with the generic INTERNAL_ERROR, as is any other failure."""
+    from mlflow.exceptions import MlflowException, RestException
+
+    if isinstance(exc, RestException):
+        return True
+    return isinstance(exc, MlflowException) and exc.error_code != "INTERNAL_ERROR"
+
+
 class MlflowTracker(Callback):
     """Records one federation run.
 
@@ -144,6 +157,7 @@ class MlflowTracker(Callback):
         self.reporting: threading.Thread | None = None  # the report, from on_end to on_closed
         self.unreachable = False  # the store stopped answering: the clean-up does not wait on it
         self.logged_steps: dict[str, set[int]] = {}  # on resume: run -> the rounds it holds
+        self.held_keys: dict[str, set[str]] = {}  # on resume: run -> the metric keys it holds
 
     def _log(self, run_id: str, metrics: list[Metric]) -> None:
         """Buffer metrics; every FLUSH_SECONDS each run's buffer goes out as one batch."""
@@ -153,14 +167,15 @@ class MlflowTracker(Callback):
 
     def _flush(self) -> None:
         """Write every run's buffered metrics, one batch per run. A store that stops answering
-        stops the run, in one line naming it; the clean-up then leaves it alone."""
+        stops the run, in one line naming it; the clean-up then leaves it alone (a store that
+        answered with an error is still cleaned up)."""
         try:
             for run_id, metrics in self.buffered.items():
                 for start in range(0, len(metrics), MAX_METRICS_PER_BATCH):
                     batch = metrics[start : start + MAX_METRICS_PER_BATCH]
                     self.client.log_batch(run_id, metrics=batch, synchronous=True)
         except Exception as exc:
-            self.unreachable = True
+            self.unreachable = not _answered(exc)
             raise FederationError(
                 f"tracking.uri {redact(self.uri)}: the store stopped answering as the run logged "
                 f"its figures ({one_line(exc)}); once it answers again, --resume goes on"
@@ -178,13 +193,25 @@ class MlflowTracker(Callback):
         self.children = dict(state.get("children", {}))
 
     def _reopen(self) -> None:
-        """On resume: the parent and child runs are RUNNING again; the resume is tagged."""
+        """On resume: the parent and child runs are RUNNING again; the resume is tagged. A run
+        deleted meanwhile stops the resume in one line, with the command that restores it; the
+        metric keys each run holds are kept, for on_end (`_unlogged`)."""
         from mlflow.entities import RunStatus
 
+        runs = {
+            run_id: self.client.get_run(run_id) for run_id in [self.run_id, *self.children.values()]
+        }
+        for run_id, run in runs.items():
+            if run.info.lifecycle_stage == "deleted":
+                raise ConfigError(
+                    f"--resume: MLflow run {run_id} is deleted in tracking.uri "
+                    f"{redact(self.uri)}; restore it first (mlflow runs restore --run-id {run_id})"
+                )
+        self.held_keys = {run_id: set(run.data.metrics) for run_id, run in runs.items()}
         running = RunStatus.to_string(RunStatus.RUNNING)
-        for run_id in [self.run_id, *self.children.values()]:
+        for run_id in runs:
             self.client.update_run(run_id, status=running)
-        resumes = self.client.get_run(self.run_id).data.tags.get("resumes", "0")
+        resumes = runs[self.run_id].data.tags.get("resumes", "0")
         self.client.set_tag(self.run_id, "resumes", str(int(resumes) + 1))
         self.client.set_tag(self.run_id, ROUNDS_TAG, str(self.cfg.rounds))
 
@@ -363,12 +390,26 @@ class MlflowTracker(Callback):
             entry["silo_tracking_uris"] = {s: redact(u) for s, u in self.own_stores.items()}
         return {"mlflow": entry}
 
+    def _unlogged(self, run_id: str, metrics: list[Metric]) -> list[Metric]:
+        """Of the final `metrics` of `run_id`, those the store does not hold yet at their step.
+        A run stopped after on_end logged them but before its result.json was written resumes
+        and ends again: its final figures are not logged twice. Only the keys the run held when
+        it resumed are looked up."""
+        held = self.held_keys.get(run_id, set())
+        steps = {
+            key: {m.step for m in self.client.get_metric_history(run_id, key)}
+            for key in {m.key for m in metrics} & held
+        }
+        return [m for m in metrics if m.step not in steps.get(m.key, ())]
+
     def on_end(self, result: FederationResult) -> None:
+        """The final figures at step=rounds: the parent's summary and each child's selected
+        model (a resume that raises the rounds adds a point, at its own last round)."""
         from mlflow.entities import Metric, RunStatus
 
-        stamp = _now_ms()
-        final = [Metric(k, float(getattr(result, k)), stamp, result.rounds) for k in FINAL_METRICS]
-        self.buffered.setdefault(self.run_id, []).extend(final)
+        stamp, step = _now_ms(), result.rounds
+        final = [Metric(k, float(getattr(result, k)), stamp, step) for k in FINAL_METRICS]
+        self.buffered.setdefault(self.run_id, []).extend(self._unlogged(self.run_id, final))
         for silo, outcome in result.silos.items():
             selected = {
                 "selected_round": float(outcome.selected_round),
@@ -376,8 +417,9 @@ class MlflowTracker(Callback):
                 "selected_test_accuracy": outcome.test_accuracy,
                 **outcome.extras,
             }
-            metrics = [Metric(k, v, stamp, 0) for k, v in selected.items()]
-            self.buffered.setdefault(self.children[silo], []).extend(metrics)
+            child = self.children[silo]
+            metrics = [Metric(k, v, stamp, step) for k, v in selected.items()]
+            self.buffered.setdefault(child, []).extend(self._unlogged(child, metrics))
         self._flush()
         self._log_artifacts(result)
         if self.cfg.tracking.report:
@@ -451,7 +493,12 @@ class MlflowTracker(Callback):
                 self.client.set_terminated(run_id, status=status)
 
     def abort(self, killed: bool = False) -> None:
-        """Mark the runs KILLED (interrupted) or FAILED (an error); never raises over either."""
+        """Mark the runs KILLED (interrupted) or FAILED (an error); never raises over either.
+
+        A store that does not answer one call (MLflow gives up on it after its retries, about
+        7 s) is left alone for the rest: the clean-up waits on it once, not once per silo. A
+        store that answers with an error for one call (a logged model gone, say) still gets
+        the others."""
         if self.reporting is not None:
             with contextlib.suppress(Exception):
                 self.reporting.join()
@@ -461,10 +508,19 @@ class MlflowTracker(Callback):
         from mlflow.entities import RunStatus
 
         with contextlib.suppress(Exception):
-            self._flush()
-        for logged in self.logged.values():
-            with contextlib.suppress(Exception):
-                self.client.finalize_logged_model(logged.model_id, "FAILED")
-        status = RunStatus.KILLED if killed else RunStatus.FAILED
-        with contextlib.suppress(Exception):
-            self._finish(RunStatus.to_string(status))
+            self._flush()  # a store that does not answer: unreachable, left alone
+        status = RunStatus.to_string(RunStatus.KILLED if killed else RunStatus.FAILED)
+        calls: list[Callable[[], object]] = [
+            partial(self.client.finalize_logged_model, logged.model_id, "FAILED")
+            for logged in self.logged.values()
+        ]
+        for run_id in [*self.children.values(), self.run_id]:
+            if run_id:
+                calls.append(partial(self.client.set_terminated, run_id, status=status))
+        for call in calls:
+            if self.unreachable:
+                return
+            try:
+                call()
+            except Exception as exc:
+                self.unreachable = not _answered(exc)

@@ -1,0 +1,119 @@
+"""MlflowTracker.abort, the clean-up of a run that failed or was interrupted: it marks the runs
+KILLED or FAILED and the silos' logged models FAILED. A store that has died is waited on once
+(MLflow gives up on a call after its retries, about 7 s: silo_pfl.tracking's settings), not
+once per silo; a store that answers one call with an error still gets the others.
+
+Without Ray: the tracker is driven as the orchestrator does, over a real `mlflow server` (the
+CLI, in a process of its own, stopped to play a store that dies) or a real SQLite store."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from mlflow import MlflowClient
+from processes import stop_group, wait_for_http
+from serving import free_port
+
+from silo_pfl.config import FederationConfig
+from silo_pfl.messages import SiloInfo, SplitInfo
+from silo_pfl.results import RoundSummary
+from silo_pfl.settings import load_config
+from silo_pfl.tracking.tracker import MlflowTracker
+
+SILOS = 6
+SPLIT = SplitInfo(10, 5, 40)
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """A real `mlflow server` on a free port; the test stops it, and the teardown makes sure."""
+    port = free_port()
+    command = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--backend-store-uri", f"sqlite:///{tmp_path / 'srv.db'}"]
+    command += ["--artifacts-destination", str(tmp_path / "srv-artifacts"), "--workers", "1"]
+    log = tmp_path / "mlflow-server.log"
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    with log.open("w") as out:
+        server = subprocess.Popen(
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        wait_for_http(f"http://127.0.0.1:{port}/health", server, log, "mlflow server", 120)
+        yield SimpleNamespace(uri=f"http://127.0.0.1:{port}", proc=server)
+    finally:
+        stop_group(server)
+
+
+def _config(tmp_path: Path, uri: str) -> FederationConfig:
+    overrides = [f"output_dir={tmp_path / 'runs'}", f"data.num_silos={SILOS}", "rounds=2"]
+    overrides += [f"tracking.uri={uri}", "tracking.report=false", "privacy.central_models=full"]
+    return load_config("jobs/digits_dirichlet.yaml", overrides)
+
+
+def _started(cfg: FederationConfig, buffered: bool = False) -> MlflowTracker:
+    """A tracker past on_start and the exporters (a logged model per silo) and round 1, whose
+    figures are still `buffered` (not yet flushed), or written."""
+    infos = [SiloInfo(f"silo_{i}", 100, 20, 30, (64,), 10, columns="c") for i in range(SILOS)]
+    tracker = MlflowTracker(cfg)
+    tracker.on_start(cfg, infos, SPLIT)
+    tracker.exporters(infos)
+    figures = {"train_loss": 0.5, "val_accuracy": 0.7, "test_accuracy": 0.7}
+    summary = RoundSummary(
+        round=1,
+        seconds=0.1,
+        mean_train_loss=0.5,
+        mean_val_accuracy=0.7,
+        mean_test_accuracy=0.7,
+        silos={info.silo: dict(figures) for info in infos},
+        participants=[info.silo for info in infos],
+    )
+    tracker.flushed_at = time.monotonic()  # the round's figures wait in the buffer
+    tracker.on_round_end(summary)
+    if not buffered:
+        tracker._flush()
+    return tracker
+
+
+def test_an_abort_over_a_dead_store_waits_on_it_once(tmp_path, mlflow_server):
+    """Before, each silo's logged model was finalized on its own, each call retried for about
+    7 s: with 6 silos the abort took about 50 s (84 s with 10)."""
+    tracker = _started(_config(tmp_path, mlflow_server.uri))
+    assert len(tracker.logged) == SILOS
+    stop_group(mlflow_server.proc)
+    began = time.monotonic()
+    tracker.abort(killed=True)  # never raises
+    took = time.monotonic() - began
+    assert took < 20, f"abort took {took:.1f} s over a dead store"
+    assert tracker.unreachable
+    began = time.monotonic()
+    tracker.abort()  # a second clean-up leaves the dead store alone at once
+    assert time.monotonic() - began < 1
+
+
+def _statuses(client: MlflowClient, tracker: MlflowTracker) -> dict[str, Any]:
+    runs = [tracker.run_id, *tracker.children.values()]
+    return {run_id: client.get_run(run_id).info.status for run_id in runs}
+
+
+def test_an_abort_over_a_store_that_answers_marks_every_run_and_model(tmp_path):
+    """A store that answers calls with an error (a silo's run deleted by hand: its buffered
+    figures and its status are refused) is not taken for a dead one: every other run is still
+    marked KILLED, every logged model FAILED."""
+    tracker = _started(_config(tmp_path, f"sqlite:///{tmp_path / 'mlflow.db'}"), buffered=True)
+    assert tracker.buffered  # the abort's flush goes first, and fails on the deleted run
+    client = MlflowClient(tracker.uri)
+    gone = tracker.children["silo_0"]
+    client.delete_run(gone)
+    models = [logged.model_id for logged in tracker.logged.values()]
+    tracker.abort(killed=True)
+    assert not tracker.unreachable
+    statuses = _statuses(client, tracker)
+    assert {s for run_id, s in statuses.items() if run_id != gone} == {"KILLED"}, statuses
+    assert {str(client.get_logged_model(m).status) for m in models} == {"FAILED"}
