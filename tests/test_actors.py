@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +68,42 @@ def test_a_worker_that_cannot_open_its_silos_answers_why_not_that_it_restarted(
     )
     with pytest.raises(ConfigError, match=r"^plugins\[0\]: cannot import 'driver_only_plugin' \("):
         Federation(cfg).run()
+
+
+CLI = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from silo_pfl.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_a_worker_that_cannot_open_its_silos_is_one_line_on_the_command_line(tmp_path):
+    """The workers' failed `open`, which no one waits on, printed Ray's 'Unhandled error' and
+    its traceback for each worker before the run's one line."""
+    import subprocess
+    import sys
+
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "driver_only_plugin.py").write_text(PLUGIN)
+    overrides = [
+        "plugins=[driver_only_plugin]",
+        "algorithm.name=on_the_driver_only",
+        "rounds=1",
+        "tracking.enabled=false",
+        "metrics.enabled=false",
+        f"output_dir={tmp_path / 'runs'}",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", CLI, str(plugins), "run", "jobs/heart_disease.yaml", *overrides],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert len(lines) == 1, done.stderr[-3000:]
+    assert lines[0].startswith("error: plugins[0]: cannot import 'driver_only_plugin' (")

@@ -60,13 +60,14 @@ class SiloHost:
         metric_tags: dict[str, str] | None = None,
     ) -> None:
         """Hold the silos `names` of run `run_id`, as `config` (their view of it) describes.
-        Where that fails (a plugin this node cannot import), each call answers its error."""
+        Where that fails (a plugin this node cannot import), each call answers its error; this
+        one does not raise it, as no one waits on it (Ray would print its traceback)."""
         self.close()
         try:
             self.group = SiloGroup(config, names, run_id)
         except Exception as exc:
             self.failed = exc
-            raise
+            return
         for silo in self.group.silos.values():
             silo.inputs_immutable = True  # what a call receives is read from the object store
         self.opened = (run_id, tuple(names))
