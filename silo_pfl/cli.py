@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from silo_pfl.compare import add_arguments as compare_arguments
-from silo_pfl.errors import ConfigError, SiloPflError, interruption, scrub
+from silo_pfl.errors import ConfigError, SiloPflError, interruption, typed_line
 
 if TYPE_CHECKING:
     from silo_pfl.callbacks import Callback
@@ -557,7 +557,7 @@ def main(argv: Sequence[str] | None = None, process_exits: bool = False) -> int:
         if args.debug:
             traceback.print_exc()
         print(
-            f"error: {type(exc).__name__}: {scrub(str(exc))} (run with --debug for the traceback)",
+            f"error: {typed_line(exc)} (run with --debug for the traceback)",
             file=sys.stderr,
         )
         return EXIT_FAILURE

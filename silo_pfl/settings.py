@@ -245,6 +245,10 @@ MAX_PARAMETERS = MAX_WIDTH * MAX_WIDTH
 def _check_model(cfg: FederationConfig) -> None:
     """What the model's registry knows beyond its name (`config.check_ranges` checks that)."""
     check_adapters(cfg.model.name, cfg.model.adapter_dim)
+    if cfg.model.adapter_dim > MAX_WIDTH:
+        raise ConfigError(
+            f"model.adapter_dim: got {cfg.model.adapter_dim}, expected 0 to {MAX_WIDTH}"
+        )
     if any(isinstance(width, bool) or not isinstance(width, int) for width in cfg.model.hidden):
         raise ConfigError(f"model.hidden: got {list(cfg.model.hidden)}, expected a list of widths")
     if cfg.model.hidden and not 1 <= min(cfg.model.hidden) <= max(cfg.model.hidden) <= MAX_WIDTH:

@@ -343,3 +343,10 @@ def test_a_silo_whose_file_names_a_node_variable_is_pinned_to_its_node_on_a_clus
     load_config(job, ["ray.placement=any", *labels, *joins])
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     load_config(job, ["ray.placement=any"])  # a local Ray: one node
+
+
+@pytest.mark.parametrize("dim", ["99999999999999999999", "20000"])
+def test_an_adapter_width_beyond_the_widest_layer_is_one_line(capsys, tmp_path, dim):
+    """99999999999999999999 overflowed torch's allocation: 16 lines of a C++ stack, exit 1."""
+    message = cli_error(capsys, tmp_path, JOB, "model.name=transformer", f"model.adapter_dim={dim}")
+    assert message == f"model.adapter_dim: got {dim}, expected 0 to 16384"
