@@ -478,11 +478,14 @@ def _keys(args: argparse.Namespace) -> int:
     check_name(args.silo, "--silo")
     if args.key_dir is not None and not args.key_dir.strip():
         raise ConfigError(f"--key-dir: got {args.key_dir!r}, expected a directory path")
-    directory = (
-        Path(args.key_dir).expanduser()
-        if args.key_dir
-        else identity.default_key_dir(args.federation, args.silo)
-    )
+    try:
+        directory = (
+            Path(args.key_dir).expanduser()
+            if args.key_dir
+            else identity.default_key_dir(args.federation, args.silo)
+        )
+    except RuntimeError as exc:  # ~user with no such user, or no home directory
+        raise ConfigError(f"--key-dir: {args.key_dir}: {exc}") from None
     options = ["--federation", args.federation, "--silo", args.silo]
     where = shlex.join(options + (["--key-dir", args.key_dir] if args.key_dir else []))
     check_dir_path(directory, f"--key-dir {args.key_dir}" if args.key_dir else str(directory))

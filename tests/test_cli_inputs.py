@@ -363,3 +363,38 @@ def test_an_empty_value_is_refused_rather_than_read_as_the_default(
     code, out, err = cli(capsys, *argv)
     assert_one_line(code, err, expected)
     assert out == "" and list(tmp_path.iterdir()) == []
+
+
+def test_a_key_dir_of_no_users_home_or_where_nothing_can_be_written_is_one_line(capsys):
+    keys = ["keys", "init", "--federation", "f", "--silo", "s", "--key-dir"]
+    code, _, err = cli(capsys, *keys, "~no_such_user_here/keys")
+    assert_one_line(
+        code, err, "error: --key-dir: ~no_such_user_here/keys: Could not determine home directory."
+    )
+    code, _, err = cli(capsys, *keys, "/proc/silo_pfl_keys")
+    assert code != 0 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("error: /proc/silo_pfl_keys: cannot write an identity key there ("), err
+
+
+def test_a_token_file_that_cannot_be_read_is_one_line_naming_it(capsys):
+    code, _, err = cli(
+        capsys, "jobs", "--address", "http://127.0.0.1:1", "--token-file", "/proc/self/mem"
+    )
+    assert_one_line(
+        code, err, "error: --token-file /proc/self/mem: cannot be read (Input/output error)"
+    )
+
+
+def test_a_pipe_named_as_the_identity_key_file_is_refused_without_waiting_on_it(capsys, tmp_path):
+    """A pipe no one writes to would wait for ever; a process substitution is the driver's."""
+    fifo = tmp_path / "keys.fifo"
+    os.mkfifo(fifo)
+    code, _, err = cli(
+        capsys, "config", HEART, "aggregation.secure=true", f"aggregation.identity_keys={fifo}"
+    )
+    assert_one_line(
+        code,
+        err,
+        f"error: aggregation.identity_keys: {fifo} is not a regular file; name a file that "
+        "lists the silos' keys",
+    )

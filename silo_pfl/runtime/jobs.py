@@ -133,6 +133,8 @@ def auth_token(token_file: str | None = None) -> str | None:
         return path.read_text(encoding="utf-8").strip()
     except UnicodeDecodeError:
         raise ConfigError(f"{source}: not a UTF-8 text file (a token is one line)") from None
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot be read ({exc.strerror or exc})") from None
 
 
 def check_tracking_store(config: Path, overrides: Sequence[str], tracking_enabled: bool) -> None:

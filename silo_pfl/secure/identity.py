@@ -57,7 +57,12 @@ def create(directory: Path, show_command: str = "silo-pfl keys show") -> Ed25519
     if path.is_dir():
         raise SiloPflError(_is_a_directory(path))
     _warn_if_open(directory)
-    key = _create_new(directory)
+    try:
+        key = _create_new(directory)
+    except OSError as exc:
+        raise SiloPflError(
+            f"{directory}: cannot write an identity key there ({exc.strerror or exc})"
+        ) from None
     if key is None:
         raise SiloPflError(
             f"{path}: an identity key exists already and is never replaced; "
@@ -177,7 +182,13 @@ def decode_public(text: str, where: str) -> bytes:
 def read_key_file(path: Path) -> dict[str, str]:
     """aggregation.identity_keys: lines of `<silo> <base64 key>`, or of
     `silos.<silo>.identity_key=<base64 key>` as silo-pfl keys show prints them; '#' starts a
-    comment."""
+    comment. A pipe or a device is refused before it is opened (a pipe no one writes to would
+    wait for ever, and a process substitution is the driver's alone: no silo could read it)."""
+    if path.expanduser().exists() and not path.expanduser().is_file():
+        raise ConfigError(
+            f"aggregation.identity_keys: {path} is not a regular file; name a file that lists "
+            "the silos' keys"
+        )
     try:
         text = path.expanduser().read_text(encoding="utf-8")
     except OSError as exc:
