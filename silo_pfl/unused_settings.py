@@ -38,6 +38,7 @@ def _rules(cfg: FederationConfig, local_rules: list[str]) -> Iterator[Finding]:
                 "aggregation.identity_keys",
                 "aggregation.clip",
                 "silos.*.identity_key",
+                "silos.*.key_dir",
             ),
             "the updates reach the server in the clear; set aggregation.secure=true to mask them",
         )
@@ -73,6 +74,12 @@ def _rules(cfg: FederationConfig, local_rules: list[str]) -> Iterator[Finding]:
             ("ray.num_cpus", "metrics.export_interval_s", "metrics.linger_s"),
             "only a local Ray reads {it}; a cluster keeps the CPUs and export interval its nodes "
             "were started with",
+        )
+    if cfg.ray.placement == "per_node":
+        yield (
+            "ray.placement is per_node",
+            ("ray.silos_per_worker",),
+            "each silo has a worker of its own, on its own node",
         )
     if cfg.metrics.enabled is False:
         yield (

@@ -104,6 +104,16 @@ CASES = [
         "alpha=grid or alpha=learned reads it",
     ),
     (
+        ["silos.cleveland.key_dir=/tmp/keys"],
+        "aggregation.secure is false, so silos.cleveland.key_dir has no effect: the updates reach "
+        "the server in the clear; set aggregation.secure=true to mask them",
+    ),
+    (
+        ["ray.placement=per_node", "ray.silos_per_worker=3"],
+        "ray.placement is per_node, so ray.silos_per_worker has no effect: each silo has a worker "
+        "of its own, on its own node",
+    ),
+    (
         ["algorithm.name=fedrep", "train.local_epochs=7"],
         "algorithm.name is fedrep, so train.local_epochs has no effect: a round trains "
         "algorithm.fedrep.head_epochs, then algorithm.fedrep.body_epochs",
