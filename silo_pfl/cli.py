@@ -356,6 +356,10 @@ def _submit(args: argparse.Namespace) -> int:
 
     onboarding = _onboarding_options(args)
     config = load_config(args.config, args.overrides)
+    if args.onboard is not None:
+        from silo_pfl.onboarding import check_onboarding
+
+        check_onboarding(config, args.onboard)
     check_node_variables(config, on_cluster=True)
     check_tracking_store(Path(args.config), args.overrides, config.tracking.enabled)
     note = output_dir_note(config.output_dir, args.resume)

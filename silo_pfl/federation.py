@@ -8,7 +8,6 @@ from typing import Any
 
 from silo_pfl.callbacks import Callback
 from silo_pfl.config import FederationConfig, read_yaml, written_keys
-from silo_pfl.errors import ConfigError
 from silo_pfl.results import FederationResult
 from silo_pfl.run_dir import check_resume
 from silo_pfl.runtime.orchestrator import Orchestrator
@@ -82,17 +81,13 @@ class Federation:
         joined=onboard. With `alone`, the same silo also trains alone, as the baseline; the
         result's `onboard` entry compares it with that and with the founders.
         """
-        if not self.config.tracking.enabled:
-            raise ConfigError(
-                "tracking.enabled: onboarding reads the trained federation from the tracking "
-                "store; set tracking.enabled=true"
-            )
-        from silo_pfl.onboarding import alone_config, joining_config
+        from silo_pfl.onboarding import alone_config, check_onboarding, joining_config
         from silo_pfl.runtime.onboarding import Onboarding
         from silo_pfl.tracking.registry import ONBOARD
         from silo_pfl.tracking.tracker import MlflowTracker
         from silo_pfl.tracking.trained_run import load_trained_run
 
+        check_onboarding(self.config, silo)
         trained = load_trained_run(str(self.config.tracking.uri), self.config.name, from_run)
         cfg = joining_config(trained, self.config, silo, self.written)
         tracker = MlflowTracker(cfg, ONBOARD, trained.run_id)

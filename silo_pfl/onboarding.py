@@ -46,12 +46,7 @@ def joining_config(
     founder or unknown silo, a seed or data split other than the run's, or a key of
     FROM_TRAINED_RUN written with another value. `written`: the keys the user wrote
     (config.written_keys); None takes those whose value is not the default, and NAMES."""
-    names = all_silo_names(cfg.data)
-    if silo not in names:
-        raise ConfigError(
-            f"silo {silo}: not a silo of data.source={cfg.data.source}; its silos are "
-            f"{', '.join(names)}"
-        )
+    _check_silo_of(cfg, silo)
     if silo in trained.founders:
         raise ConfigError(
             f"silo {silo}: a founding silo of run {trained.run_id}; onboarding is for a silo "
@@ -66,6 +61,26 @@ def joining_config(
     joined = build_config(values)
     _check_written(trained, cfg, joined, written)
     return joined
+
+
+def check_onboarding(cfg: FederationConfig, silo: str) -> None:
+    """What an onboarding needs before it reads the trained run: a tracking store to read it
+    from, and a silo of the job's data source (checked too before `submit --onboard`)."""
+    if not cfg.tracking.enabled:
+        raise ConfigError(
+            "tracking.enabled: onboarding reads the trained federation from the tracking "
+            "store; set tracking.enabled=true"
+        )
+    _check_silo_of(cfg, silo)
+
+
+def _check_silo_of(cfg: FederationConfig, silo: str) -> None:
+    names = all_silo_names(cfg.data)
+    if silo not in names:
+        raise ConfigError(
+            f"silo {silo}: not a silo of data.source={cfg.data.source}; its silos are "
+            f"{', '.join(names)}"
+        )
 
 
 def _check_data_split(trained: TrainedRun, cfg: FederationConfig) -> None:

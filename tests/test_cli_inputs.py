@@ -398,3 +398,34 @@ def test_a_pipe_named_as_the_identity_key_file_is_refused_without_waiting_on_it(
         f"error: aggregation.identity_keys: {fifo} is not a regular file; name a file that "
         "lists the silos' keys",
     )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ((), "error: silo mayo: not a silo of data.source=heart_disease; its silos are "),
+        (
+            ("tracking.enabled=false",),
+            "error: tracking.enabled: onboarding reads the trained federation from the tracking "
+            "store; set tracking.enabled=true",
+        ),
+    ],
+)
+def test_a_submitted_onboarding_is_checked_as_onboard_checks_it_before_it_is_sent(
+    capsys, overrides, expected
+):
+    """`onboard --silo mayo` is refused here; `submit --onboard mayo` was sent to the cluster."""
+    code, out, err = cli(
+        capsys,
+        "submit",
+        HEART,
+        "--address",
+        "http://127.0.0.1:9",
+        "--no-wait",
+        "--onboard",
+        "mayo" if not overrides else "va",
+        "tracking.uri=sqlite:////tmp/never.db",
+        *overrides,
+    )
+    assert code == 2 and err.count("\n") == 1 and err.startswith(expected), err
+    assert out == ""
