@@ -98,8 +98,8 @@ def test_every_job_loads():
             "ray.silo_cpus: got inf, expected 0, or a finite number of CPUs from 0.0001",
         ),
         (  # counted on the meta device: nothing is allocated (the old probe took 1.3 GB)
-            ["model.adapter_dim=5000000"],
-            "model: mlp with model.hidden=[32] and model.adapter_dim=5000000 has 325,000,546 "
+            ["model.hidden=[16384]", "model.adapter_dim=16384"],
+            "model: mlp with model.hidden=[16384] and model.adapter_dim=16384 has 537,165,826 "
             "parameters, expected at most 268,435,456 (1 GiB of float32 per copy; every silo "
             "holds several)",
         ),
