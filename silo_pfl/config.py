@@ -12,6 +12,7 @@ import dataclasses
 import math
 import os
 import re
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -275,9 +276,10 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
         if "=" not in item or not all(key.split(".")):
             raise ConfigError(f"override '{item}': expected key=value, e.g. rounds=5")
         if not item.split("=", 1)[1].strip():
+            none = f", or {key}=null for none" if _may_be_null(key) else ""
             raise ConfigError(
-                f"{key}: got an empty value ('{key}=', an unset shell variable?); give a value, "
-                f"or {key}=null for none"
+                f"{key}: got an empty value ('{key}=', an unset shell variable?); give a "
+                f"value{none}"
             )
         try:
             one = OmegaConf.from_dotlist([item])
@@ -293,6 +295,19 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
                 "expected e.g. [32, 16] or a quoted string"
             ) from None
     return parsed
+
+
+def _may_be_null(key: str) -> bool:
+    """Whether FederationConfig lets the dotted `key` be null: its type is Optional, or not
+    known from the dataclasses (a section of free keys)."""
+    kind: Any = FederationConfig
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(kind):
+            return True
+        kind = typing.get_type_hints(kind).get(part)
+        if kind is None:
+            return True
+    return kind is Any or type(None) in typing.get_args(kind)
 
 
 def _check_read_as_written(key: str, text: str, value: Any) -> None:

@@ -308,7 +308,12 @@ def test_a_reader_that_has_gone_ends_the_command_quietly(buffered):
         (
             ["config", HEART, "rounds="],
             "error: rounds: got an empty value ('rounds=', an unset shell variable?); give a "
-            "value, or rounds=null for none",
+            "value",
+        ),
+        (
+            ["config", HEART, "output_dir="],
+            "error: output_dir: got an empty value ('output_dir=', an unset shell variable?); "
+            "give a value",
         ),
         (
             ["run", HEART, "tracking.uri=''"],
