@@ -29,6 +29,12 @@ class Callback:
         """
         return {}
 
+    def early_exporters(self, silos: Sequence[SiloInfo]) -> Mapping[str, SiloExporter]:
+        """Before on_start: of the exporters `exporters` gives, those that need nothing on_start
+        makes (a silo's own store), for their silos to check before the run is recorded as
+        started; `exporters` gives them again after on_start."""
+        return {}
+
     def on_round_start(self, round_: int) -> None:
         """Before the driver waits for a round's first attempt (its silos may be fitting
         already: in the clear, a round's fits are sent with the commits of the round before)."""

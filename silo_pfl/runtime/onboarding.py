@@ -30,7 +30,7 @@ from silo_pfl.onboarding import onboard_report
 from silo_pfl.results import FederationResult, RoundSummary, SiloResult
 from silo_pfl.run_dir import ONBOARD_RUN, RESULT_FILE, RunDir, run_path
 from silo_pfl.runtime.actors import get, start_silo, stop
-from silo_pfl.runtime.exporting import attach_exporters, export
+from silo_pfl.runtime.exporting import attach_exporters, check_own_stores, export
 from silo_pfl.runtime.placement import (
     LABEL_WAIT_SECONDS,
     check_labels,
@@ -121,6 +121,7 @@ class Onboarding:
                     [actors[r].build.remote(*shape) for r in roles], "silo model", timeout
                 )
                 split = dataclasses.replace(splits[0], bytes_sent_per_round=0)  # sends nothing
+                check_own_stores(self.callbacks, [info], {name: actors[name]}, timeout)
                 self._emit("on_start", self.cfg, [info], split)
                 exporting = attach_exporters(self.callbacks, [info], {name: actors[name]}, timeout)
                 states = {name: ray.put(self.trained.global_state), ALONE: ray.put({})}

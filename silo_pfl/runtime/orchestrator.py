@@ -26,7 +26,7 @@ from silo_pfl.messages import SiloOutcome, SplitInfo, fields_of, model_shape
 from silo_pfl.results import FederationResult, RoundSummary, SiloResult
 from silo_pfl.run_dir import RESULT_FILE, RunDir, check_resumable, check_resume
 from silo_pfl.runtime.actors import get, start_server, start_silos, stop
-from silo_pfl.runtime.exporting import attach_exporters, export
+from silo_pfl.runtime.exporting import attach_exporters, check_own_stores, export
 from silo_pfl.runtime.metrics import driver_metrics, export_interval
 from silo_pfl.runtime.packing import pack
 from silo_pfl.runtime.placement import (
@@ -159,12 +159,15 @@ class Orchestrator:
                 parties = {n: Party(n, actors[n]) for n in names}
                 selector = Selector(self.cfg.eval.selection)
                 history: list[RoundSummary] = []
+                # a silo's own store that it cannot use refuses the run before anything records
+                # it as started: a resumed run's run.json and result.json, the MLflow runs
+                check_own_stores(self.callbacks, infos, actors, self.timeout)
                 if resuming:
                     self._restore(server, parties, selector, history)
                     self.run_dir.started_again(self.cfg)
                 self._emit("on_start", self.cfg, infos, split)
-                # before round 0's checkpoint: a silo's own store that cannot be reached fails a
-                # fresh run while it has nothing to resume, so its directory goes
+                # before round 0's checkpoint: a store that cannot be reached fails a fresh run
+                # while it has nothing to resume, so its directory goes
                 exporting = attach_exporters(self.callbacks, infos, actors, self.timeout)
                 if resuming:
                     self._emit("on_resumed", list(history))

@@ -281,6 +281,13 @@ class MlflowTracker(Callback):
             return "silo"
         return "central" if self.central == "full" else "local"
 
+    def early_exporters(
+        self, silos: Sequence[SiloInfo]
+    ) -> dict[str, MlflowExporter | LocalExporter]:
+        """The exporters of the silos with a store of their own: built from the config alone."""
+        own = [info for info in silos if info.silo in self.own_stores]
+        return self.exporters(own) if own else {}
+
     def exporters(self, silos: Sequence[SiloInfo]) -> dict[str, MlflowExporter | LocalExporter]:
         """Per silo: its own store; else, under privacy.central_models=full, a logged model in
         its child run to write into; else its own directory (LocalExporter)."""
