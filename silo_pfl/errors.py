@@ -6,9 +6,20 @@ import signal
 # Query parameters whose values are secrets (e.g. ?token=..., ?sslpassword=..., &sig=...).
 _SECRET_WORDS = "token|password|passwd|secret|key|sig|signature|auth|credential"
 SECRET_QUERY = re.compile(f"({_SECRET_WORDS})", re.I)
-# In free text: a URL's password (scheme://user:PASSWORD@host, up to its last @ before the path)
-# and the values of its secret query parameters.
-_URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^\s/@:]*:)[^\s/]*@", re.I)
+# A URL's password, scheme://user:PASSWORD@host: from the first ':' after `scheme://` (with no
+# '/' before it) up to the URL's LAST '@', wherever that is. Parsers disagree on where a
+# password ends: urllib (and requests) end the authority at the first '/', '?' or '#' and take
+# the password up to its last '@'; SQLAlchemy takes any '/', '?' or '#' into the password and
+# ends it at the first '@' after the ':' (postgresql://admin:Tr0ub4dor/3xyz@db/mlflow has the
+# password 'Tr0ub4dor/3xyz'), and the password meant may hold an '@' too. Masking up to the last
+# '@' covers what each of them reads as a password, and what the user meant by one. The price: a
+# URL with no password but an '@' after a host:port (http://h:5000/x?mail=a@b) is masked from
+# the port on (http://h:***@b), which hides more than it has to, never less.
+# In free text a URL ends at whitespace; URL_PASSWORD, for one URI, reads to the URI's end.
+_URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^\s:/]*:)\S*@", re.I)
+URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^:/]*:).*@", re.I | re.S)
+PASSWORD_MASK = r"\1***@"
+# ... and the values of its secret query parameters.
 _URL_SECRET = re.compile(rf"([?&][^=&\s#]*(?:{_SECRET_WORDS})[^=&\s#]*=)[^&\s#]*", re.I)
 
 
@@ -77,7 +88,7 @@ def scrub(text: str) -> str:
     """`text` with every URL's password and secret query values as ***: what an error says of a
     store (MLflow's "API request to http://user:password@host/... failed") is printed, logged and
     sent to the driver, and none of those may hold a credential."""
-    return _URL_SECRET.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", text))
+    return _URL_SECRET.sub(r"\1***", _URL_PASSWORD.sub(PASSWORD_MASK, text))
 
 
 def one_line(exc: BaseException) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import functools
+import http.client
 import logging
 import os
 import sqlite3
@@ -24,7 +25,14 @@ from urllib.parse import quote, unquote, urlsplit
 
 from silo_pfl.errors import ConfigError, FederationError, one_line
 from silo_pfl.paths import nearest_existing
-from silo_pfl.tracking.uri import artifact_dir, redact, resolve_uri, sqlite_path
+from silo_pfl.tracking.uri import (
+    ESCAPES,
+    artifact_dir,
+    bad_port,
+    redact,
+    resolve_uri,
+    sqlite_path,
+)
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -87,18 +95,31 @@ def _check_server(uri: str, key: str) -> None:
     parts = urlsplit(uri)
     if parts.scheme not in ("http", "https"):
         return
-    # urllib takes no user:password@ in a URL: the credentials go in a header, as MLflow's do.
-    host = parts._replace(netloc=parts.netloc.rpartition("@")[2], query="", fragment="")
-    request = urllib.request.Request(host.geturl().rstrip("/") + "/health")
-    if parts.username is not None:
-        user = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
-        request.add_header("Authorization", "Basic " + base64.b64encode(user.encode()).decode())
     try:
+        # A port urllib cannot read (a password's unescaped '/' ends the authority early) is
+        # refused here, before http.client echoes it (InvalidURL: nonnumeric port: '...').
+        parts.port  # noqa: B018 - raises ValueError
+    except ValueError:
+        raise ConfigError(bad_port(uri, key, parts.scheme)) from None
+    try:
+        # urllib takes no user:password@ in a URL: the credentials go in a header, as MLflow's do.
+        host = parts._replace(netloc=parts.netloc.rpartition("@")[2], query="", fragment="")
+        request = urllib.request.Request(host.geturl().rstrip("/") + "/health")
+        if parts.username is not None:
+            user = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+            auth = base64.b64encode(user.encode()).decode()
+            request.add_header("Authorization", "Basic " + auth)
         context = _tls_context() if parts.scheme == "https" else None
         urllib.request.urlopen(request, timeout=HEALTH_TIMEOUT_SECONDS, context=context).close()
     except urllib.error.HTTPError:
         return  # something answers; the store calls below tell whether it is MLflow
-    except (OSError, ValueError) as exc:
+    except (http.client.InvalidURL, ValueError) as exc:
+        # Their messages quote the URL or a header, a password's part among them: named only.
+        raise ConfigError(
+            f"{key}: cannot send a request to {redact(uri)} ({type(exc).__name__}); expected "
+            f"{parts.scheme}://[USER:PASSWORD@]HOST[:PORT]; {ESCAPES}"
+        ) from None
+    except OSError as exc:
         reason = getattr(exc, "reason", exc)
         if isinstance(reason, ssl.SSLCertVerificationError):
             raise FederationError(

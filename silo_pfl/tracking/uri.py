@@ -14,7 +14,7 @@ from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
 
 from silo_pfl import node_env
-from silo_pfl.errors import SECRET_QUERY, ConfigError
+from silo_pfl.errors import PASSWORD_MASK, SECRET_QUERY, URL_PASSWORD, ConfigError
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 ENV_URI = "MLFLOW_TRACKING_URI"
@@ -23,10 +23,12 @@ SQLITE_PREFIX = "sqlite:///"
 SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")
 EXAMPLES = "e.g. sqlite:///mlflow.db or http://host:5000"
 FILE_STORE = "; MLflow's file store is retired, a local store is sqlite:///PATH"
+ESCAPES = "a / ? # or @ in a user name or password is written %2F %3F %23 %40"
 
 
 def check_uri(uri: str, key: str) -> str:
-    """The URI, stripped, if MLflow can use it as a tracking and registry store."""
+    """The URI, stripped, if MLflow can use it as a tracking and registry store: a known scheme,
+    a SQLite database file, and an http(s) port that is a number (see bad_port)."""
     uri = str(uri).strip()
     scheme = "databricks" if uri == "databricks" else urlsplit(uri).scheme.split("+")[0]
     if scheme not in SCHEMES:
@@ -37,7 +39,25 @@ def check_uri(uri: str, key: str) -> str:
         )
     if scheme == "sqlite" and sqlite_target(uri) in ("", ":memory:"):
         raise ConfigError(f"{key}: got {redact(uri)!r}, expected sqlite:///PATH to a database file")
+    if scheme in ("http", "https"):
+        try:
+            urlsplit(uri).port  # noqa: B018 - raises ValueError for a port urllib cannot read
+        except ValueError:
+            raise ConfigError(bad_port(uri, key, scheme)) from None
     return uri
+
+
+def bad_port(uri: str, key: str, scheme: str) -> str:
+    """The one-line refusal of an http(s) URI whose port is not a number. urllib reads the port
+    after the authority's last ':', and the authority ends at the first '/', '?' or '#': so
+    http://admin:Tr0ub4dor/3xyz@host:5000 has the "port" 'Tr0ub4dor', which http.client would
+    echo in its error. The URI is shown redacted."""
+    shown = redact(uri)
+    masked = " (password masked)" if shown != uri else ""
+    return (
+        f"{key}: got {shown!r}{masked}, expected {scheme}://host:PORT with a numeric PORT "
+        f"(0-65535), or no port; {ESCAPES}"
+    )
 
 
 def node_uri(uri: str, key: str, silo: str) -> str:
@@ -90,13 +110,18 @@ def artifact_dir(uri: str, experiment: str) -> Path | None:
 
 
 def redact(uri: str) -> str:
-    """The URI without its password or secret query values, for params, results and messages."""
-    parts = urlsplit(uri)
-    redacted = uri
-    if parts.password is not None:  # user:password@host, the password up to the last @
-        userinfo, _, host = parts.netloc.rpartition("@")
-        netloc = f"{userinfo.partition(':')[0]}:***@{host}"
-        redacted = redacted.replace(parts.netloc, netloc, 1)
+    """The URI without its password or secret query values, for params, results and messages.
+
+    The password is everything from the first ':' after `scheme://` (with no '/' before it) to
+    the URI's last '@', shown as ***: postgresql://admin:***@db/mlflow. That covers a password
+    with an unescaped '/', '?', '#' or '@', which SQLAlchemy takes whole
+    (postgresql://admin:Tr0ub4dor/3xyz@db/mlflow) while urllib ends the authority before it, and
+    what urllib reads as one (up to the authority's last '@'). A URI with no password but an '@'
+    in its path or query after a host:port is masked from the port on: more hidden, never less
+    (errors.URL_PASSWORD).
+    """
+    redacted = URL_PASSWORD.sub(PASSWORD_MASK, uri)
+    parts = urlsplit(redacted)
     query = "&".join(
         f"{name}=***" if sep and SECRET_QUERY.search(name) else f"{name}{sep}{value}"
         for name, sep, value in (item.partition("=") for item in parts.query.split("&"))
