@@ -297,23 +297,39 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
     return parsed
 
 
-def _may_be_null(key: str) -> bool:
-    """Whether FederationConfig lets the dotted `key` be null: its type is Optional, or not
-    known from the dataclasses (a section of free keys)."""
+def _declared(key: str) -> Any:
+    """The type FederationConfig declares for the dotted `key`; None where the dataclasses do
+    not say (a section of free keys)."""
     kind: Any = FederationConfig
     for part in key.split("."):
         if not dataclasses.is_dataclass(kind):
-            return True
+            return None
         kind = typing.get_type_hints(kind).get(part)
         if kind is None:
-            return True
-    return kind is Any or type(None) in typing.get_args(kind)
+            return None
+    return kind
+
+
+def _args(kind: Any) -> tuple[Any, ...]:
+    """The members of a union type (bool | None), else none."""
+    return typing.get_args(kind) if kind is not None else ()
+
+
+def _may_be_null(key: str) -> bool:
+    """Whether FederationConfig lets the dotted `key` be null: its type is Optional, or not
+    known from the dataclasses."""
+    kind = _declared(key)
+    return kind is None or kind is Any or type(None) in typing.get_args(kind)
 
 
 def _check_read_as_written(key: str, text: str, value: Any) -> None:
     """An override's value as YAML 1.1 reads it must be what it says in decimal or in words:
     seed=010 is 8 (octal), 0x10 is 16, 1:30 is 90 (base 60), and yes, no, on and off are
     booleans (name=yes would be 'True'). Such a value is refused, with how to write it."""
+    kind = _declared(key)
+    if isinstance(value, int) and not isinstance(value, bool) and bool in (kind, *_args(kind)):
+        none = ", or null" if _may_be_null(key) else ""
+        raise ConfigError(f"{key}: got {text}, expected true or false{none}")
     if isinstance(value, bool):
         if text.lower() not in ("true", "false"):
             raise ConfigError(

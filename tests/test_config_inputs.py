@@ -350,3 +350,15 @@ def test_an_adapter_width_beyond_the_widest_layer_is_one_line(capsys, tmp_path, 
     """99999999999999999999 overflowed torch's allocation: 16 lines of a C++ stack, exit 1."""
     message = cli_error(capsys, tmp_path, JOB, "model.name=transformer", f"model.adapter_dim={dim}")
     assert message == f"model.adapter_dim: got {dim}, expected 0 to 16384"
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("aggregation.secure=2", "aggregation.secure: got 2, expected true or false"),
+        ("metrics.enabled=0", "metrics.enabled: got 0, expected true or false, or null"),
+    ],
+)
+def test_a_number_given_for_a_yes_or_no_setting_is_refused(override, expected):
+    """OmegaConf took 2 as true and 0 as false."""
+    assert refused(override) == expected
