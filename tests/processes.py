@@ -7,9 +7,11 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,3 +43,23 @@ def wait_for_http(url: str, proc: subprocess.Popen, log: Path, what: str, second
         except (urllib.error.URLError, OSError):
             time.sleep(0.5)
     pytest.fail(f"{what} did not answer {url} in {seconds} s")
+
+
+@contextlib.contextmanager
+def mlflow_server(directory: Path, port: int) -> Iterator[subprocess.Popen]:
+    """A real `mlflow server` on 127.0.0.1:`port`, its store and artifacts in `directory`, in a
+    session of its own; stopped by its process group when the block ends."""
+    command = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--backend-store-uri", f"sqlite:///{directory / 'srv.db'}"]
+    command += ["--artifacts-destination", str(directory / "srv-artifacts"), "--workers", "1"]
+    log = directory / "mlflow-server.log"
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    with log.open("w") as out:
+        server = subprocess.Popen(
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        wait_for_http(f"http://127.0.0.1:{port}/health", server, log, "mlflow server", 120)
+        yield server
+    finally:
+        stop_group(server)

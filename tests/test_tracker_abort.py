@@ -8,9 +8,6 @@ CLI, in a process of its own, stopped to play a store that dies) or a real SQLit
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,7 +15,8 @@ from typing import Any
 
 import pytest
 from mlflow import MlflowClient
-from processes import stop_group, wait_for_http
+from processes import mlflow_server as start_mlflow_server
+from processes import stop_group
 from serving import free_port
 
 from silo_pfl.config import FederationConfig
@@ -35,20 +33,8 @@ SPLIT = SplitInfo(10, 5, 40)
 def mlflow_server(tmp_path):
     """A real `mlflow server` on a free port; the test stops it, and the teardown makes sure."""
     port = free_port()
-    command = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--backend-store-uri", f"sqlite:///{tmp_path / 'srv.db'}"]
-    command += ["--artifacts-destination", str(tmp_path / "srv-artifacts"), "--workers", "1"]
-    log = tmp_path / "mlflow-server.log"
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    with log.open("w") as out:
-        server = subprocess.Popen(
-            command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    try:
-        wait_for_http(f"http://127.0.0.1:{port}/health", server, log, "mlflow server", 120)
+    with start_mlflow_server(tmp_path, port) as server:
         yield SimpleNamespace(uri=f"http://127.0.0.1:{port}", proc=server)
-    finally:
-        stop_group(server)
 
 
 def _config(tmp_path: Path, uri: str) -> FederationConfig:

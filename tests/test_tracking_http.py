@@ -5,15 +5,13 @@ hold it. A real `mlflow server`, the CLI in a process of its own on the session'
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from drivers import joining_env, start_driver, until_round
-from processes import stop_group, wait_for_http
+from processes import mlflow_server as start_mlflow_server
+from processes import stop_group
 from serving import free_port
 
 PASSWORD = "s3cretPW-in-the-uri"
@@ -23,22 +21,9 @@ PASSWORD = "s3cretPW-in-the-uri"
 def mlflow_server(tmp_path_factory):
     """A real `mlflow server` on a free port; its URI with a user and password, which MLflow
     sends and the server ignores. One for the module: its last test stops it."""
-    tmp_path = tmp_path_factory.mktemp("mlflow_server")
     port = free_port()
-    command = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--backend-store-uri", f"sqlite:///{tmp_path / 'srv.db'}"]
-    command += ["--artifacts-destination", str(tmp_path / "srv-artifacts"), "--workers", "1"]
-    log = tmp_path / "mlflow-server.log"
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    with log.open("w") as out:
-        server = subprocess.Popen(
-            command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    try:
-        wait_for_http(f"http://127.0.0.1:{port}/health", server, log, "mlflow server", 120)
+    with start_mlflow_server(tmp_path_factory.mktemp("mlflow_server"), port) as server:
         yield SimpleNamespace(uri=f"http://alice:{PASSWORD}@127.0.0.1:{port}", proc=server)
-    finally:
-        stop_group(server)
 
 
 def test_a_store_password_is_printed_nowhere(ray_local, tmp_path, mlflow_server):
