@@ -307,8 +307,7 @@ def test_a_reader_that_has_gone_ends_the_command_quietly(buffered):
         ),
         (
             ["config", HEART, "rounds="],
-            "error: rounds: got an empty value ('rounds=', an unset shell variable?); give a "
-            "value",
+            "error: rounds: got an empty value ('rounds=', an unset shell variable?); give a value",
         ),
         (
             ["config", HEART, "output_dir="],
