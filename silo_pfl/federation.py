@@ -11,7 +11,7 @@ from silo_pfl.config import FederationConfig, read_yaml, written_keys
 from silo_pfl.results import FederationResult
 from silo_pfl.run_dir import check_resume
 from silo_pfl.runtime.orchestrator import Orchestrator
-from silo_pfl.settings import is_checked, load_config, user_config
+from silo_pfl.settings import check_files_apart, is_checked, load_config, user_config
 
 
 class Federation:
@@ -54,6 +54,7 @@ class Federation:
         so a bad tracking.uri fails before any silo starts. MLflow is imported only then.
         """
         check_resume(resume)  # before the store is opened: a refused resume leaves nothing
+        check_files_apart(self.config)
         if not self.config.tracking.enabled:
             return Orchestrator(self.config, self.callbacks, resume).run()
         from silo_pfl.tracking.tracker import MlflowTracker
@@ -88,6 +89,7 @@ class Federation:
         from silo_pfl.tracking.trained_run import load_trained_run
 
         check_onboarding(self.config, silo)
+        check_files_apart(self.config)
         trained = load_trained_run(str(self.config.tracking.uri), self.config.name, from_run)
         cfg = joining_config(trained, self.config, silo, self.written)
         tracker = MlflowTracker(cfg, ONBOARD, trained.run_id)

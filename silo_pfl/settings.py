@@ -303,12 +303,15 @@ def check_node_variables(cfg: FederationConfig, on_cluster: bool) -> None:
             )
 
 
-def check_files_apart(cfg: FederationConfig, on_cluster: bool) -> None:
+def check_files_apart(cfg: FederationConfig) -> None:
     """On one machine, two silos may not read one file: each would split the same rows its own
-    way, so one silo's test rows would be another's training rows. On a cluster one path may
-    name each node's own file, and so may a path with $VARS, so neither is checked."""
+    way, so one silo's test rows would be another's training rows. On a cluster (ray.address,
+    RAY_ADDRESS: a run that joins one, as a submitted job's does) one path may name each node's
+    own file, and so may a path with $VARS, so neither is checked. Called as a run or an
+    onboarding starts, not at load: `silo-pfl submit` loads a cluster's job on a machine of its
+    own."""
     paths = getattr(cfg.data, "paths", None) or {}
-    if on_cluster:
+    if ray_address(cfg.ray.address) is not None:
         return
     seen: dict[Path, str] = {}
     for silo, path in paths.items():
@@ -445,7 +448,5 @@ def _check_silos(cfg: FederationConfig) -> None:
         check_node_label(settings.node_label, f"silos.{silo}.node_label")
     check_node_label(cfg.server.node_label, "server.node_label")
     _check_nodes_apart(cfg, every)
-    on_cluster = ray_address(cfg.ray.address) is not None
-    check_node_variables(cfg, on_cluster)
-    check_files_apart(cfg, on_cluster)
+    check_node_variables(cfg, ray_address(cfg.ray.address) is not None)
     cfg.tracking.uri = resolve_uri(cfg.tracking.uri, "tracking.uri")

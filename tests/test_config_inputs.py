@@ -10,7 +10,7 @@ import pytest
 from silo_pfl.cli import main
 from silo_pfl.config import check_name
 from silo_pfl.errors import ConfigError
-from silo_pfl.settings import load_config
+from silo_pfl.settings import check_files_apart, load_config
 from silo_pfl.tracking.uri import check_uri
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,9 +80,10 @@ def test_a_csv_silo_name_that_is_no_plain_path_component_is_refused(tmp_path):
     assert refused(job=job).startswith("data.paths: got silo name '../evil', expected 1 to 63")
 
 
-def test_two_silos_reading_one_file_on_one_machine_are_refused(tmp_path, monkeypatch):
+def test_two_silos_reading_one_file_on_one_machine_are_refused(tmp_path, capsys, monkeypatch):
     """Each silo splits its file its own way: one file for two silos puts one silo's test rows
-    in the other's training rows. On a cluster one path names each node's own file."""
+    in the other's training rows. On a cluster one path names each node's own file, so a job
+    loaded for `submit` (on a machine of its own) or one joining a cluster is not refused."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     job = tmp_path / "job.yaml"
     job.write_text(
@@ -91,11 +92,14 @@ def test_two_silos_reading_one_file_on_one_machine_are_refused(tmp_path, monkeyp
         f"    a: {tmp_path / 'x.csv'}\n    b: {tmp_path / 'y.csv'}\n"
         f"    c: {tmp_path / 'sub' / '..' / 'x.csv'}\n"
     )
-    assert refused(job=job) == (
+    assert cli_error(capsys, tmp_path, job) == (
         f"data.paths.c: names the file of silo a ({tmp_path / 'x.csv'}); each silo reads a file "
         "of its own rows, or rows would be in two silos"
     )
-    load_config(job, [*QUIET, "ray.address=10.0.0.1:6379", "ray.placement=per_node"])
+    check_files_apart(load_config(job, [*QUIET, "ray.address=10.0.0.1:6379"]))
+    code = main(["submit", str(job), "--address", "http://127.0.0.1:9", "--no-wait", *QUIET])
+    err = capsys.readouterr().err
+    assert code != 0 and "--address http://127.0.0.1:9" in err and "data.paths" not in err, err
 
 
 # 2. MLflow's file store no longer opens: a file: URI is refused at load.
