@@ -59,6 +59,7 @@ def no_tls_settings(monkeypatch):
         "MLFLOW_TRACKING_INSECURE_TLS",
         "MLFLOW_TRACKING_CLIENT_CERT_PATH",
         "REQUESTS_CA_BUNDLE",
+        "CURL_CA_BUNDLE",
     ):
         monkeypatch.delenv(name, raising=False)
 
@@ -73,11 +74,11 @@ def test_a_store_whose_certificate_is_not_trusted_is_named_in_one_line(https_sto
     assert message.endswith("set MLFLOW_TRACKING_SERVER_CERT_PATH to its CA's certificate")
 
 
-@pytest.mark.parametrize("how", ["ca", "insecure"])
+@pytest.mark.parametrize("how", ["ca", "insecure", "insecure-1"])
 def test_a_store_trusted_as_mlflows_client_trusts_it_is_accepted(https_store, monkeypatch, how):
     uri, ca = https_store
     if how == "ca":
         monkeypatch.setenv("MLFLOW_TRACKING_SERVER_CERT_PATH", str(ca))
     else:
-        monkeypatch.setenv("MLFLOW_TRACKING_INSECURE_TLS", "true")
+        monkeypatch.setenv("MLFLOW_TRACKING_INSECURE_TLS", "1" if how.endswith("1") else "true")
     check_store(uri, "tracking.uri")

@@ -37,6 +37,8 @@ from silo_pfl.tracking.uri import (
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
+# Where MLflow's client (through requests) finds the CA to trust, first to last.
+CA_VARIABLES = ("MLFLOW_TRACKING_SERVER_CERT_PATH", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
 HEALTH_TIMEOUT_SECONDS = 20.0  # a server busy starting up answers slowly on 2 cores
 # Tables every MLflow SQLite store has: an existing file without them is not a store to read
 # (MLflow would add its whole schema to it).
@@ -73,17 +75,16 @@ def _check_sqlite(uri: str, key: str) -> None:
 
 
 def _tls_context() -> ssl.SSLContext:
-    """The trust MLflow's client gives an HTTPS store: MLFLOW_TRACKING_INSECURE_TLS=true trusts
-    any certificate, MLFLOW_TRACKING_SERVER_CERT_PATH (or REQUESTS_CA_BUNDLE) names the CA to
-    trust, MLFLOW_TRACKING_CLIENT_CERT_PATH a client certificate with its key."""
-    if os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").strip().lower() == "true":
+    """The trust MLflow's client gives an HTTPS store: MLFLOW_TRACKING_INSECURE_TLS=true (or 1)
+    trusts any certificate, MLFLOW_TRACKING_SERVER_CERT_PATH (else requests' REQUESTS_CA_BUNDLE
+    or CURL_CA_BUNDLE) names the CA to trust, MLFLOW_TRACKING_CLIENT_CERT_PATH a client
+    certificate with its key."""
+    if os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").strip().lower() in ("true", "1"):
         context = ssl.create_default_context()
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
     else:
-        cafile = os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH") or os.environ.get(
-            "REQUESTS_CA_BUNDLE"
-        )
+        cafile = next((os.environ[v] for v in CA_VARIABLES if os.environ.get(v, "").strip()), None)
         context = ssl.create_default_context(cafile=cafile or None)
     client = os.environ.get("MLFLOW_TRACKING_CLIENT_CERT_PATH")
     if client:
