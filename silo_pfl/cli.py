@@ -489,7 +489,8 @@ def _keys(args: argparse.Namespace) -> int:
             else identity.default_key_dir(args.federation, args.silo)
         )
     except RuntimeError as exc:  # ~user with no such user, or no home directory
-        raise ConfigError(f"--key-dir: {args.key_dir}: {exc}") from None
+        shown = args.key_dir or "(its default, under ~/.silo_pfl/keys)"
+        raise ConfigError(f"--key-dir: {shown}: {exc}") from None
     options = ["--federation", args.federation, "--silo", args.silo]
     where = shlex.join(options + (["--key-dir", args.key_dir] if args.key_dir else []))
     check_dir_path(directory, f"--key-dir {args.key_dir}" if args.key_dir else str(directory))

@@ -116,7 +116,8 @@ CASES = [
     (
         ["algorithm.name=fedrep", "train.local_epochs=7"],
         "algorithm.name is fedrep, so train.local_epochs has no effect: a round trains "
-        "algorithm.fedrep.head_epochs, then algorithm.fedrep.body_epochs",
+        "algorithm.fedrep.head_epochs, then algorithm.fedrep.body_epochs (only an onboarding's "
+        "alone baseline reads it)",
     ),
     (
         ["algorithm.name=lg_fedavg", "algorithm.lg_fedavg.local_blocks=2", "split.local=[head]"],
@@ -240,6 +241,7 @@ def test_a_job_that_chooses_fedrep_and_sets_local_epochs_is_told_in_one_line(cap
     assert "name: fedrep" in job.read_text()
     assert warnings_of(caplog, lambda: load_config(str(job))) == [
         "algorithm.name is fedrep, so train.local_epochs has no effect: a round trains "
-        "algorithm.fedrep.head_epochs, then algorithm.fedrep.body_epochs"
+        "algorithm.fedrep.head_epochs, then algorithm.fedrep.body_epochs (only an onboarding's "
+        "alone baseline reads it)"
     ]
     assert warnings_of(caplog, lambda: load_config(JOB, ["algorithm.name=fedrep"])) == []

@@ -29,7 +29,7 @@ class FedRep(Algorithm):
     needs_local_keys = True
     ignores = {
         "train.local_epochs": "a round trains algorithm.fedrep.head_epochs, then "
-        "algorithm.fedrep.body_epochs"
+        "algorithm.fedrep.body_epochs (only an onboarding's alone baseline reads it)"
     }
 
     def phases(self) -> list[Phase]:

@@ -184,12 +184,12 @@ def read_key_file(path: Path) -> dict[str, str]:
     `silos.<silo>.identity_key=<base64 key>` as silo-pfl keys show prints them; '#' starts a
     comment. A pipe or a device is refused before it is opened (a pipe no one writes to would
     wait for ever, and a process substitution is the driver's alone: no silo could read it)."""
-    if path.expanduser().exists() and not path.expanduser().is_file():
-        raise ConfigError(
-            f"aggregation.identity_keys: {path} is not a regular file; name a file that lists "
-            "the silos' keys"
-        )
     try:
+        if path.expanduser().exists() and not path.expanduser().is_file():
+            raise ConfigError(
+                f"aggregation.identity_keys: {path} is not a regular file; name a file that "
+                "lists the silos' keys"
+            )
         text = path.expanduser().read_text(encoding="utf-8")
     except OSError as exc:
         message = f"aggregation.identity_keys: cannot read {path} ({exc.strerror})"
