@@ -310,11 +310,6 @@ def _declared(key: str) -> Any:
     return kind
 
 
-def _args(kind: Any) -> tuple[Any, ...]:
-    """The members of a union type (bool | None), else none."""
-    return typing.get_args(kind) if kind is not None else ()
-
-
 def _may_be_null(key: str) -> bool:
     """Whether FederationConfig lets the dotted `key` be null: its type is Optional, or not
     known from the dataclasses."""
@@ -327,7 +322,11 @@ def _check_read_as_written(key: str, text: str, value: Any) -> None:
     seed=010 is 8 (octal), 0x10 is 16, 1:30 is 90 (base 60), and yes, no, on and off are
     booleans (name=yes would be 'True'). Such a value is refused, with how to write it."""
     kind = _declared(key)
-    if isinstance(value, int) and not isinstance(value, bool) and bool in (kind, *_args(kind)):
+    if (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and bool in (kind, *typing.get_args(kind))
+    ):
         none = ", or null" if _may_be_null(key) else ""
         raise ConfigError(f"{key}: got {text}, expected true or false{none}")
     if isinstance(value, bool):

@@ -184,13 +184,14 @@ def read_key_file(path: Path) -> dict[str, str]:
     `silos.<silo>.identity_key=<base64 key>` as silo-pfl keys show prints them; '#' starts a
     comment. A pipe or a device is refused before it is opened (a pipe no one writes to would
     wait for ever, and a process substitution is the driver's alone: no silo could read it)."""
+    where = path.expanduser()
     try:
-        if path.expanduser().exists() and not path.expanduser().is_file():
+        if where.exists() and not where.is_file():
             raise ConfigError(
                 f"aggregation.identity_keys: {path} is not a regular file; name a file that "
                 "lists the silos' keys"
             )
-        text = path.expanduser().read_text(encoding="utf-8")
+        text = where.read_text(encoding="utf-8")
     except OSError as exc:
         message = f"aggregation.identity_keys: cannot read {path} ({exc.strerror})"
         raise ConfigError(message) from None

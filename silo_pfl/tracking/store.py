@@ -28,7 +28,7 @@ from silo_pfl.paths import nearest_existing
 from silo_pfl.tracking.uri import (
     ESCAPES,
     artifact_dir,
-    bad_port,
+    check_port,
     redact,
     resolve_uri,
     sqlite_path,
@@ -96,12 +96,7 @@ def _check_server(uri: str, key: str) -> None:
     parts = urlsplit(uri)
     if parts.scheme not in ("http", "https"):
         return
-    try:
-        # A port urllib cannot read (a password's unescaped '/' ends the authority early) is
-        # refused here, before http.client echoes it (InvalidURL: nonnumeric port: '...').
-        parts.port  # noqa: B018 - raises ValueError
-    except ValueError:
-        raise ConfigError(bad_port(uri, key, parts.scheme)) from None
+    check_port(uri, key)  # before http.client echoes it (InvalidURL: nonnumeric port: '...')
     try:
         # urllib takes no user:password@ in a URL: the credentials go in a header, as MLflow's do.
         host = parts._replace(netloc=parts.netloc.rpartition("@")[2], query="", fragment="")

@@ -28,7 +28,7 @@ ESCAPES = "a / ? # or @ in a user name or password is written %2F %3F %23 %40"
 
 def check_uri(uri: str, key: str) -> str:
     """The URI, stripped, if MLflow can use it as a tracking and registry store: a known scheme,
-    a SQLite database file, and an http(s) port that is a number (see bad_port)."""
+    a SQLite database file, and an http(s) port that is a number (see check_port)."""
     uri = str(uri).strip()
     scheme = "databricks" if uri == "databricks" else urlsplit(uri).scheme.split("+")[0]
     if scheme not in SCHEMES:
@@ -40,24 +40,25 @@ def check_uri(uri: str, key: str) -> str:
     if scheme == "sqlite" and sqlite_target(uri) in ("", ":memory:"):
         raise ConfigError(f"{key}: got {redact(uri)!r}, expected sqlite:///PATH to a database file")
     if scheme in ("http", "https"):
-        try:
-            urlsplit(uri).port  # noqa: B018 - raises ValueError for a port urllib cannot read
-        except ValueError:
-            raise ConfigError(bad_port(uri, key, scheme)) from None
+        check_port(uri, key)
     return uri
 
 
-def bad_port(uri: str, key: str, scheme: str) -> str:
-    """The one-line refusal of an http(s) URI whose port is not a number. urllib reads the port
-    after the authority's last ':', and the authority ends at the first '/', '?' or '#': so
+def check_port(uri: str, key: str) -> None:
+    """A one-line ConfigError for an http(s) URI whose port is not a number. urllib reads the
+    port after the authority's last ':', and the authority ends at the first '/', '?' or '#': so
     http://admin:Tr0ub4dor/3xyz@host:5000 has the "port" 'Tr0ub4dor', which http.client would
     echo in its error. The URI is shown redacted."""
-    shown = redact(uri)
-    masked = " (password masked)" if shown != uri else ""
-    return (
-        f"{key}: got {shown!r}{masked}, expected {scheme}://host:PORT with a numeric PORT "
-        f"(0-65535), or no port; {ESCAPES}"
-    )
+    parts = urlsplit(uri)
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a port urllib cannot read
+    except ValueError:
+        shown = redact(uri)
+        masked = " (password masked)" if shown != uri else ""
+        raise ConfigError(
+            f"{key}: got {shown!r}{masked}, expected {parts.scheme}://host:PORT with a numeric "
+            f"PORT (0-65535), or no port; {ESCAPES}"
+        ) from None
 
 
 def node_uri(uri: str, key: str, silo: str) -> str:
