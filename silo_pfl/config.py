@@ -317,16 +317,17 @@ def _may_be_null(key: str) -> bool:
     return kind is None or kind is Any or type(None) in typing.get_args(kind)
 
 
+def _takes_bool(key: str) -> bool:
+    """Whether FederationConfig declares the dotted `key` a boolean (or an optional one)."""
+    kind = _declared(key)
+    return bool in (kind, *typing.get_args(kind))
+
+
 def _check_read_as_written(key: str, text: str, value: Any) -> None:
     """An override's value as YAML 1.1 reads it must be what it says in decimal or in words:
     seed=010 is 8 (octal), 0x10 is 16, 1:30 is 90 (base 60), and yes, no, on and off are
     booleans (name=yes would be 'True'). Such a value is refused, with how to write it."""
-    kind = _declared(key)
-    if (
-        isinstance(value, int)
-        and not isinstance(value, bool)
-        and bool in (kind, *typing.get_args(kind))
-    ):
+    if isinstance(value, int) and not isinstance(value, bool) and _takes_bool(key):
         none = ", or null" if _may_be_null(key) else ""
         raise ConfigError(f"{key}: got {text}, expected true or false{none}")
     if isinstance(value, bool):
@@ -443,9 +444,9 @@ _NOT_DECIMAL = re.compile(r"[-+]?0[0-9_]+|[-+]?0[xXoObB].*")
 
 def _yaml_surprise(root: Any) -> str | None:
     """What YAML 1.1 reads otherwise than written, unquoted: a key that is not a string (`no:`,
-    a silo of Norway, becomes the boolean False), a name that becomes one (`name: no`), and an
-    integer not in decimal (`seed: 010` is octal 8); and a dotted key on top (`train.lr: 0.3`),
-    which only overrides may use. None if there is none."""
+    a silo of Norway, becomes the boolean False), a name that becomes one (`name: no`), an
+    integer not in decimal (`seed: 010` is octal 8), a number for a yes or no (`secure: 1`); and
+    a dotted key on top (`train.lr: 0.3`), which only overrides may use. None if there is none."""
     todo: list[tuple[str, Any]] = [("", root)]
     while todo:
         prefix, node = todo.pop()
@@ -473,6 +474,9 @@ def _yaml_surprise(root: Any) -> str | None:
                     f"{name}: {value.value} reads as a boolean in YAML; quote it: "
                     f'{name.rsplit(".", 1)[-1]}: "{value.value}"'
                 )
+            if plain and value.tag == _INT and _takes_bool(name):
+                none = ", or null" if _may_be_null(name) else ""
+                return f"{name}: got {value.value}, expected true or false{none}"
             if plain and value.tag == _INT and _NOT_DECIMAL.fullmatch(value.value):
                 import yaml
 

@@ -366,3 +366,17 @@ def test_an_adapter_width_beyond_the_widest_layer_is_one_line(capsys, tmp_path, 
 def test_a_number_given_for_a_yes_or_no_setting_is_refused(override, expected):
     """OmegaConf took 2 as true and 0 as false."""
     assert refused(override) == expected
+
+
+@pytest.mark.parametrize(
+    ("lines", "expected"),
+    [
+        ("aggregation: {secure: 1}", "aggregation.secure: got 1, expected true or false"),
+        ("metrics: {enabled: 0}", "metrics.enabled: got 0, expected true or false, or null"),
+    ],
+)
+def test_a_number_for_a_yes_or_no_setting_in_the_job_file_is_refused(tmp_path, lines, expected):
+    """The job's YAML took 1 as true and 2 as true, where an override was refused."""
+    job = tmp_path / "job.yaml"
+    job.write_text(Path(JOB).read_text() + lines + "\n")
+    assert refused(job=job) == f"config file {job}: {expected}"
