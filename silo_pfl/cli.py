@@ -195,9 +195,19 @@ BLANK_REFUSED = {
 }
 
 
+def _resume_before_job(argv: list[str]) -> list[str]:
+    """`run --resume jobs/x.yaml`: --resume's optional RUN_ID would take the job's path, and the
+    job would be missing. A YAML path right after --resume is the job; --resume moves last."""
+    at = argv.index("--resume") if "--resume" in argv else -1
+    if 0 <= at < len(argv) - 1 and argv[at + 1].endswith((".yaml", ".yml")):
+        return [*argv[:at], *argv[at + 1 :], "--resume"]
+    return argv
+
+
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse the command line; key=value overrides may also follow the options."""
     parser = _parser()
+    argv = _resume_before_job(list(sys.argv[1:] if argv is None else argv))
     args, extra = parser.parse_known_args(argv)
     late = [item for item in extra if "=" in item and not item.startswith("-")]
     if extra != late or (late and args.command not in ("run", "submit", "onboard", "config")):

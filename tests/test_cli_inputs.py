@@ -270,6 +270,20 @@ def test_overrides_stay_optional_and_may_follow_the_options():
     assert _parse(["config", HEART]).overrides == []
 
 
+@pytest.mark.parametrize("command", ["run", "submit"])
+def test_resume_right_before_the_job_resumes_the_jobs_latest_run(command):
+    """`run --resume jobs/x.yaml` took the job's path for a run id, then missed the job."""
+    args = _parse([command, "--resume", HEART, "rounds=40", "--quiet"])
+    assert (args.config, args.resume, args.overrides, args.quiet) == (
+        HEART,
+        True,
+        ["rounds=40"],
+        True,
+    )
+    args = _parse([command, HEART, "--resume", "20261206-151550-10f40f"])
+    assert (args.config, args.resume) == (HEART, "20261206-151550-10f40f")
+
+
 @pytest.mark.parametrize("buffered", [False, True], ids=["unbuffered", "buffered"])
 def test_a_reader_that_has_gone_ends_the_command_quietly(buffered):
     """`silo-pfl config JOB | head -1`: once head has its line and exits, the CLI's next write
