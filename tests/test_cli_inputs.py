@@ -447,3 +447,12 @@ def test_a_submitted_onboarding_is_checked_as_onboard_checks_it_before_it_is_sen
     )
     assert code == 2 and err.count("\n") == 1 and err.startswith(expected), err
     assert out == ""
+
+
+def test_models_local_that_is_no_directory_is_a_usage_error(tmp_path, capsys):
+    """It exited 1, as a failure of the store would, not 2 as other bad paths do."""
+    missing = tmp_path / "nowhere"
+    code, _, err = cli(capsys, "models", "--local", str(missing))
+    assert_one_line(
+        code, err, f"error: --local {missing}: not a directory; expected a run's output_dir"
+    )

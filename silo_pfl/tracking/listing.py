@@ -144,12 +144,12 @@ def local_models_table(directory: str, federation: str | None = None) -> str:
     (privacy.central_models=global_only or none) under DIR, e.g. a node's output_dir."""
     import yaml
 
-    from silo_pfl.errors import SiloPflError
+    from silo_pfl.errors import ConfigError
     from silo_pfl.tracking.exporter import LOCAL_MODEL_DIR
 
     root = Path(directory).expanduser()
     if not root.is_dir():
-        raise SiloPflError(f"--local {directory}: not a directory")
+        raise ConfigError(f"--local {directory}: not a directory; expected a run's output_dir")
     lines = [("federation", "silo", "run", "round", "algorithm", "val acc", "test acc", "serve")]
     for spec in sorted(root.glob(f"**/silos/*/{LOCAL_MODEL_DIR}/MLmodel")):
         meta = (yaml.safe_load(spec.read_text()) or {}).get("metadata") or {}
