@@ -24,7 +24,8 @@ from silo_pfl.errors import FederationError, SiloPflError
 from silo_pfl.federation import Federation
 from silo_pfl.messages import SiloUpdate
 from silo_pfl.secure import identity, prg, shamir
-from silo_pfl.secure.aggregator import SecureRoundError
+from silo_pfl.secure.aggregator import SecureAggregator, SecureRoundError
+from silo_pfl.secure.client import SecureClient
 from silo_pfl.secure.fixed_point import decode_mean, encode
 from silo_pfl.secure.messages import Advertisement, UnmaskRequest
 from silo_pfl.secure.prg import BLOCK_WORDS, CHUNK_WORDS, apply_streams, stream
@@ -150,6 +151,44 @@ def test_a_driver_that_substitutes_a_key_is_caught_and_named():
     altered_own = dataclasses.replace(adverts[0], cipher_key=adverts[1].cipher_key)
     with pytest.raises(FederationError, match="silo s00: its round keys are not signed"):
         victim.share_keys([altered_own, *adverts[1:]])
+    # A byte moved from one key to the other keeps the signed bytes, and the signature, intact.
+    whole = adverts[1].cipher_key + adverts[1].mask_key
+    shifted = dataclasses.replace(adverts[1], cipher_key=whole[:33], mask_key=whole[33:])
+    assert shifted.signed_bytes(params.federation) == adverts[1].signed_bytes(params.federation)
+    with pytest.raises(
+        FederationError, match="silo s01: its round keys are not two 32-byte X25519 keys"
+    ):
+        victim.share_keys([adverts[0], shifted, *adverts[2:]])
+
+
+def test_confirmations_from_an_earlier_run_of_the_federation_do_not_count():
+    """Identity keys outlive runs, and each run counts rounds and attempts from 1: a driver
+    that kept survivors' signatures of a request in one run could replay them in the next, and
+    gather the threshold for requests no quorum confirmed (a silo's update unmasked alone)."""
+    params, _, _ = protocol_federation(4)  # threshold 3
+    names = list(params.silos)
+    keys = {name: Ed25519PrivateKey.generate() for name in names}
+    trusted = {name: identity.public_bytes(key) for name, key in keys.items()}
+    payloads, weights = _payloads(names), _weights(names)
+
+    def masked_run() -> tuple[dict[str, SecureClient], UnmaskRequest]:
+        """A fresh run of the federation, to its first round's unmask request."""
+        clients = {name: SecureClient(params, name, keys[name], trusted) for name in names}
+        server = SecureAggregator(params, trusted)
+        adverts = [clients[n].advertise(1, 1) for n in names]
+        server.enroll(1, 1, adverts)
+        inbox = server.route([clients[n].share_keys(adverts) for n in names])
+        for name in names:
+            clients[name].mask(payloads[name], weights[name], 1, 1, inbox[name])
+        return clients, unmask_request(clients, names[:3], names[3:])
+
+    earlier, old = masked_run()
+    kept = {name: earlier[name].confirm(old) for name in names[:3]}
+    now, request = masked_run()
+    assert request.signed_bytes(params.federation) == old.signed_bytes(params.federation)
+    signatures = {**kept, names[0]: now[names[0]].confirm(request)}
+    with pytest.raises(FederationError, match=rf"silo {names[0]}: only 1 survivors signed"):
+        now[names[0]].unmask(dataclasses.replace(request, signatures=tuple(signatures.items())))
 
 
 def test_a_driver_that_shrinks_the_peer_set_is_caught():

@@ -15,6 +15,7 @@ from cryptography.hazmat.primitives.serialization import (
     PublicFormat,
 )
 
+KEY_BYTES = 32  # an X25519 public key's raw length
 _NONCE = bytes(12)  # every sealing key seals one message, in one direction
 
 

@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from silo_pfl.errors import FederationError
 from silo_pfl.secure import shamir
-from silo_pfl.secure.agreement import mask_key, raw_private, raw_public, seal, unseal
+from silo_pfl.secure.agreement import KEY_BYTES, mask_key, raw_private, raw_public, seal, unseal
 from silo_pfl.secure.fixed_point import encode
 from silo_pfl.secure.messages import (
     Advertisement,
@@ -75,6 +75,10 @@ def verify(
             raise FederationError(f"{who}: not a silo of federation {params.federation}")
         if advert.silo in checked:
             raise FederationError(f"{who}: advertised two key sets in one round")
+        if len(advert.cipher_key) != KEY_BYTES or len(advert.mask_key) != KEY_BYTES:
+            raise FederationError(
+                f"{who}: its round keys are not two {KEY_BYTES}-byte X25519 keys (substituted keys)"
+            )
         if (advert.round, advert.attempt) != (round_, attempt):
             raise FederationError(
                 f"{who}: its keys are for round {advert.round} attempt {advert.attempt}, not "
@@ -157,11 +161,16 @@ class SecureClient:
 
     def _check_signatures(self, request: UnmaskRequest) -> None:
         """At least the threshold of the request's survivors signed exactly this request."""
-        message = request.signed_bytes(self.params.federation)
+        state = self._current(request.round, request.attempt)
         signed = {
             silo
             for silo, signature in request.signatures
-            if silo in request.survivors and signed_by(self.trusted.get(silo), signature, message)
+            if silo in request.survivors
+            and signed_by(
+                self.trusted.get(silo),
+                signature,
+                request.confirmation_bytes(self.params.federation, state.adverts[silo]),
+            )
         }
         needed = self.params.threshold
         if len(signed) < needed:
@@ -338,7 +347,8 @@ class SecureClient:
             )
         self._check_request(state, request)
         state.confirmed = replace(request, signatures=())
-        return self._identity.sign(request.signed_bytes(self.params.federation))
+        own = state.adverts[self.silo]
+        return self._identity.sign(request.confirmation_bytes(self.params.federation, own))
 
     def unmask(self, request: UnmaskRequest) -> Reveal:
         """Step 4: the seed shares of survivors and the mask-key shares of the dropped, for the

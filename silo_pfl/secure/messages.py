@@ -64,10 +64,17 @@ class UnmaskRequest:
     pairings: tuple[Pairing, ...] = ()  # each survivor's, as it signed it when it masked
 
     def signed_bytes(self, federation: str) -> bytes:
-        """What a survivor signs to confirm this request: its round, attempt and sets (not the
+        """The request as its survivors confirm it: its round, attempt and sets (not the
         pairings, each signed by its own survivor, nor the signatures)."""
         sets = f"{','.join(sorted(self.survivors))}|{','.join(sorted(self.dropped))}"
         return f"silo_pfl secagg unmask|{federation}|{self.round}|{self.attempt}|{sets}".encode()
+
+    def confirmation_bytes(self, federation: str, signer: Advertisement) -> bytes:
+        """What `signer` signs to confirm this request: the request, bound to the signer's
+        fresh keys of this attempt. Identity keys outlive runs, and every run counts its rounds
+        and attempts from 1, so a signature of the same request from an earlier run must not
+        count in this one."""
+        return self.signed_bytes(federation) + signer.cipher_key + signer.mask_key
 
 
 @dataclass(frozen=True)
