@@ -161,18 +161,17 @@ def test_a_driver_that_substitutes_a_key_is_caught_and_named():
         victim.share_keys([adverts[0], shifted, *adverts[2:]])
 
 
-def test_confirmations_from_an_earlier_run_of_the_federation_do_not_count():
-    """Identity keys outlive runs, and each run counts rounds and attempts from 1: a driver
-    that kept survivors' signatures of a request in one run could replay them in the next, and
-    gather the threshold for requests no quorum confirmed (a silo's update unmasked alone)."""
-    params, _, _ = protocol_federation(4)  # threshold 3
+def _runs_of_one_federation(count: int):
+    """Fresh runs of one federation whose silos keep their identity keys (as they do between
+    runs): each call masks round 1 and returns the clients, the server and the unmask request
+    in which the last silo dropped after masking."""
+    params, _, _ = protocol_federation(count)
     names = list(params.silos)
     keys = {name: Ed25519PrivateKey.generate() for name in names}
     trusted = {name: identity.public_bytes(key) for name, key in keys.items()}
     payloads, weights = _payloads(names), _weights(names)
 
-    def masked_run() -> tuple[dict[str, SecureClient], UnmaskRequest]:
-        """A fresh run of the federation, to its first round's unmask request."""
+    def masked_run():
         clients = {name: SecureClient(params, name, keys[name], trusted) for name in names}
         server = SecureAggregator(params, trusted)
         adverts = [clients[n].advertise(1, 1) for n in names]
@@ -180,15 +179,41 @@ def test_confirmations_from_an_earlier_run_of_the_federation_do_not_count():
         inbox = server.route([clients[n].share_keys(adverts) for n in names])
         for name in names:
             clients[name].mask(payloads[name], weights[name], 1, 1, inbox[name])
-        return clients, unmask_request(clients, names[:3], names[3:])
+        return clients, server, unmask_request(clients, names[:-1], names[-1:])
 
-    earlier, old = masked_run()
-    kept = {name: earlier[name].confirm(old) for name in names[:3]}
-    now, request = masked_run()
+    return params, masked_run
+
+
+def test_confirmations_from_an_earlier_run_of_the_federation_do_not_count():
+    """Identity keys outlive runs, and each run counts rounds and attempts from 1: a driver
+    that kept survivors' signatures of a request in one run could replay them in the next, and
+    gather the threshold for requests no quorum confirmed (a silo's update unmasked alone)."""
+    params, masked_run = _runs_of_one_federation(4)  # threshold 3
+    earlier, _, old = masked_run()
+    kept = {name: earlier[name].confirm(old) for name in old.survivors}
+    now, _, request = masked_run()
     assert request.signed_bytes(params.federation) == old.signed_bytes(params.federation)
-    signatures = {**kept, names[0]: now[names[0]].confirm(request)}
-    with pytest.raises(FederationError, match=rf"silo {names[0]}: only 1 survivors signed"):
-        now[names[0]].unmask(dataclasses.replace(request, signatures=tuple(signatures.items())))
+    first = request.survivors[0]
+    signatures = {**kept, first: now[first].confirm(request)}
+    with pytest.raises(FederationError, match=rf"silo {first}: only 1 survivors signed"):
+        now[first].unmask(dataclasses.replace(request, signatures=tuple(signatures.items())))
+
+
+def test_a_pairing_from_an_earlier_run_of_the_federation_is_refused():
+    """A survivor's signed pairing (the peers it masked with) kept from one run would, replayed
+    in the next, tell the silos that the survivors' masks tie them into one sum when they may
+    not."""
+    _, masked_run = _runs_of_one_federation(4)
+    *_, old = masked_run()
+    now, server, request = masked_run()
+    second = request.survivors[1]
+    replayed = tuple(old.pairings[1] if p.silo == second else p for p in request.pairings)
+    with pytest.raises(SecureRoundError, match=rf"pairing of survivor {second} is not its signed"):
+        server.unmask_request(request.survivors, {p.silo: p for p in replayed})
+    first = request.survivors[0]
+    with pytest.raises(FederationError, match=rf"pairing of survivor {second} is not its signed"):
+        now[first].confirm(dataclasses.replace(request, pairings=replayed))
+    assert now[first].confirm(request)
 
 
 def test_a_driver_that_shrinks_the_peer_set_is_caught():

@@ -148,7 +148,7 @@ class SecureAggregator:
         no identity keys: every silo checks it)."""
         if self.trusted is None:
             return True
-        return pairing_signed(pairing, self.trusted, self.params.federation)
+        return pairing_signed(pairing, self.trusted, self.params.federation, self.adverts)
 
     def _recover(self, reveals: Sequence[Reveal]) -> tuple[dict[str, bytes], dict[str, bytes]]:
         """Each survivor's seed and each dropped silo's mask key, from the revealed shares."""

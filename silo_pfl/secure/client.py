@@ -104,9 +104,18 @@ def signed_by(identity: bytes | None, signature: bytes, message: bytes) -> bool:
     return True
 
 
-def pairing_signed(pairing: Pairing, trusted: Mapping[str, bytes], federation: str) -> bool:
-    """Whether `pairing` is signed by the identity key `trusted` lists for its silo."""
-    message = pairing.signed_bytes(federation)
+def pairing_signed(
+    pairing: Pairing,
+    trusted: Mapping[str, bytes],
+    federation: str,
+    adverts: Mapping[str, Advertisement],
+) -> bool:
+    """Whether `pairing` is signed by the identity key `trusted` lists for its silo, over that
+    silo's keys of the attempt as `adverts` holds them."""
+    signer = adverts.get(pairing.silo)
+    if signer is None:
+        return False
+    message = pairing.signed_bytes(federation, signer)
     return signed_by(trusted.get(pairing.silo), pairing.signature, message)
 
 
@@ -152,7 +161,7 @@ class SecureClient:
                 request.dropped,
                 state.round,
                 state.attempt,
-                lambda p: pairing_signed(p, self.trusted, federation),
+                lambda p: pairing_signed(p, self.trusted, federation, state.adverts),
             )
         except PairingError as exc:
             raise self._fail(f"{exc}; it reveals nothing") from None
@@ -309,7 +318,8 @@ class SecureClient:
             )
         state.masked = True
         pairing = Pairing(self.silo, round_, attempt, state.paired)
-        signature = self._identity.sign(pairing.signed_bytes(self.params.federation))
+        own = state.adverts[self.silo]
+        signature = self._identity.sign(pairing.signed_bytes(self.params.federation, own))
         state.pairing = replace(pairing, signature=signature)
         vector = encode(payload, weight, len(self.params.silos), self.silo, self.params.clip)
         keys = [(state.seed, +1)]

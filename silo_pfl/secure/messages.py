@@ -43,11 +43,14 @@ class Pairing:
     peers: tuple[str, ...]
     signature: bytes = b""
 
-    def signed_bytes(self, federation: str) -> bytes:
+    def signed_bytes(self, federation: str, signer: Advertisement) -> bytes:
+        """The pairing, bound to the signer's fresh keys of the attempt (`signer`): one signed
+        in an earlier run of the federation, which counted rounds from 1 too, does not verify."""
         peers = ",".join(sorted(self.peers))
-        return (
-            f"silo_pfl secagg paired|{federation}|{self.silo}|{self.round}|{self.attempt}|{peers}"
-        ).encode()
+        head = (
+            f"silo_pfl secagg paired|{federation}|{self.silo}|{self.round}|{self.attempt}|{peers}|"
+        )
+        return head.encode() + signer.cipher_key + signer.mask_key
 
 
 @dataclass(frozen=True)
