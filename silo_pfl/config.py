@@ -134,7 +134,8 @@ class AggregationConfig:
     # value outside the fixed-point range is an error naming the silo.
     clip: float | None = None
     # Reject a silo's update whose L2 norm (over the global keys' float values: not integer
-    # counters such as BatchNorm's step count) exceeds this; None: no bound.
+    # counters such as BatchNorm's step count) exceeds this, or that of an extra it carries
+    # (SCAFFOLD's control-variate change), each measured on its own; None: no bound.
     max_update_norm: float | None = None
 
 

@@ -175,17 +175,24 @@ class Server:
         if update.num_examples < 1:
             raise ValueError(f"update from silo {update.silo}: num_examples must be >= 1")
         if self.max_norm is not None:
-            squares = (
-                np.sum(np.square(v, dtype=np.float64))
-                for k, v in update.delta.items()
-                if k in self.measured
+            self._check_norm(update.silo, "", update.delta)
+            for name, values in sorted(update.extras.items()):
+                self._check_norm(update.silo, f"{name} ", values)
+
+    def _check_norm(self, silo: str, part: str, values: dict[str, np.ndarray]) -> None:
+        """The L2 norm of one part of an update (its delta, or an extra such as SCAFFOLD's
+        control-variate change, which reaches every silo through the server's state) over its
+        float values, at most aggregation.max_update_norm."""
+        assert self.max_norm is not None
+        squares = (
+            np.sum(np.square(v, dtype=np.float64)) for k, v in values.items() if k in self.measured
+        )
+        norm = float(np.sqrt(sum(squares)))
+        if norm > self.max_norm:
+            raise ValueError(
+                f"update from silo {silo}: {part}norm {norm:.4g} exceeds "
+                f"aggregation.max_update_norm={self.max_norm:g}"
             )
-            norm = float(np.sqrt(sum(squares)))
-            if norm > self.max_norm:
-                raise ValueError(
-                    f"update from silo {update.silo}: norm {norm:.4g} exceeds "
-                    f"aggregation.max_update_norm={self.max_norm:g}"
-                )
 
     def _check_values(self, silo: str, prefix: str, values: dict[str, np.ndarray]) -> None:
         """Exactly the global keys, each of the global key's shape and dtype (whether they are

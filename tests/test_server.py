@@ -24,7 +24,7 @@ def _round_one(job, *overrides: str) -> tuple[Server, list[SiloUpdate]]:
         info = silo.setup()
         silo.build(info.input_shape, info.num_classes)
         server = new_server(config, info.input_shape, info.num_classes)
-        updates.append(silo.fit(server.global_state(), 1)[0])
+        updates.append(silo.fit(server.global_state(), 1, broadcast=server.broadcast())[0])
     return server, updates
 
 
@@ -162,6 +162,37 @@ def test_the_norm_bound_measures_float_values_not_batchnorms_step_count(job):
         updates[1], round=2, delta={**updates[1].delta, variance: updates[1].delta[variance] - 1e6}
     )
     assert "exceeds aggregation.max_update_norm" in bounded.aggregate(pushed).rejected["silo_8"]
+
+
+def test_the_norm_bound_measures_scaffolds_control_variate_change_too(job):
+    """SCAFFOLD's control-variate change travels beside the delta and moves the server's c,
+    which every silo trains with: one silo's pushed far wrecked every silo's next round, while
+    the bound measured only the delta. Each part is bounded on its own."""
+    _, updates = _round_one(job, "algorithm.name=scaffold", "round.min_silos=1")
+
+    def norm(values) -> float:
+        return float(np.sqrt(sum(np.sum(v.astype(np.float64) ** 2) for v in values.values())))
+
+    parts = [u.delta for u in updates] + [v for u in updates for v in u.extras.values()]
+    bound = 1.5 * max(norm(part) for part in parts)
+    config = job(
+        "jobs/heart_disease.yaml",
+        "algorithm.name=scaffold",
+        "round.min_silos=1",
+        f"aggregation.max_update_norm={bound}",
+    )
+    bounded = new_server(to_dict(config), (13,), 2)
+    hungarian, va = updates
+    (name,) = hungarian.extras
+    pushed = {k: v + 1e6 for k, v in hungarian.extras[name].items()}
+    assert norm(hungarian.delta) <= bound
+    report = bounded.aggregate(dataclasses.replace(hungarian, extras={name: pushed}), va)
+    assert (
+        report.rejected["hungarian"].startswith(f"update from silo hungarian: {name} norm")
+        and f"exceeds aggregation.max_update_norm={bound:g}" in report.rejected["hungarian"]
+    )
+    assert report.accepted == ("va",)
+    assert _fresh(bounded).aggregate(*updates).accepted == ("hungarian", "va")
 
 
 def test_a_selected_round_whose_checkpoint_is_gone_gives_the_last_rounds_state_and_says_so(
