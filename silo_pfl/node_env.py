@@ -17,10 +17,10 @@ def names_variables(text: str) -> bool:
 
 def expand(text: str) -> tuple[str, str | None]:
     """`text` with this process's environment variables filled in (on a silo's node: the node's),
-    and the first variable it names that is not set, or None."""
-    expanded = os.path.expandvars(text)
-    unset = VARIABLE.search(expanded)
-    return expanded, unset.group(1) if unset else None
+    and the first variable it names that is not set, or None. Only `text` is searched: a value
+    may hold a `$` of its own (a password), which names no variable."""
+    unset = next((m[1] for m in VARIABLE.finditer(text) if m[1] not in os.environ), None)
+    return os.path.expandvars(text), unset
 
 
 def pin_hint(silo: str) -> str:
