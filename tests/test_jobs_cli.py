@@ -167,10 +167,15 @@ def test_a_fresh_submission_with_a_relative_output_dir_is_warned_of():
             "20,000 chars):\nround 11/20    0.42s  elapsed 0:10\nKilled\n",
             "Job entrypoint command failed with exit code 137 (the driver was killed by signal 9)",
         ),
+        (  # where /bin/sh is bash, it execs the entrypoint: the signal's own negative code
+            "Job entrypoint command failed with exit code -9, last available logs (truncated to "
+            "20,000 chars):\nround 11/20    0.42s  elapsed 0:10\n",
+            "Job entrypoint command failed with exit code -9 (the driver was killed by signal 9)",
+        ),
         ("Job finished successfully.", "Job finished successfully."),
         ("", ""),
     ],
-    ids=["driver-error", "killed", "plain", "none"],
+    ids=["driver-error", "killed", "killed-exec", "plain", "none"],
 )
 def test_a_jobs_reason_is_the_drivers_error_and_rays_exit_code_not_its_last_log_line(
     message, reason

@@ -255,9 +255,10 @@ def job_reason(message: str) -> str:
     if not lines:
         return ""
     first = lines[0].split(", last available logs")[0].rstrip(":, ")
-    code = re.search(r"exit code (\d+)", first)
-    if code and int(code[1]) > 128:
-        first += f" (the driver was killed by signal {int(code[1]) - 128})"
+    code = re.search(r"exit code (-?\d+)", first)
+    killed = 0 if code is None else -int(code[1]) if int(code[1]) < 0 else int(code[1]) - 128
+    if killed > 0:  # 128 + N from a shell (dash), -N where the shell exec'd the driver (bash)
+        first += f" (the driver was killed by signal {killed})"
     said = [line.strip() for line in lines[1:] if line.strip().startswith("error: ")]
     return f"{said[-1].removeprefix('error: ')} ({first})" if said else first
 
