@@ -206,6 +206,14 @@ def test_onprem_names_one_machine_per_institution(onprem):
     assert tracking.hostname == provider["head_ip"]
 
 
+def test_onprem_ships_no_file_the_checkout_ignores(onprem):
+    """`ray up` copies the checkout to every institution's node; without the filter its
+    comparison cache, reports and builds went along."""
+    assert ".gitignore" in onprem["rsync_filter"]
+    ignored = (ROOT / ".gitignore").read_text().split()
+    assert {".compare_cache/", "reports/", "runs/", "mlflow.db"} <= set(ignored)
+
+
 def test_onprem_never_holds_the_token(onprem):
     text = (CLUSTER / "onprem.yaml").read_text()
     assert "RAY_AUTH_TOKEN=" not in text
@@ -380,6 +388,8 @@ def test_rayjob_runs_a_federation_on_the_cluster(raycluster, rayjob):
 
     spec = rayjob["spec"]
     assert spec["clusterSelector"] == {"ray.io/cluster": raycluster["metadata"]["name"]}
+    # Under a clusterSelector KubeRay's deadline marks the RayJob Failed and stops nothing.
+    assert "activeDeadlineSeconds" not in spec
     argv = shlex.split(spec["entrypoint"])
     assert argv[:4] == ["python", "-m", "silo_pfl", "run"]
     assert (ROOT / argv[4]).is_file()
