@@ -362,7 +362,7 @@ def _onboard_config(args: argparse.Namespace) -> int:
 def _submit(args: argparse.Namespace) -> int:
     from silo_pfl.results import write_json_atomic
     from silo_pfl.runtime.jobs import JobsClient, check_tracking_store, output_dir_note
-    from silo_pfl.settings import check_node_variables, load_config
+    from silo_pfl.settings import check_files_apart, check_node_variables, load_config
 
     onboarding = _onboarding_options(args)
     config = load_config(args.config, args.overrides)
@@ -371,6 +371,7 @@ def _submit(args: argparse.Namespace) -> int:
 
         check_onboarding(config, args.onboard)
     check_node_variables(config, on_cluster=True)
+    check_files_apart(config, on_cluster=True)
     check_tracking_store(Path(args.config), args.overrides, config.tracking.enabled)
     note = output_dir_note(config.output_dir, args.resume)
     _check_results_path(args.results, args.config)

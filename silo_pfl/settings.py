@@ -303,27 +303,36 @@ def check_node_variables(cfg: FederationConfig, on_cluster: bool) -> None:
             )
 
 
-def check_files_apart(cfg: FederationConfig) -> None:
-    """On one machine, two silos may not read one file: each would split the same rows its own
-    way, so one silo's test rows would be another's training rows. On a cluster (ray.address,
-    RAY_ADDRESS: a run that joins one, as a submitted job's does) one path may name each node's
-    own file, and so may a path with $VARS, so neither is checked. Called as a run or an
-    onboarding starts, not at load: `silo-pfl submit` loads a cluster's job on a machine of its
-    own."""
+def check_files_apart(cfg: FederationConfig, on_cluster: bool | None = None) -> None:
+    """Two silos may not read one file: each would split the same rows its own way, so one
+    silo's test rows would be another's training rows. On a cluster (`on_cluster`, by default
+    whether the run joins one: ray.address, RAY_ADDRESS) one path names each node's own file,
+    but only for silos pinned to nodes of their own (`silo_selector`): silos that may share a
+    node (ray.placement=any, one node_label) may read one file there. A path with $VARS is
+    `check_node_variables`'s. Called as a run, an onboarding or a submission starts, not at load:
+    `silo-pfl submit` loads a cluster's job on a machine of its own."""
+    if on_cluster is None:
+        on_cluster = ray_address(cfg.ray.address) is not None
     paths = getattr(cfg.data, "paths", None) or {}
-    if ray_address(cfg.ray.address) is not None:
-        return
-    seen: dict[Path, str] = {}
+    seen: dict[str, list[str]] = {}
     for silo, path in paths.items():
         if names_variables(str(path)) or path == HIDDEN:  # HIDDEN: another silo's, in its view
             continue
-        where = Path(os.path.expanduser(str(path))).resolve()
-        if where in seen:
-            raise ConfigError(
-                f"data.paths.{silo}: names the file of silo {seen[where]} ({where}); each silo "
-                "reads a file of its own rows, or rows would be in two silos"
-            )
-        seen[where] = str(silo)
+        where = str(path if on_cluster else Path(os.path.expanduser(str(path))).resolve())
+        for other in seen.get(where, []):
+            if not on_cluster:
+                raise ConfigError(
+                    f"data.paths.{silo}: names the file of silo {other} ({where}); each silo "
+                    "reads a file of its own rows, or rows would be in two silos"
+                )
+            mine, theirs = silo_selector(cfg, str(silo)), silo_selector(cfg, other)
+            if mine is None or theirs is None or mine == theirs:
+                raise ConfigError(
+                    f"data.paths.{silo}: names the path of silo {other} ({where}), which is each "
+                    "node's own file only for silos on nodes of their own, and these two may "
+                    "share one; pin each: ray.placement=per_node, or silos.<name>.node_label"
+                )
+        seen.setdefault(where, []).append(str(silo))
 
 
 def _check_secure(cfg: FederationConfig, names: list[str]) -> None:

@@ -96,10 +96,42 @@ def test_two_silos_reading_one_file_on_one_machine_are_refused(tmp_path, capsys,
         f"data.paths.c: names the file of silo a ({tmp_path / 'x.csv'}); each silo reads a file "
         "of its own rows, or rows would be in two silos"
     )
-    check_files_apart(load_config(job, [*QUIET, "ray.address=10.0.0.1:6379"]))
-    code = main(["submit", str(job), "--address", "http://127.0.0.1:9", "--no-wait", *QUIET])
+    pinned = [*QUIET, "ray.placement=per_node"]
+    check_files_apart(load_config(job, [*pinned, "ray.address=10.0.0.1:6379"]))
+    code = main(["submit", str(job), "--address", "http://127.0.0.1:9", "--no-wait", *pinned])
     err = capsys.readouterr().err
     assert code != 0 and "--address http://127.0.0.1:9" in err and "data.paths" not in err, err
+
+
+@pytest.mark.parametrize(
+    "placement",
+    [[], ["silos.a.node_label={site: one}", "silos.c.node_label={site: one}"]],
+    ids=["any-node", "one-label"],
+)
+def test_two_silos_that_may_share_a_clusters_node_may_not_read_one_path(
+    tmp_path, capsys, placement
+):
+    """On a cluster one path names each node's own file, but silos not pinned to nodes of their
+    own may run on one node (ray.placement=any; packed in one worker, they always do), and read
+    one file there. Refused as the job is submitted and as a run joins the cluster."""
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "name: csv_shared\nrounds: 1\nmodel: {name: mlp}\nalgorithm: {name: fedavg}\n"
+        "data:\n  source: csv\n  num_classes: 2\n  paths:\n"
+        "    a: /data/heart.csv\n    b: /data/other.csv\n    c: /data/heart.csv\n"
+    )
+    expected = (
+        "data.paths.c: names the path of silo a (/data/heart.csv), which is each node's own "
+        "file only for silos on nodes of their own, and these two may share one; pin each: "
+        "ray.placement=per_node, or silos.<name>.node_label"
+    )
+    with pytest.raises(ConfigError) as info:
+        check_files_apart(load_config(job, [*QUIET, *placement, "ray.address=10.0.0.1:6379"]))
+    assert str(info.value) == expected
+    code = main(
+        ["submit", str(job), "--address", "http://127.0.0.1:9", "--no-wait", *QUIET, *placement]
+    )
+    assert code == 2 and capsys.readouterr().err == f"error: {expected}\n"
 
 
 # 2. MLflow's file store no longer opens: a file: URI is refused at load.
