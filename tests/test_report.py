@@ -24,6 +24,7 @@ from matplotlib.image import imread
 from mlflow import MlflowClient
 from processes import stop_group, wait_for_http
 
+from silo_pfl.callbacks import Callback
 from silo_pfl.cli import main
 from silo_pfl.federation import Federation
 from silo_pfl.results import FederationResult
@@ -73,6 +74,36 @@ def runs(ray_local, tmp_path_factory) -> Runs:
         fedavg=run("algorithm.name=fedavg", "eval.every=2"),
         secure=run("name=heart_secure", "aggregation.secure=true", "tracking.report=false"),
     )
+
+
+class StopAfter(Callback):
+    """Stops the driver (as Ctrl-C does) as round `round_` ends, before its silos select."""
+
+    def __init__(self, round_: int) -> None:
+        self.round = round_
+
+    def on_round_end(self, summary) -> None:
+        if summary.round == self.round:
+            raise KeyboardInterrupt
+
+
+@pytest.fixture(scope="module")
+def unfinished(runs) -> str:
+    """The MLflow run id of a fedper run of heart_disease in the runs' store, interrupted in its
+    second round: KILLED, its silos' rounds logged but no selected model."""
+    options = [f"tracking.uri={runs.uri}", f"output_dir={runs.root / 'runs'}", "rounds=3"]
+    federation = Federation(
+        load_config("jobs/heart_disease.yaml", options), callbacks=[StopAfter(2)]
+    )
+    with pytest.raises(KeyboardInterrupt):
+        federation.run()
+    client = MlflowClient(runs.uri)
+    killed = client.search_runs(
+        [client.get_run(Runs.run_id(runs.fedper)).info.experiment_id],
+        "attributes.status = 'KILLED'",
+    )
+    (parent,) = [run for run in killed if "mlflow.parentRunId" not in run.data.tags]
+    return parent.info.run_id
 
 
 def artifacts(uri: str, run_id: str, path: str = "") -> set[str]:
@@ -408,3 +439,63 @@ def test_the_accuracy_figure_breaks_a_silos_lines_where_it_missed_rounds_and_tit
     long = {"a": _series("a", tuple(range(1, 26))), "b": _series("b", (1, 3, 25))}
     fig = accuracy_figure(dataclasses.replace(run, rounds=25, silos=long))
     assert all(line.get_marker() == "." for line in fig.axes[1].lines[:2])
+
+
+def test_report_refuses_to_compare_with_or_from_a_run_that_did_not_finish(
+    runs, unfinished, tmp_path, capsys
+):
+    """A run interrupted before its silos selected a model has no selected accuracy to draw a
+    gain from, either side of --against: one line, exit 2 (before, matplotlib's "Axis limits
+    cannot be NaN or Inf", exit 1)."""
+    finished = Runs.run_id(runs.fedavg)
+    for run_id, against in ((finished, unfinished), (unfinished, finished)):
+        out = tmp_path / run_id
+        assert main(report(runs, run_id, out, "--against", against, "--no-log")) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (
+            f"error: --against {against}: run {unfinished} did not finish (KILLED): it has no "
+            "selected models to compare"
+        ), err
+        assert not out.exists()
+
+
+def test_the_report_of_a_run_that_did_not_finish_shows_no_selected_round(
+    runs, unfinished, tmp_path
+):
+    """Its silos selected no model: the table shows -, not round 0, the figure marks no round,
+    and a note says why."""
+    from silo_pfl.report.data import read_run
+    from silo_pfl.report.figures import accuracy_figure
+
+    out = tmp_path / "out"
+    assert main(report(runs, unfinished, out, "--no-log")) == 0
+    page = (out / "report.html").read_text()
+    for hospital in HOSPITALS:
+        row = re.search(rf'<td class="name">{hospital}</td>(.*?)</tr>', page)
+        assert row is not None and row.group(1) == "<td>-</td>" * 3, (hospital, row)
+    assert "No selection: the run did not finish (KILLED)" in page
+    assert "--against OTHER_RUN_ID" not in page
+    run = read_run(MlflowClient(runs.uri), unfinished)
+    fig = accuracy_figure(run)
+    for ax in fig.axes[: len(HOSPITALS)]:
+        assert len(ax.lines) == 2, "validation and test only: no selected round marked"
+        assert ax.get_title().endswith(": no selection"), ax.get_title()
+
+
+def test_a_report_that_fails_leaves_the_older_one_as_it_was(runs, tmp_path, monkeypatch):
+    """A report drawn over an older one in --out that fails midway (a figure that raises, as a
+    crash would) leaves every file of the older one, byte for byte, and no file of its own."""
+    from silo_pfl.report import figures
+
+    out = tmp_path / "out"
+    run_id, against = Runs.run_id(runs.fedper), Runs.run_id(runs.fedavg)
+    assert main(report(runs, run_id, out, "--against", against, "--no-log")) == 0
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+    assert {"report.html", "gain.png"} <= set(before)
+
+    def crash(*args: object) -> None:
+        raise RuntimeError("the figure failed")
+
+    monkeypatch.setattr(figures, "spread", crash)
+    assert main(report(runs, run_id, out, "--no-log")) == 1
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before

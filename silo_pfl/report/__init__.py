@@ -6,9 +6,12 @@ demand from the store (command.py)."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from silo_pfl.durable import write_atomic
 from silo_pfl.report.data import RunData, check_against, read_run
 from silo_pfl.report.figures import FILES, draw
 from silo_pfl.report.html import render
@@ -33,12 +36,21 @@ def build(
 
 
 def write(run: RunData, out: Path, against: RunData | None = None) -> Path:
-    """Write report.html and its figures into `out` (created; older figures replaced)."""
+    """Write report.html and its figures into `out` (created). They are drawn in a temporary
+    directory inside `out` first: a report that fails leaves the older one as it was. Then the
+    figures are moved into place, the page (which embeds them) is written last, atomically, and
+    the older report's files that this one does not have are removed."""
     out.mkdir(parents=True, exist_ok=True)
-    for name in (*FILES, REPORT_FILE):
-        (out / name).unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory(dir=out, prefix=".report-") as tmp:
+        drawn = Path(tmp)
+        figures = draw(run, against, drawn)
+        html = render(run, against, figures, drawn).encode()
+        for figure in figures:
+            os.replace(drawn / figure.file, out / figure.file)
     page = out / REPORT_FILE
-    page.write_text(render(run, against, draw(run, against, out), out))
+    write_atomic(page, html)
+    for name in set(FILES) - {figure.file for figure in figures}:
+        (out / name).unlink(missing_ok=True)
     return page
 
 

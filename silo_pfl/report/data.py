@@ -42,7 +42,7 @@ class SiloSeries:
     val_accuracy: tuple[float, ...]
     test_accuracy: tuple[float, ...]
     bytes_sent: dict[int, float]  # round -> bytes it sent that round
-    selected_round: int
+    selected_round: int | None  # None (accuracies NaN): the run ended before the silo selected
     selected_val_accuracy: float
     selected_test_accuracy: float
 
@@ -62,6 +62,11 @@ class RunData:
     split: dict[str, Any] = field(default_factory=dict)  # split.json; empty if not logged
     partition: dict[str, list[int]] | None = None  # silo -> training rows per class
     status: str = "FINISHED"  # MLflow's: RUNNING, KILLED or FAILED for a run that did not end
+
+    @property
+    def selected(self) -> list[str]:
+        """The silos that kept a selected model: none where the run did not finish."""
+        return [name for name, s in self.silos.items() if s.selected_round is not None]
 
     @property
     def selected_test(self) -> np.ndarray:
@@ -107,7 +112,7 @@ def _series(client: MlflowClient, run: Any) -> SiloSeries:
         val_accuracy=tuple(val[r] for r in rounds),
         test_accuracy=tuple(test[r] for r in rounds),
         bytes_sent={m.step: m.value for m in history["bytes_sent"]},
-        selected_round=int(metrics.get("selected_round", 0)),
+        selected_round=int(metrics["selected_round"]) if "selected_round" in metrics else None,
         selected_val_accuracy=float(metrics.get("selected_val_accuracy", np.nan)),
         selected_test_accuracy=float(metrics.get("selected_test_accuracy", np.nan)),
     )
@@ -215,9 +220,16 @@ def from_result(
 
 
 def check_against(run: RunData, against: RunData) -> None:
-    """The run to compare with is another run of the same federation."""
+    """The run to compare with is another run of the same federation, and both selected their
+    silos' models (a run that did not finish has none to compare)."""
     if against.run_id == run.run_id:
         raise ConfigError(f"--against {against.run_id}: that is the run itself; name another run")
+    for which in (against, run):
+        if not which.selected:
+            raise ConfigError(
+                f"--against {against.run_id}: run {which.run_id} did not finish ({which.status}): "
+                "it has no selected models to compare"
+            )
     if against.federation != run.federation:
         raise ConfigError(
             f"--against {against.run_id}: a run of federation {against.federation!r}, not "

@@ -118,10 +118,12 @@ def accuracy_figure(run: RunData) -> MplFigure:
             y = [at.get(r, math.nan) for r in evaluated]
             ax.plot(evaluated, y, color=color, marker=".", markersize=size, lw=1.2)
         chosen = silo.selected_round
-        ax.axvline(chosen, color=OTHER_COLOR, ls=":", lw=1)
-        ax.plot([chosen], [silo.selected_test_accuracy], "o", color=TEST_COLOR, mec="black")
+        title = f"{silo.name}: no selection"
+        if chosen is not None:
+            ax.axvline(chosen, color=OTHER_COLOR, ls=":", lw=1)
+            ax.plot([chosen], [silo.selected_test_accuracy], "o", color=TEST_COLOR, mec="black")
+            title = f"{silo.name}: {silo.selected_test_accuracy:.3f} @ round {chosen}"
         # y given: matplotlib then skips placing each title by its axes' tick labels.
-        title = f"{silo.name}: {silo.selected_test_accuracy:.3f} @ round {chosen}"
         ax.set_title(title, y=1.0, fontsize=10)
         ax.set_ylim(0, 1.02)
         ax.yaxis.set_major_locator(FixedLocator([0, 0.25, 0.5, 0.75, 1.0]))
@@ -154,8 +156,9 @@ def accuracy(run: RunData, out: Path) -> Figure:
 
 
 def gain(run: RunData, against: RunData, out: Path) -> Figure:
-    """Per silo: selected test accuracy in `run` minus in `against`, sorted, green or red."""
-    common = [s for s in run.silos if s in against.silos]
+    """Per silo: selected test accuracy in `run` minus in `against`, sorted, green or red; of
+    the silos that selected a model in both."""
+    common = [s for s in run.selected if s in against.selected]
     gains = {
         s: 100 * (run.silos[s].selected_test_accuracy - against.silos[s].selected_test_accuracy)
         for s in common

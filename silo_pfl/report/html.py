@@ -82,7 +82,7 @@ def _silo_table(run: RunData, against: RunData | None) -> str:
     for silo in run.silos.values():
         cells = [
             f'<td class="name">{escape(silo.name)}</td>',
-            f"<td>{silo.selected_round}</td>",
+            f"<td>{'-' if silo.selected_round is None else silo.selected_round}</td>",
             f"<td>{_number(silo.selected_val_accuracy)}</td>",
             f"<td>{_number(silo.selected_test_accuracy)}</td>",
         ]
@@ -103,11 +103,16 @@ def _silo_table(run: RunData, against: RunData | None) -> str:
 
 def _notes(run: RunData, against: RunData | None) -> list[str]:
     notes = []
-    if against is None:
+    if against is None and run.selected:
         notes.append(
             "No run to compare with: <code>silo-pfl report "
             f"{escape(run.run_id)} --against OTHER_RUN_ID</code> adds each silo's gain over "
             "another run of this federation (e.g. fedavg, or local)."
+        )
+    if not run.selected:
+        notes.append(
+            f"No selection: the run did not finish ({escape(run.status)}), so no silo kept a "
+            "model; the table shows - for the selected round and its accuracies."
         )
     if run.partition is None:
         why = (
