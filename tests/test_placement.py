@@ -95,6 +95,30 @@ def test_more_cpus_than_a_silos_labelled_node_has_is_one_line_at_once(one_silo_c
     assert time.monotonic() - began < 45
 
 
+@pytest.mark.slow
+def test_two_silos_pinned_to_one_node_too_small_for_both_is_one_line_at_once(
+    one_silo_cluster, tmp_path
+):
+    """Two silos given one node_label each fit the 1-CPU node alone: checked one worker at a
+    time, the run was let go, and the second silo waited round.call_timeout_s for a CPU."""
+    argv = [sys.executable, "-m", "silo_pfl", "run", JOB, "rounds=1", "tracking.enabled=false"]
+    argv += [f"output_dir={tmp_path / 'runs'}", f"ray.address={one_silo_cluster.info['address']}"]
+    argv += ["silos.cleveland.node_label={silo: cleveland}", "data.late_silos=[switzerland,va]"]
+    argv += ["silos.hungarian.node_label={silo: cleveland}", "round.call_timeout_s=60"]
+    argv += ["ray.silo_cpus=1", "ray.silos_per_worker=1"]
+    began = time.monotonic()
+    done = subprocess.run(
+        argv, cwd=ROOT, env=one_silo_cluster.env, capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-1] == (
+        "error: ray.silo_cpus: got 1, so the 2 workers of silos cleveland, hungarian together "
+        "reserve 2 CPUs, more than the live nodes labelled silo=cleveland have in all (CPUs: 1); "
+        "expected at most 0.5, or 0 to let silos share cores"
+    )
+    assert time.monotonic() - began < 45
+
+
 def _info(cluster: SimpleNamespace) -> dict[str, Any]:
     return json.loads(cluster.info_file.read_text())
 

@@ -116,27 +116,45 @@ def check_local_cpus(cfg: FederationConfig, groups: Sequence[Sequence[str]], cpu
 
 def check_node_cpus(cfg: FederationConfig, groups: Sequence[Sequence[str]]) -> None:
     """On a cluster: each worker pinned by a label (per_node's silo=<name>, or
-    silos.<name>.node_label) reserves ray.silo_cpus per silo it hosts; if every live node
-    carrying its label has fewer CPUs in all, Ray could never start it, so this fails at once
-    naming ray.silo_cpus, the silo and those nodes' CPUs. A label no live node carries is
-    check_labels' to report. An unpinned worker is not checked: it may run on any node, and a
-    cluster may grow (an autoscaler adds nodes for a request no node meets yet), whereas a
-    labelled node's CPUs are fixed when it starts."""
+    silos.<name>.node_label) reserves ray.silo_cpus per silo it hosts; if no live node carrying
+    its label has that many CPUs, or those nodes have fewer in all than every worker pinned to
+    the label reserves (two silos given one node_label; an onboarding's silo and its alone
+    baseline), Ray could never start them all, so this fails at once naming ray.silo_cpus, the
+    silos and those nodes' CPUs. A label no live node carries is check_labels' to report. An
+    unpinned worker is not checked: it may run on any node, and a cluster may grow (an
+    autoscaler adds nodes for a request no node meets yet), whereas a labelled node's CPUs are
+    fixed when it starts."""
     nodes = [n for n in ray.nodes() if n.get("Alive")]
+    pinned: dict[str, tuple[dict[str, str], list[Sequence[str]]]] = {}
     for names in groups:
         selector = silo_selector(cfg, names[0]) if names else None
-        if not selector:
-            continue
-        need = cfg.ray.silo_cpus * len(names)
+        if selector:
+            pinned.setdefault(describe_labels(selector), (selector, []))[1].append(names)
+    for labels, (selector, workers) in pinned.items():
         sizes = sorted(
             float(n.get("Resources", {}).get("CPU", 0)) for n in nodes if _carries(n, selector)
         )
-        if not sizes or sizes[-1] >= need:
+        silos = [name for names in workers for name in names]
+        widest = max(len(names) for names in workers)
+        if not sizes or (
+            sizes[-1] >= cfg.ray.silo_cpus * widest and sum(sizes) >= cfg.ray.silo_cpus * len(silos)
+        ):
             continue
-        who = f"silo {names[0]}" if len(names) == 1 else f"the worker of silos {', '.join(names)}"
-        has = ", ".join(f"{c:g}" for c in sizes)
+        named = ", ".join(silos)
+        if len(workers) > 1:
+            who = f"the {len(workers)} workers of silos {named} together reserve"
+            room = f"more than the live nodes labelled {labels} have in all"
+            most = min(sizes[-1] / widest, sum(sizes) / len(silos))
+        else:
+            who = (
+                f"silo {named} reserves"
+                if len(silos) == 1
+                else f"the worker of silos {named} reserves"
+            )
+            room, most = f"more than any live node labelled {labels} has", sizes[-1] / widest
+        cpus = ", ".join(f"{c:g}" for c in sizes)
         raise FederationError(
-            f"ray.silo_cpus: got {cfg.ray.silo_cpus:g}, so {who} reserves {need:g} CPUs, more "
-            f"than any live node labelled {describe_labels(selector)} has (CPUs: {has}); "
-            f"expected at most {sizes[-1] / len(names):g}, or 0 to let silos share cores"
+            f"ray.silo_cpus: got {cfg.ray.silo_cpus:g}, so {who} "
+            f"{cfg.ray.silo_cpus * len(silos):g} CPUs, {room} (CPUs: {cpus}); expected at most "
+            f"{most:g}, or 0 to let silos share cores"
         )
