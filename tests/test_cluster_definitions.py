@@ -214,6 +214,30 @@ def test_onprem_ships_no_file_the_checkout_ignores(onprem):
     assert {".compare_cache/", "reports/", "runs/", "mlflow.db"} <= set(ignored)
 
 
+def test_onprem_sets_up_a_virtual_environment_whose_python_comes_first(onprem, tmp_path):
+    """Debian 12 and Ubuntu 24.04 refuse a system-wide pip (PEP 668) and have no `python`, which
+    a job's entrypoint runs. The set-up, run twice as `ray up` may, makes an environment of the
+    SSH user's own, and the login shell Ray runs each command in finds its python first."""
+    *prepare, install = onprem["setup_commands"]
+    assert install.startswith("~/silo_pfl_env/bin/pip install")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    for _ in range(2):
+        for command in prepare:
+            done = subprocess.run(
+                ["bash", "-c", command], env=env, capture_output=True, timeout=120
+            )
+            assert done.returncode == 0, done.stderr
+    assert (tmp_path / ".bashrc").read_text().count("silo_pfl_env/bin") == 1
+    found = subprocess.run(
+        ["bash", "-c", "source ~/.bashrc && command -v python"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    assert found.stdout.strip() == str(tmp_path / "silo_pfl_env" / "bin" / "python")
+
+
 def test_onprem_never_holds_the_token(onprem):
     text = (CLUSTER / "onprem.yaml").read_text()
     assert "RAY_AUTH_TOKEN=" not in text
