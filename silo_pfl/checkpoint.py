@@ -21,11 +21,13 @@ large model's global keys once a round, not once a silo. The checkpoint that nam
 holds its digest, and `load_shared` refuses a file whose header holds another.
 
 Only the newest KEEP files of a directory are kept (and a silo's selected round's checkpoint,
-which holds the selected model): the oldest beyond them is recycled into the next one (renamed
-to a hidden name, so it is never read again, then overwritten in place), since freeing a file's
-blocks can cost a millisecond (a file system mounted with `discard`) where overwriting them
-costs nothing more than writing. A `save_shared` file is never recycled, since its other links
-would change with it: it is unlinked.
+which holds the selected model; and, until the next file is written there, the round the
+previous file kept, which a resume from it needs if this write is cut short: every file, where
+this process did not write the previous one): the oldest beyond them is recycled into the next
+one (renamed to a hidden name, so it is never read again, then overwritten in place), since
+freeing a file's blocks can cost a millisecond (a file system mounted with `discard`) where
+overwriting them costs nothing more than writing. A `save_shared` file is never recycled, since
+its other links would change with it: it is unlinked.
 
 A file is on disk before the call that wrote it returns, or when the enclosing
 `durable.durable_together` block ends (`durable`). Only files already durable are recycled; any
@@ -69,6 +71,8 @@ CHECKPOINT, MODEL = ".ckpt", ".pt"  # a verified checkpoint; a selected model's 
 _NAME = re.compile(r"^round-(\d{6})(\.ckpt|\.pt)$")
 log = logging.getLogger("silo_pfl.checkpoint")
 _recent = threading.local()  # .shared: this thread's last save_shared: (round, digest, path)
+_last: dict[str, tuple[int, int | None]] = {}  # directory -> the round this process last wrote
+# there, and the round kept for it (its `spare`)
 
 
 class CheckpointError(FederationError):
@@ -142,11 +146,12 @@ def _write_round(
     """Write the file of `round_` (`data`, a file and its header: hard-link that file there if
     it still begins with that header). With `recycle`, the oldest beyond the newest KEEP is
     recycled into it (hidden first, so that it is never read again); any other beyond them is
-    pruned; never round `spare`'s."""
+    pruned; never round `spare`'s, nor one the previous file may still need (`_still_needed`)."""
     files = _files(directory, create=True)
     path = path_of(directory, round_, suffix)
     older = sorted({*files, round_})[:-KEEP]
-    stale = [files[old] for old in older if old in files and old != spare]
+    kept = {spare, *_still_needed(directory, files, round_)}
+    stale = [files[old] for old in older if old in files and old not in kept]
     oldest = stale[0] if stale and recycle and callable(data) else None
     if oldest is not None and in_open_block(oldest):
         oldest = None  # not on disk for sure yet: only a durable file is given up early
@@ -161,7 +166,21 @@ def _write_round(
             hidden.unlink(missing_ok=True)
         raise
     delete_when_durable(stale[1:] if oldest is not None else stale)
+    _last[os.path.abspath(directory)] = (round_, spare)
     return path
+
+
+def _still_needed(directory: Path, files: dict[int, Path], round_: int) -> set[int]:
+    """The rounds of `files` that the newest file before `round_` may still need, for a resume
+    from it should the write of `round_` be cut short: the round kept for it, where this process
+    wrote it; else, not knowing which, every one (they go with the next write)."""
+    previous = max((old for old in files if old < round_), default=None)
+    if previous is None:
+        return set()
+    last = _last.get(os.path.abspath(directory))
+    if last is not None and last[0] == previous:
+        return set() if last[1] is None else {last[1]}
+    return set(files)
 
 
 def _existing(directory: Path, round_: int) -> Path | None:

@@ -1,10 +1,13 @@
 """Each run's own directory, `<output_dir>/<name>/<run_id>/`, and finding one to resume.
 
 The driver writes `run.json` (the run id, its kind, when it started, the resolved config) when
-the run starts and `result.json` when it ends. A silo's onboarding (`silo-pfl onboard`) has a
-directory of the same shape beside the federation's runs, of kind `onboard`: it cannot be resumed,
-so `--resume` never takes one. Silos keep their state under `silos/<silo>/`, the server
-under `server/`, each on its own node's disk at the same path.
+the run starts, marks it once round 0 is checkpointed (`checkpointed`) and writes `result.json`
+when it ends. `--resume` without a run id takes the latest run that reached its first checkpoint:
+one marked, finished, or whose server directory on this node holds a round's file (the runs of
+earlier versions); a run stopped before (SIGKILL in its set-up) has nothing to resume. A silo's
+onboarding (`silo-pfl onboard`) has a directory of the same shape beside the federation's runs,
+of kind `onboard`: it cannot be resumed, so `--resume` never takes one. Silos keep their state
+under `silos/<silo>/`, the server under `server/`, each on its own node's disk at the same path.
 """
 
 from __future__ import annotations
@@ -19,14 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from silo_pfl import checkpoint
 from silo_pfl.config import FederationConfig, flat, to_dict
 from silo_pfl.errors import ConfigError
 from silo_pfl.paths import outermost_missing
-from silo_pfl.results import write_json_atomic
+from silo_pfl.results import finite_or_null, write_json_atomic
 
 RUN_FILE = "run.json"
 RESULT_FILE = "result.json"
 FEDERATION_RUN, ONBOARD_RUN = "federation", "onboard"  # run.json's kind: what made it
+CHECKPOINTED = "checkpointed_ns"  # run.json's mark: when round 0 was checkpointed
+SERVER = "server"  # the server's directory in a run's, holding its checkpoints
 
 
 def federation_dir(cfg: FederationConfig) -> Path:
@@ -46,7 +52,7 @@ def silo_dir(cfg: FederationConfig, run_id: str, silo: str) -> Path:
 
 def server_dir(cfg: FederationConfig, run_id: str) -> Path:
     """The server's directory in one run, on the server's node."""
-    return run_path(cfg, run_id) / "server"
+    return run_path(cfg, run_id) / SERVER
 
 
 RUN_ID = re.compile(r"\d{8}-\d{6}-[0-9a-f]{6}")  # what new_run_id makes
@@ -133,8 +139,24 @@ class RunDir:
         runs = [(p, r) for p, r in records if r.get("kind", FEDERATION_RUN) == FEDERATION_RUN]
         if not runs:
             raise ConfigError(f"--resume: no run of {cfg.name} to resume in {_where(cfg, parent)}")
-        latest, _ = max(runs, key=lambda run: (run[1].get("started_ns", 0), run[0].name))
-        return cls(latest.name, latest)
+        runs.sort(key=lambda run: (run[1].get("started_ns", 0), run[0].name), reverse=True)
+        for path, record in runs:
+            if _reached_checkpoint(path, record):
+                return cls(path.name, path)
+        newest = runs[0][0]
+        raise ConfigError(
+            f"--resume: no run of {cfg.name} to resume in {_where(cfg, parent)}: the newest, "
+            f"{newest.name}, stopped before its first checkpoint ({newest / SERVER} holds no "
+            "round's file on this node)"
+        )
+
+    def checkpointed(self) -> None:
+        """Mark the run as resumable: the driver calls this once round 0 is checkpointed, so
+        that `find` takes it even where the server's directory is on another node."""
+        record = _read(self.path / RUN_FILE)
+        if CHECKPOINTED not in record:
+            record[CHECKPOINTED] = time.time_ns()
+            write_json_atomic(self.path / RUN_FILE, record)
 
     def started_again(self, cfg: FederationConfig) -> None:
         """Record the config this run resumes with (it may have raised `rounds`), once it has
@@ -142,6 +164,7 @@ class RunDir:
         record = _read(self.path / RUN_FILE)
         record["config"] = to_dict(cfg)
         record["resumed_ns"] = [*record.get("resumed_ns", []), time.time_ns()]
+        record.setdefault(CHECKPOINTED, record["resumed_ns"][-1])  # restored from one
         write_json_atomic(self.path / RUN_FILE, record)
         (self.path / RESULT_FILE).unlink(missing_ok=True)
 
@@ -177,6 +200,16 @@ def _where(cfg: FederationConfig, parent: Path) -> str:
     return f"{parent.absolute()} (output_dir={cfg.output_dir} is relative to the working directory)"
 
 
+def _reached_checkpoint(path: Path, record: dict[str, Any]) -> bool:
+    """Whether the run at `path` checkpointed round 0, so that --resume has something to
+    continue: marked so in its run.json, finished, or its server's checkpoint on this node."""
+    return (
+        CHECKPOINTED in record
+        or (path / RESULT_FILE).is_file()
+        or bool(checkpoint.rounds(path / SERVER))
+    )
+
+
 def _read(path: Path) -> dict[str, Any]:
     """A run's run.json: an object with the run's config."""
     try:
@@ -197,9 +230,11 @@ def check_resumable(saved: dict[str, Any], cfg: FederationConfig, path: Path) ->
     """Only `rounds` may change on resume, and only upwards; any other change names its key
     (metrics.* may change, and tracking.* where MLflow is off, before and now).
     A key that the version which started the run did not have yet (it is not in the saved
-    config) may stand at its default, which does what that version did (eval.every=1)."""
-    before_all, after_all = flat(saved), _json_flat(cfg)
-    defaults = _json_flat(FederationConfig())
+    config) may stand at its default, which does what that version did (eval.every=1).
+    Both sides are compared as run.json holds them: a value that is not finite as null."""
+    before_all, given = flat(saved), _json_flat(cfg)
+    after_all = finite_or_null(given)
+    defaults = finite_or_null(_json_flat(FederationConfig()))
     for key in after_all.keys() - before_all.keys():
         if key in defaults and after_all[key] == defaults[key]:
             before_all[key] = defaults[key]
@@ -226,7 +261,7 @@ def check_resumable(saved: dict[str, Any], cfg: FederationConfig, path: Path) ->
         )
         hint = f"; to resume it as started, give {shown}{more}" if started else ""
         raise ConfigError(
-            f"{key}: got {after_all.get(key)!r}, but run {path.name} was started with "
+            f"{key}: got {given.get(key)!r}, but run {path.name} was started with "
             f"{before_all.get(key)!r}; on --resume only rounds may change{hint}"
         )
     if cfg.rounds < saved["rounds"]:

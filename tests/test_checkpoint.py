@@ -30,6 +30,7 @@ from silo_pfl.config import FederationConfig, to_dict
 from silo_pfl.errors import ConfigError
 from silo_pfl.federation import Federation
 from silo_pfl.run_dir import RunDir, check_resumable
+from silo_pfl.server_start import new_server
 from silo_pfl.settings import load_config
 from silo_pfl.silo import Silo
 from silo_pfl.silo_store import SELECTED
@@ -488,7 +489,42 @@ def test_the_spared_round_outlives_the_newest_files(tmp_path):
     assert checkpoint.rounds(tmp_path) == [2, 5, 6, 7]
     assert checkpoint.load(tmp_path, 2)["r"].tolist() == [2, 2, 2]
     checkpoint.save_arrays(tmp_path, 8, {"r": np.full(3, 8)}, spare=7)
-    assert checkpoint.rounds(tmp_path) == [6, 7, 8]
+    assert checkpoint.rounds(tmp_path) == [2, 6, 7, 8], "round 7's checkpoint selected round 2"
+    checkpoint.save_arrays(tmp_path, 9, {"r": np.full(3, 9)}, spare=7)
+    assert checkpoint.rounds(tmp_path) == [7, 8, 9]
+
+
+def test_a_checkpoint_cut_short_leaves_the_round_the_previous_one_selected(job, monkeypatch):
+    """Round 4's checkpoint selects round 1; round 5's, which selects round 5, is cut short
+    (Ctrl-C while it is written): the resume from round 4 still finds round 1's global keys."""
+    silos, server = federation(job, "fedavg", silos=("cleveland", "hungarian"))
+    names = [silo.name for silo in silos]
+    server.checkpoint(0, {"selected": dict.fromkeys(names)})
+    states = {}
+    for round_ in range(1, 6):
+        play_round(silos, server, round_)
+        states[round_] = {k: v.copy() for k, v in server.global_state().items()}
+        if round_ < 5:
+            server.checkpoint(round_, {"selected": dict.fromkeys(names, 1)})
+    real = checkpoint.arrays_save
+
+    def interrupted(state, fd):
+        if fd is not None:
+            raise KeyboardInterrupt
+        return real(state, fd)
+
+    monkeypatch.setattr(checkpoint, "arrays_save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        server.checkpoint(5, {"selected": dict.fromkeys(names, 5)})
+    monkeypatch.setattr(checkpoint, "arrays_save", real)
+    assert checkpoint.path_of(server.dir, 1).is_file()
+    server.release()
+    resumed = new_server(to_dict(silos[0].cfg), (13,), 2)
+    assert resumed.resume()["selected"] == dict.fromkeys(names, 1) and resumed.round == 4
+    kept = dict(np.load(io.BytesIO(resumed.state_bytes(1))))
+    assert kept.keys() == states[1].keys()
+    assert all(np.array_equal(kept[k], states[1][k]) for k in kept)
+    resumed.release()
 
 
 def test_the_same_bytes_saved_for_the_same_round_are_one_file_hard_linked(tmp_path):
@@ -527,7 +563,9 @@ def test_the_same_bytes_saved_for_the_same_round_are_one_file_hard_linked(tmp_pa
     for round_ in (1, 3, 4, 5):
         assert checkpoint.path_of(b, round_).stat().st_nlink == 2
     checkpoint.save_shared(a, 6, {"r": np.full(3, 6)})
-    assert checkpoint.rounds(a) == [4, 5, 6]
+    assert checkpoint.rounds(a) == [1, 4, 5, 6], "kept for round 5's file, until the next"
+    checkpoint.save_shared(a, 7, {"r": np.full(3, 7)})
+    assert checkpoint.rounds(a) == [5, 6, 7]
     assert checkpoint.path_of(b, 1).stat().st_nlink == 1  # a's link is gone, b's file stays
 
 
@@ -583,6 +621,8 @@ def test_each_run_has_its_own_directory_and_resume_finds_the_latest(tmp_path):
     cfg = load_config("jobs/heart_disease.yaml", [f"output_dir={tmp_path}"])
     first, second = RunDir.create(cfg), RunDir.create(cfg)
     assert first.path != second.path and first.path.parent == second.path.parent
+    first.checkpointed()
+    second.checkpointed()
     assert RunDir.find(cfg, None).run_id == second.run_id
     assert RunDir.find(cfg, first.run_id).path == first.path
     with pytest.raises(ConfigError, match=r"^--resume nope: no run nope of heart_disease in "):
@@ -689,7 +729,7 @@ def test_a_run_started_before_a_key_existed_resumes_with_that_key_at_its_default
 def test_cli_resume_errors_are_one_line(tmp_path, capsys, before, message):
     out = f"output_dir={tmp_path}"
     if before:
-        RunDir.create(load_config("jobs/heart_disease.yaml", [out]))
+        RunDir.create(load_config("jobs/heart_disease.yaml", [out])).checkpointed()
     code = main(["run", "jobs/heart_disease.yaml", out, "algorithm.name=ditto", "--resume"])
     err = capsys.readouterr().err
     assert code == 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -332,19 +333,76 @@ def task_error_cause(exc: ray.exceptions.RayTaskError) -> BaseException:
     return exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
 
 
+def silos_in_call(handles: Mapping[str, Any]) -> dict[str, int]:
+    """Silo -> how many of the silos of `handles` its worker holds (an actor that is not a
+    silo's handle is a worker of its own). A worker runs its silos' calls one after another,
+    so a step waits for it that many times its timeout."""
+    workers = {name: _worker(handle) for name, handle in handles.items()}
+    counts: dict[Any, int] = {}
+    for worker in workers.values():
+        counts[worker] = counts.get(worker, 0) + 1
+    return {name: counts[worker] for name, worker in workers.items()}
+
+
+def _worker(handle: Any) -> Any:
+    """What identifies the worker process `handle` calls."""
+    return handle.host._actor_id if isinstance(handle, SiloHandle) else id(handle)
+
+
+def wait_each(objects: Mapping[Any, int], timeout: float, start: float | None = None) -> list[Any]:
+    """The objects ready before each one's deadline: `timeout` s from `start` (time.monotonic;
+    default now) for each silo it answers for, as `objects` counts them (a worker runs its silos
+    one after another)."""
+    start = time.monotonic() if start is None else start
+    ready: set[Any] = set()
+    pending = dict(objects)
+    while pending:
+        left = {o: start + k * timeout - time.monotonic() for o, k in pending.items()}
+        waiting = [o for o, seconds in left.items() if seconds > 0]
+        if not waiting:
+            break
+        wait = min(left[o] for o in waiting)
+        done, _ = ray.wait(waiting, num_returns=len(waiting), timeout=wait)
+        ready.update(done)
+        pending = {o: pending[o] for o in waiting if o not in ready}
+    return [o for o in objects if o in ready]  # in their order
+
+
+def get_silos(
+    refs: Mapping[str, Any],
+    handles: Mapping[str, Any],
+    what: str,
+    timeout: float,
+    key: str = "round.call_timeout_s",
+) -> list[Any]:
+    """`get` of each silo's ref (silo -> the ref of its call on `handles[silo]`), each waited
+    for `timeout` s times the silos of `refs` its worker holds, which it runs one after another
+    (as `rounds.gather` waits for a packed worker's fits)."""
+    shares = silos_in_call({name: handles[name] for name in refs})
+    names = [f"silo {name}" for name in refs]
+    return get(list(refs.values()), what, timeout, names, key, [shares[n] for n in refs])
+
+
 def get(
     refs: Any,
     what: str,
     timeout: float | None = None,
     names: Sequence[str] = (),
     key: str = "round.call_timeout_s",
+    shares: Sequence[int] = (),
 ) -> Any:
     """ray.get that surfaces a user error from an actor as itself, and anything else in one line.
 
     `names` says whose each of a list of refs is ("silo va"): a timeout names who did not answer,
-    and `key`, the setting that gave `timeout`.
+    and `key`, the setting that gave `timeout`. `shares` says, for each ref, how many silos of
+    this call its worker runs (see `get_silos`): that ref is waited for that many times `timeout`.
     """
     try:
+        if shares and timeout is not None:
+            ready = set(wait_each(dict(zip(refs, shares, strict=True)), timeout))
+            if len(ready) < len(refs):
+                raise FederationError(_no_answer(what, key, timeout, names, refs, ready, shares))
+            timeout = None
         return ray.get(refs, timeout=timeout)
     except ray.exceptions.RayTaskError as exc:
         _collect_the_rest(refs)
@@ -354,14 +412,36 @@ def get(
         first = scrub(str(cause).strip().splitlines()[-1]) if str(cause).strip() else ""
         raise FederationError(f"{what} failed: {type(cause).__name__}: {first}") from exc
     except ray.exceptions.GetTimeoutError:
-        late = ""
+        ready: set[Any] = set()
         if names and isinstance(refs, list):
-            _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
-            late = " from " + ", ".join(n for n, r in zip(names, refs, strict=True) if r in pending)
-        raise FederationError(f"{what}: no answer within {key}={timeout:g} s{late}") from None
+            ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+        message = _no_answer(what, key, timeout or 0.0, names, refs, ready, shares)
+        raise FederationError(message) from None
     except ray.exceptions.RayActorError as exc:
         who = _ROLES.get(getattr(exc, "actor_id", None) or "", "an actor")
         raise FederationError(f"{what}: {who} died ({typed_line(exc)})") from exc
+
+
+def _no_answer(
+    what: str,
+    key: str,
+    timeout: float,
+    names: Sequence[str],
+    refs: Any,
+    ready: set[Any],
+    shares: Sequence[int],
+) -> str:
+    """The error of a wait past its deadline: who of `names` (one for each of `refs`) did not
+    answer, each packed worker's with its deadline (`shares`)."""
+    late = []
+    if names and isinstance(refs, list):
+        counts = shares or [1] * len(refs)
+        for name, ref, k in zip(names, refs, counts, strict=True):
+            packed = f" (its worker's calls for {k} silos: {k * timeout:g} s)" if k > 1 else ""
+            if ref not in ready:
+                late.append(name + packed)
+    who = f" from {', '.join(late)}" if late else ""
+    return f"{what}: no answer within {key}={timeout:g} s{who}"
 
 
 def _collect_the_rest(refs: Any) -> None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from silo_pfl.callbacks import Callback
 from silo_pfl.errors import FederationError
 from silo_pfl.messages import SiloInfo
-from silo_pfl.runtime.actors import get
+from silo_pfl.runtime.actors import get_silos
 
 if TYPE_CHECKING:
     from silo_pfl.silo import SiloExporter
@@ -39,9 +39,10 @@ def _per_silo(
 
 
 def _attach(per_silo: dict[str, dict[str, Any]], actors: dict[str, Any], timeout: float) -> None:
-    """Each silo keeps its exporters, checking each one's store from its node now."""
-    refs = [actors[s].attach.remote(e) for s, e in per_silo.items()]
-    get(refs, "silo exporter check", timeout, [f"silo {s}" for s in per_silo])
+    """Each silo keeps its exporters, checking each one's store from its node now (a worker's
+    calls for k silos, run one after another, are waited for k times `timeout`)."""
+    refs = {s: actors[s].attach.remote(e) for s, e in per_silo.items()}
+    get_silos(refs, actors, "silo exporter check", timeout)
 
 
 def check_own_stores(
@@ -67,9 +68,10 @@ def attach_exporters(
 def export(
     callbacks: Sequence[Callback], silos: Sequence[str], actors: dict[str, Any], timeout: float
 ) -> None:
-    """Each silo runs its exporters in its own process; receipts go back to their callbacks."""
-    refs = [actors[s].export.remote() for s in silos]
-    done = get(refs, "silo export", timeout, [f"silo {s}" for s in silos])
+    """Each silo runs its exporters in its own process; receipts go back to their callbacks.
+    A worker's exports for k silos, run one after another, are waited for k times `timeout`."""
+    refs = {s: actors[s].export.remote() for s in silos}
+    done = get_silos(refs, actors, "silo export", timeout)
     receipts = dict(zip(list(silos), done, strict=True))
     for index, callback in enumerate(callbacks):
         mine = {s: r[str(index)] for s, r in receipts.items() if str(index) in r}

@@ -30,6 +30,7 @@ from silo_pfl.onboarding import onboard_report
 from silo_pfl.results import FederationResult, RoundSummary, SiloResult
 from silo_pfl.run_dir import ONBOARD_RUN, RESULT_FILE, RunDir, run_path
 from silo_pfl.runtime.actors import get, start_silo, stop
+from silo_pfl.runtime.aggregation_steps import ROUND_TIMEOUT
 from silo_pfl.runtime.exporting import attach_exporters, check_own_stores, export
 from silo_pfl.runtime.placement import (
     LABEL_WAIT_SECONDS,
@@ -180,22 +181,24 @@ class Onboarding:
             f"round {round_}: silo training",
             timeout,
             names,
+            key=ROUND_TIMEOUT,
         )
         if not evaluated(round_, self.cfg.rounds, self.cfg.eval.every):
             commits = [actors[r].commit_unevaluated.remote(round_, None) for r in roles]
-            get(commits, f"round {round_}: silo commit", timeout, names)
+            get(commits, f"round {round_}: silo commit", timeout, names, key=ROUND_TIMEOUT)
             return {r: (f, None) for r, f in zip(roles, fits, strict=True)}
         evals = get(
             [actors[r].evaluate.remote(s, round_) for r, s in zip(roles, state, strict=True)],
             f"round {round_}: silo evaluation",
             timeout,
             names,
+            key=ROUND_TIMEOUT,
         )
         commits = [
             actors[r].commit.remote(round_, bool(selectors[r].choose([e])))
             for r, e in zip(roles, evals, strict=True)
         ]
-        get(commits, f"round {round_}: silo commit", timeout, names)
+        get(commits, f"round {round_}: silo commit", timeout, names, key=ROUND_TIMEOUT)
         return {r: (f, e) for r, f, e in zip(roles, fits, evals, strict=True)}
 
 

@@ -25,7 +25,7 @@ from silo_pfl.errors import ConfigError, FederationError, Interrupted
 from silo_pfl.messages import SiloOutcome, SplitInfo, fields_of, model_shape
 from silo_pfl.results import FederationResult, RoundSummary, SiloResult
 from silo_pfl.run_dir import RESULT_FILE, RunDir, check_resumable, check_resume
-from silo_pfl.runtime.actors import get, start_server, start_silos, stop
+from silo_pfl.runtime.actors import get, get_silos, start_server, start_silos, stop
 from silo_pfl.runtime.exporting import attach_exporters, check_own_stores, export
 from silo_pfl.runtime.metrics import driver_metrics, export_interval
 from silo_pfl.runtime.packing import pack
@@ -90,9 +90,10 @@ class Orchestrator:
     def _each(
         self, silos: dict[str, Any], names: list[str], method: str, what: str, *args: Any
     ) -> list[Any]:
-        """Call `method` on each of the silos `names` and wait, bounded; a late silo is named."""
-        refs = [getattr(silos[name], method).remote(*args) for name in names]
-        return get(refs, what, self.timeout, [f"silo {name}" for name in names])
+        """Call `method` on each of the silos `names` and wait, bounded (a worker's calls for k
+        silos, run one after another, k times round.call_timeout_s); a late silo is named."""
+        refs = {name: getattr(silos[name], method).remote(*args) for name in names}
+        return get_silos(refs, silos, what, self.timeout)
 
     def _emit(self, hook: str, *args: Any) -> None:
         for callback in self.callbacks:
@@ -173,6 +174,7 @@ class Orchestrator:
                     self._emit("on_resumed", list(history))
                 else:
                     self._checkpoint(server, 0, parties, selector, history)
+                    self.run_dir.checkpointed()  # --resume takes it, the server's disk anywhere
                     self.resumable = True
                 rejoin = Rejoin(input_shape, num_classes, identity_keys, exporting)
                 runner = RoundRunner(self.cfg, server, parties, rejoin, selector, metrics)
@@ -275,15 +277,14 @@ class Orchestrator:
             party.restarts = int(saved["restarts"][name])
         for callback in self.callbacks:
             callback.restore(saved["callbacks"].get(type(callback).__name__, {}))
+        actors = {n: p.actor for n, p in parties.items()}
         refs = {n: p.actor.restore.remote(p.committed) for n, p in parties.items()}
-        get(list(refs.values()), "resume: silo restore", self.timeout, [f"silo {n}" for n in refs])
+        get_silos(refs, actors, "resume: silo restore", self.timeout)
         # As a rejoin does: a silo whose update was aggregated after its last commit takes back
         # the state that update left with, where the server mirrors it (SCAFFOLD's c_i).
         adopting = {n: p for n, p in parties.items() if p.uncommitted()}
         refs = {n: p.actor.adopt_sent.remote(p.uncommitted()) for n, p in adopting.items()}
-        rounds = get(
-            list(refs.values()), "resume: silo restore", self.timeout, [f"silo {n}" for n in refs]
-        )
+        rounds = get_silos(refs, actors, "resume: silo restore", self.timeout)
         for name, round_ in zip(refs, rounds, strict=True):
             adopting[name].committed = int(round_)
         self.checkpointed = len(history)
@@ -306,10 +307,9 @@ class Orchestrator:
                     f"{damaged[-1]}; no earlier round is held intact by the server and every silo"
                 ) from None
             committed = {n: int(saved["committed"][n]) for n in parties}
-            refs = [p.actor.check_checkpoint.remote(committed[n]) for n, p in parties.items()]
-            lines = get(
-                refs, "resume: silo checkpoints", self.timeout, [f"silo {n}" for n in parties]
-            )
+            refs = {n: p.actor.check_checkpoint.remote(committed[n]) for n, p in parties.items()}
+            actors = {n: p.actor for n, p in parties.items()}
+            lines = get_silos(refs, actors, "resume: silo checkpoints", self.timeout)
             damaged += [*saved["skipped"], *(line for line in lines if line)]
             if not any(lines):
                 return {**saved, "skipped": damaged}

@@ -43,7 +43,13 @@ from silo_pfl.config import FederationConfig
 from silo_pfl.errors import FederationError, SiloLost, typed_line
 from silo_pfl.messages import CallFailed, EvalMetrics, FitMetrics, RejoinInfo, RoundReport
 from silo_pfl.results import RoundSummary
-from silo_pfl.runtime.actors import Shared, call_many, task_error_cause
+from silo_pfl.runtime.actors import (
+    Shared,
+    call_many,
+    silos_in_call,
+    task_error_cause,
+    wait_each,
+)
 from silo_pfl.runtime.aggregation_steps import PlainSteps, Prepared, SecureSteps
 from silo_pfl.runtime.metrics import DriverMetrics, NoMetrics
 from silo_pfl.runtime.placement import homeless, silo_selector
@@ -107,19 +113,26 @@ def late_reason(timeout: float, key: str = "round.timeout_s") -> str:
 
 
 def gather(
-    refs: dict[str, Any], timeout: float, late: str | None = None
+    refs: dict[str, Any],
+    timeout: float,
+    late: str | None = None,
+    shares: dict[str, int] | None = None,
+    start: float | None = None,
 ) -> tuple[dict[str, Any], dict[str, str], set[str]]:
-    """Wait for every ref (or `Shared` item of a worker's answers) until `timeout` s from now,
-    for each silo: a worker answering for k silos of one call (packed), which it runs one after
-    another, is waited for k times `timeout`. Returns the answers, a reason for each silo that
-    failed or was late (`late`, else round.timeout_s's), and the silos whose process died:
-    during the call, or before it (their restarted worker holds them no more: SiloLost)."""
+    """Wait for every ref (or `Shared` item of a worker's answers) until `timeout` s from now
+    (or from `start`, time.monotonic), for each silo: a worker answering for k silos of one call
+    (packed), which it runs one after another, is waited for k times `timeout`; where each silo
+    has a call of its own on its worker, `shares` gives that k (`actors.silos_in_call`).
+    Returns the answers, a reason for each silo that failed or was late (`late`, else
+    round.timeout_s's), and the silos whose process died: during the call, or before it (their
+    restarted worker holds them no more: SiloLost)."""
     if not refs:
         return {}, {}, set()
     silos: dict[Any, int] = {}  # each object once, in order: how many silos it answers for
-    for ref in refs.values():
-        silos[_object(ref)] = silos.get(_object(ref), 0) + 1
-    ready = _wait_each(silos, timeout)
+    for name, ref in refs.items():
+        own = shares[name] if shares is not None else silos.get(_object(ref), 0) + 1
+        silos[_object(ref)] = own
+    ready = wait_each(silos, timeout, start)
     got = dict(zip(ready, _get_each(ready), strict=True))
     answers: dict[str, Any] = {}
     absent: dict[str, str] = {}
@@ -148,23 +161,6 @@ def gather(
         else:
             answers[name] = answer
     return answers, absent, died
-
-
-def _wait_each(silos: dict[Any, int], timeout: float) -> list[Any]:
-    """The objects of `silos` ready before each one's deadline: `timeout` s from now for each
-    silo it answers for."""
-    start, ready = time.monotonic(), set()
-    pending = dict(silos)
-    while pending:
-        left = {o: start + k * timeout - time.monotonic() for o, k in pending.items()}
-        waiting = [o for o, seconds in left.items() if seconds > 0]
-        if not waiting:
-            break
-        wait = min(left[o] for o in waiting)
-        done, _ = ray.wait(waiting, num_returns=len(waiting), timeout=wait)
-        ready.update(done)
-        pending = {o: pending[o] for o in waiting if o not in ready}
-    return [o for o in silos if o in ready]  # in their order
 
 
 def _object(ref: Any) -> Any:
@@ -254,17 +250,22 @@ class RoundRunner:
     def rejoin_the_dead(self, round_: int) -> dict[str, RejoinInfo]:
         """Each silo whose process died is restarted by Ray, then restores its last commit.
         Until Ray has it running again a call fails at once, so this asks again, bounded by
-        round.call_timeout_s; a silo pinned to labels no live node carries is not waited for
+        round.call_timeout_s for each of its worker's silos that rejoin (packed, they rejoin one
+        after another); a silo pinned to labels no live node carries is not waited for
         (`down` says why it stays out), and one whose rejoin failed is not asked again before
         the next attempt (`unjoined` says why)."""
         args = self.rejoin_args
         limit = self.cfg.round.call_timeout_s
-        deadline = time.monotonic() + limit
+        start = time.monotonic()
         late = late_reason(limit, "round.call_timeout_s")
         waiting = [n for n, p in self.parties.items() if p.died]
+        shares = silos_in_call({n: self.parties[n].actor for n in waiting})
         rejoined: dict[str, RejoinInfo] = {}
         self.down, self.unjoined = {}, {}
-        while waiting and time.monotonic() < deadline:
+        while waiting:
+            waiting = [n for n in waiting if time.monotonic() < start + shares[n] * limit]
+            if not waiting:
+                break
             gone = homeless({n: silo_selector(self.cfg, n) for n in waiting})
             for name, reason in sorted(gone.items()):
                 log.warning("round %d: silo %s cannot rejoin: %s", round_, name, reason)
@@ -283,7 +284,7 @@ class RoundRunner:
                 )
                 for n in waiting
             }
-            infos, absent, restarting = gather(refs, max(0.0, deadline - time.monotonic()), late)
+            infos, absent, restarting = gather(refs, limit, late, shares, start)
             for name, info in infos.items():
                 party = self.parties[name]
                 party.died, party.restarts = False, party.restarts + 1
