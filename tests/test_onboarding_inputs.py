@@ -168,3 +168,38 @@ def test_a_run_trained_with_no_central_models_is_named_as_what_stops_a_join(
         capsys.readouterr().err,
         f"onboard: run {run_id} was trained with privacy.central_models=none: its global layers",
     )
+
+
+def test_a_silo_named_alone_joins_beside_its_alone_baseline(tmp_path):
+    """The baseline's role was the name `alone`: a joining silo of that name was overwritten by
+    its own baseline, never trained on the federation's layers, and reported the baseline's
+    figures as its own, with no baseline."""
+    files = {"cleveland": "cleveland", "hungarian": "hungarian", "alone": NEW}
+    paths = [f"    {s}: {_write_csv(tmp_path / f'{h}.csv', h)}" for s, h in files.items()]
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "\n".join(
+            [
+                "name: lonely",
+                "rounds: 2",
+                f"output_dir: {tmp_path / 'runs'}",
+                "data:",
+                "  source: csv",
+                "  num_classes: 2",
+                "  late_silos: [alone]",
+                "  paths:",
+                *paths,
+                "model: {name: mlp, hidden: [8]}",
+                "algorithm: {name: fedper}",
+                f"tracking: {{uri: 'sqlite:///{tmp_path / 'mlflow.db'}'}}",
+            ]
+        )
+    )
+    assert main(["run", str(job), "--quiet"]) == 0
+    joined = tmp_path / "joined.json"
+    assert main(["onboard", str(job), "--silo", "alone", "--results", str(joined)]) == 0
+    result = json.loads(joined.read_text())
+    report = result["onboard"]
+    assert list(result["silos"]) == ["alone"] and result["silos"]["alone"]["selected_round"] >= 1
+    assert 0 < report["alone_test_accuracy"] <= 1
+    assert report["gain_over_alone"] == report["test_accuracy"] - report["alone_test_accuracy"]

@@ -44,6 +44,7 @@ from silo_pfl.tracking.registry import ONBOARD
 from silo_pfl.tracking.trained_run import TrainedRun
 
 ALONE = "alone"  # the baseline's role, and the suffix of its directory's run id
+JOINED = "joined"  # the joining silo's role (a silo may be named alone)
 
 
 class Onboarding:
@@ -107,7 +108,7 @@ class Onboarding:
             check_labels({f"silo {name}": silo_selector(self.cfg, name)}, LABEL_WAIT_SECONDS)
             workers = 1 + (self.alone is not None)
             check_local_cpus(self.cfg, [[name]] * workers, ray.cluster_resources().get("CPU", 1))
-            actors = {name: start_silo(self.cfg, to_dict(self.cfg), name, run_id, keep=keep)}
+            actors = {JOINED: start_silo(self.cfg, to_dict(self.cfg), name, run_id, keep=keep)}
             if self.alone is not None:
                 actors[ALONE] = start_silo(
                     self.alone, to_dict(self.alone), name, self.alone_dir.run_id, keep=keep
@@ -122,23 +123,24 @@ class Onboarding:
                     [actors[r].build.remote(*shape) for r in roles], "silo model", timeout
                 )
                 split = dataclasses.replace(splits[0], bytes_sent_per_round=0)  # sends nothing
-                check_own_stores(self.callbacks, [info], {name: actors[name]}, timeout)
+                own = {name: actors[JOINED]}
+                check_own_stores(self.callbacks, [info], own, timeout)
                 self._emit("on_start", self.cfg, [info], split)
-                exporting = attach_exporters(self.callbacks, [info], {name: actors[name]}, timeout)
-                states = {name: ray.put(self.trained.global_state), ALONE: ray.put({})}
+                exporting = attach_exporters(self.callbacks, [info], own, timeout)
+                states = {JOINED: ray.put(self.trained.global_state), ALONE: ray.put({})}
                 selectors = {role: Selector(self.cfg.eval.selection) for role in roles}
                 history = []
                 for round_ in range(1, self.cfg.rounds + 1):
                     self._emit("on_round_start", round_)
                     began = time.perf_counter()
                     evals = self._round(actors, states, selectors, round_)
-                    fit, evaluation = evals[name]
+                    fit, evaluation = evals[JOINED]
                     history.append(_summary(round_, began, fit, evaluation))
                     self._emit("on_round_end", history[-1])
                 outcomes: list[SiloOutcome] = get(
                     [actors[r].outcome.remote() for r in roles], "silo outcome", timeout
                 )
-                export(self.callbacks, list(exporting), actors, timeout)
+                export(self.callbacks, list(exporting), own, timeout)
                 ended = True
             finally:  # a failed onboarding's directories are deleted next
                 stop(list(actors.values()), keep and ended, wait_gone=not ended)
@@ -174,8 +176,8 @@ class Onboarding:
         between evaluations, commit without evaluating (the choice so far stands)."""
         timeout = self.cfg.round.timeout_s
         roles = list(actors)
-        names = [f"silo {r}" for r in roles]
-        state = [states[self.silo if r == self.silo else ALONE] for r in roles]
+        names = [f"silo {self.silo}" + ("" if r == JOINED else "'s alone baseline") for r in roles]
+        state = [states[r] for r in roles]
         fits = get(
             [actors[r].adapt.remote(s, round_) for r, s in zip(roles, state, strict=True)],
             f"round {round_}: silo training",
