@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import os
 import secrets
+import stat
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -48,7 +49,8 @@ def write_atomic(path: Path, data: bytes | Writer, reuse: Path | None = None) ->
     """Write `data` to a temporary file beside `path`, then rename it; on disk when this returns,
     or when the enclosing `durable_together` block ends. `data` is the bytes, or a Writer that
     writes them into the open file. `reuse`, a hidden file no longer needed (a recycled
-    checkpoint), is that temporary file, overwritten in place: nothing is freed or allocated."""
+    checkpoint), is that temporary file, overwritten in place: nothing is freed or allocated.
+    A file replaced keeps its permission bits; a new one is the owner's alone (0600)."""
     block = _open_block()
     if reuse is None:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -56,6 +58,8 @@ def write_atomic(path: Path, data: bytes | Writer, reuse: Path | None = None) ->
         fd, tmp = os.open(reuse, os.O_WRONLY), str(reuse)
     try:
         try:
+            with contextlib.suppress(FileNotFoundError):
+                os.fchmod(fd, stat.S_IMODE(os.stat(path).st_mode))
             size = data(fd) if callable(data) else write_all(fd, data)
             os.ftruncate(fd, size)
             if block is None:

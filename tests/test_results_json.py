@@ -53,3 +53,15 @@ def test_a_run_record_is_on_disk_when_written(tmp_path, monkeypatch):
     assert len(synced) == 2 and synced[1] == str(tmp_path)
     assert synced[0].startswith(str(tmp_path / ".run.json."))
     assert json.loads((tmp_path / "run.json").read_text()) == {"run_id": "r"}
+
+
+def test_a_file_written_again_keeps_its_permissions_and_a_new_one_is_private(tmp_path):
+    """A report rewritten in place (compare's docs/RESULTS.md and its JSON, a run's record)
+    became 0600 whatever it was, unreadable to the others who read it before."""
+    shared, fresh = tmp_path / "shared.json", tmp_path / "fresh.json"
+    write_json_atomic(shared, {"a": 1})
+    os.chmod(shared, 0o644)
+    write_json_atomic(shared, {"a": 2})
+    write_json_atomic(fresh, {"a": 3})
+    assert json.loads(shared.read_text()) == {"a": 2}
+    assert (shared.stat().st_mode & 0o777, fresh.stat().st_mode & 0o777) == (0o644, 0o600)
