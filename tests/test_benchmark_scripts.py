@@ -62,3 +62,13 @@ def test_a_misspelt_algorithm_is_one_line_before_ray_starts(tmp_path: Path) -> N
     assert done.stdout == ""
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("error: algorithm.name: got 'nosuch', expected one of "), line
+
+
+def test_a_baseline_that_is_not_run_is_refused_before_any_run(tmp_path: Path) -> None:
+    """accuracy.py ran every algorithm, then lost them all to a KeyError: 'local'."""
+    job = str(ROOT / "jobs/heart_disease.yaml")
+    done = run_script("accuracy.py", tmp_path, job, "--algorithms", "fedper", "--baseline", "local")
+    assert done.returncode == 2 and done.stdout == "", done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "accuracy.py: error: --baseline local: expected one of --algorithms (fedper)"
+    )
