@@ -5,7 +5,8 @@ From scratch: Karimireddy et al. (2020), Algorithm 1, option II, every silo in e
 over `limit.PlainSilo` (the package's data, initial model, batches and SGD). Each local step
 follows g + c - c_i; after K steps c_i+ = c_i - c + (x - y) / (lr * steps_moved(K, m)), which is
 the paper's K * lr without momentum; the server moves x by the row-weighted mean delta and c by
-the mean of the Delta c_i. FedAvg is the same without the correction. The package runs
+the row-weighted mean of the Delta c_i, as the package does (the paper's plain mean, where silos
+hold equal rows). FedAvg is the same without the correction. The package runs
 `Federation(cfg).run()` on a local Ray, with tracking off.
 
 Each cell is the mean validation accuracy of the last round's model over the silos (the global
@@ -72,7 +73,9 @@ def from_scratch(job: str, overrides: Sequence[str], scaffold: bool) -> str:
                 moves.append({k: new[k] - c_i[silo.name][k] for k in keys})
                 c_i[silo.name] = new
         state = apply_delta(state, weighted_mean(deltas, rows))
-        c = {k: c[k] + sum(m[k] for m in moves) / len(silos) for k in keys} if scaffold else c
+        if scaffold:  # every silo in every round: the row-weighted mean of the Delta c_i
+            pairs = list(zip(rows, moves, strict=True))
+            c = {k: c[k] + sum(n * m[k] for n, m in pairs) / sum(rows) for k in keys}
     return f"{np.mean([silo.evaluate(state)[0][0] for silo in silos]):.3f}"
 
 
