@@ -24,15 +24,26 @@ import math
 import multiprocessing
 import os
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from silo_pfl.compare_runs import Cache, Record, Run, execute, init_worker, make_run
+from silo_pfl.compare_runs import (
+    Cache,
+    Record,
+    Run,
+    execute,
+    execute_marked,
+    init_worker,
+    make_run,
+)
 from silo_pfl.compare_spec import JobSpec, RowSpec, Spec, load_spec, parse_spec
 from silo_pfl.errors import ConfigError, typed_line
 from silo_pfl.stop_signals import sigterm_interrupts
@@ -95,6 +106,7 @@ def mean_val_accuracy(result: dict[str, Any]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+BROKEN_TWICE = "its worker process died (BrokenProcessPool), twice"
 NO_VALIDATION = (
     "no validation figure to choose a candidate by (no silo has validation rows): "
     "set data.val_fraction > 0, or list one candidate"
@@ -196,13 +208,15 @@ def _stop_workers(pool: cf.ProcessPoolExecutor, grace: float = 120.0) -> None:
 
 
 def git_commit() -> str:
-    """The checked-out commit (short), '+dirty' with uncommitted changes; '' outside git."""
+    """The commit (short) of the checkout silo_pfl is imported from, whatever the working
+    directory, '+dirty' with uncommitted changes; '' when silo_pfl is not in a git checkout."""
+    git = ["git", "-C", str(Path(__file__).resolve().parent)]
     try:
         commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            [*git, "status", "--porcelain", "--untracked-files=no"],
             capture_output=True,
             text=True,
             timeout=10,
@@ -233,12 +247,17 @@ def compare(
     records: dict[str, Record] = {}
     waiting: dict[cf.Future[dict[str, Any]], Run] = {}
     queued: set[str] = set()
+    backlog: list[Run] = []  # to submit
+    suspects: list[Run] = []  # had started in a pool that broke: run again, alone
+    broke: set[str] = set()  # the runs that were suspects
     pool: cf.ProcessPoolExecutor | None = None
+    pool_size = 0
+    started = ""  # the directory where the pool's workers mark the runs they start
     commit = git_commit()
     counts = {"computed": 0, "cached": 0, "todo": 0}
+    total: int | None = None
 
     def ensure(runs: Iterable[Run]) -> None:
-        nonlocal pool
         for run in runs:
             if run.key in records or run.key in queued:
                 continue
@@ -252,14 +271,81 @@ def compare(
             if dry_run:
                 log(f"would run: {run.describe()}: {run.command}")
                 continue
-            if pool is None:
-                pool = cf.ProcessPoolExecutor(
-                    max_workers=workers,
-                    mp_context=multiprocessing.get_context("spawn"),
-                    initializer=init_worker,
-                    initargs=(max(1, (os.cpu_count() or 1) // workers),),
-                )
-            waiting[pool.submit(execute, run.config, list(run.overrides))] = run
+            backlog.append(run)
+
+    def drop_pool() -> None:
+        nonlocal pool
+        if pool is not None:
+            _stop_workers(pool)
+            pool = None
+        shutil.rmtree(started, ignore_errors=True)
+
+    def submit(runs: Sequence[Run], size: int) -> None:
+        """Submit `runs` to a pool of `size` workers (a new one if the current is not so)."""
+        nonlocal pool, pool_size, started
+        if pool is not None and pool_size != size:
+            drop_pool()
+        if pool is None:
+            pool = cf.ProcessPoolExecutor(
+                max_workers=size,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=init_worker,
+                initargs=(max(1, (os.cpu_count() or 1) // workers),),
+            )
+            pool_size = size
+            started = tempfile.mkdtemp(prefix="silo_pfl_compare_started_")
+        for run in runs:
+            args = (started, run.key, execute, run.config, list(run.overrides))
+            waiting[pool.submit(execute_marked, *args)] = run
+
+    def dispatch() -> None:
+        """Submit what waits: a suspect alone in a pool of one worker (so that a second break
+        is its own), else the backlog to a pool of `workers`."""
+        if suspects:
+            if not waiting:
+                submit([suspects.pop(0)], 1)
+        elif backlog and (not waiting or pool_size == workers):
+            submit(backlog, workers)
+            backlog.clear()
+
+    def finish(run: Run, answer: dict[str, Any]) -> None:
+        queued.discard(run.key)
+        counts["computed"] += 1
+        if "error" in answer:
+            records[run.key] = Record(None, answer["error"], commit=commit)
+            done_of = progress_label(counts["computed"], total)
+            log(f"{done_of} {run.describe()}: FAILED: {answer['error']}")
+            return
+        record = Record(answer["result"], None, False, answer["elapsed_seconds"], commit)
+        records[run.key] = record
+        if run.cacheable:
+            store.put(run, record)
+        result = answer["result"]
+        log(
+            f"{progress_label(counts['computed'], total)} {run.describe()}: test "
+            f"{result['mean_test_accuracy']:.4f} "
+            f"val {_format_val(mean_val_accuracy(result))} "
+            f"({result['wall_seconds']:.1f} s)"
+        )
+
+    def broken(runs: list[Run]) -> None:
+        """The pool broke (a worker process died, e.g. out of memory): every run it held failed
+        with it. Those that never started go back to the backlog; those that had started run
+        again, each alone; one that breaks its pool a second time failed."""
+        marked = {run.key for run in runs if os.path.exists(os.path.join(started, run.key))}
+        drop_pool()
+        ran = [run for run in runs if run.key in marked] or runs  # died before any started
+        for run in runs:
+            if run not in ran:
+                backlog.append(run)
+            elif run.key in broke:
+                finish(run, {"error": BROKEN_TWICE})
+            else:
+                broke.add(run.key)
+                suspects.append(run)
+        again = [run.describe() for run in ran if run.key not in records]
+        if again:
+            log(f"a worker process died (BrokenProcessPool): running again {', '.join(again)}")
 
     def advance() -> None:
         """Decide every unit whose candidates are all done, and every unit of one candidate at
@@ -295,33 +381,26 @@ def compare(
             ensure(unit.first)
         advance()
         total = known_total(units, counts["todo"])
+        dispatch()
         while waiting:
             done, _ = cf.wait(waiting, return_when=cf.FIRST_COMPLETED)
+            if any(isinstance(f.exception(), BrokenProcessPool) for f in done):
+                done, _ = cf.wait(waiting)  # a broken pool fails all its futures
+            lost: list[Run] = []
             for future in done:
                 run = waiting.pop(future)
-                queued.discard(run.key)
                 try:
                     answer = future.result()
-                except Exception as exc:  # the worker process died (e.g. out of memory)
-                    answer = {"error": typed_line(exc)}
-                counts["computed"] += 1
-                if "error" in answer:
-                    records[run.key] = Record(None, answer["error"], commit=commit)
-                    done_of = progress_label(counts["computed"], total)
-                    log(f"{done_of} {run.describe()}: FAILED: {answer['error']}")
+                except BrokenProcessPool:
+                    lost.append(run)
                     continue
-                record = Record(answer["result"], None, False, answer["elapsed_seconds"], commit)
-                records[run.key] = record
-                if run.cacheable:
-                    store.put(run, record)
-                result = answer["result"]
-                log(
-                    f"{progress_label(counts['computed'], total)} {run.describe()}: test "
-                    f"{result['mean_test_accuracy']:.4f} "
-                    f"val {_format_val(mean_val_accuracy(result))} "
-                    f"({result['wall_seconds']:.1f} s)"
-                )
+                except Exception as exc:
+                    answer = {"error": typed_line(exc)}
+                finish(run, answer)
+            if lost:
+                broken(lost)
             advance()
+            dispatch()
     finally:
         try:
             if pool is not None and waiting:  # interrupted (or failed): stop the runs under way
@@ -329,6 +408,8 @@ def compare(
             elif pool is not None:
                 pool.shutdown()
         finally:
+            if started:
+                shutil.rmtree(started, ignore_errors=True)
             stack.close()
     if dry_run:
         undecided = sum(1 for u in units if not u.decided)

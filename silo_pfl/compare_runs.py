@@ -11,7 +11,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -316,6 +316,19 @@ def _ensure_ray() -> None:
             time.sleep(5 * attempt)
         finally:
             signal.signal(signal.SIGTERM, _terminated)  # ray.init put in its own (sys.exit)
+
+
+def execute_marked(
+    started: str,
+    key: str,
+    run: Callable[[str, Sequence[str]], dict[str, Any]],
+    config: str,
+    overrides: Sequence[str],
+) -> dict[str, Any]:
+    """`run(config, overrides)` in a pool worker, after creating `<started>/<key>`: when the
+    pool breaks, the parent tells the runs that had started from those that never did."""
+    Path(started, key).touch()
+    return run(config, overrides)
 
 
 def execute(config: str, overrides: Sequence[str]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from silo_pfl.errors import ConfigError
+from silo_pfl.errors import ConfigError, one_line
 
 # Set by the comparison itself, so not allowed in a spec's overrides.
 RESERVED_KEYS = ("seed", "algorithm.name", "output_dir", "tracking.", "ray.")
@@ -105,10 +105,16 @@ def _known(names: Sequence[str] | None, known: dict[str, Any], option: str) -> l
 def load_spec(path: str | Path) -> Spec:
     """Read and check a comparison spec; every error is one line naming the key."""
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     from silo_pfl.config import read_yaml
 
-    raw = OmegaConf.to_container(read_yaml(Path(path)), resolve=True)
+    try:
+        raw = OmegaConf.to_container(read_yaml(Path(path)), resolve=True)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None)
+        where = f"{key}: " if key else ""
+        raise ConfigError(f"{path}: {where}{one_line(exc)}") from None
     return parse_spec(raw, str(path))
 
 
@@ -179,6 +185,10 @@ def parse_spec(raw: Any, where: str = "spec") -> Spec:
         published = entry.get("published")
         if published is not None:
             published = mapping(published, f"{key}.published", _PUBLISHED_KEYS)
+            for name in ("source", "note"):
+                text = published.get(name)
+                if name in published and (not isinstance(text, str) or not text.strip()):
+                    raise fail(f"{key}.published.{name}", f"expected non-empty text, got {text!r}")
             figures = mapping(published.get("figures", {}), f"{key}.published.figures")
             for name, figure in figures.items():
                 if not isinstance(figure, (int, float)) or isinstance(figure, bool):

@@ -257,12 +257,12 @@ def _job_table(label: str, job: dict[str, Any]) -> list[str]:
             mean = _pm(row["mean_test_accuracy"])
             if _failed(row):
                 finished = [s for s in row["seeds"] if s not in _failed(row)]
-                mean += f" (seed{'s' if len(finished) > 1 else ''} {' '.join(finished)} only)"
+                mean += _only(finished)
             cells += [
                 f"**{mean}**" if name == best else mean,
                 _pm(row["worst_test_accuracy"]),
                 _pm(row["std_test_accuracy"]),
-                *_gain_cells(row.get("gain_over_baseline"), name == job["baseline"]),
+                *_gain_cells(row.get("gain_over_baseline"), name == job["baseline"], row),
                 _val(row["mean_val_accuracy"]),
                 f"{row['bytes_sent_per_round']:,.0f}",
                 f"{row['wall_seconds']:.1f}",
@@ -329,13 +329,24 @@ def _pm(figure: dict[str, float | None]) -> str:
     return f"{mean:.4f}" if std is None else f"{mean:.4f} ± {std:.4f}"
 
 
-def _gain_cells(gain: dict[str, Any] | None, is_base: bool) -> list[str]:
+def _only(seeds: list[str]) -> str:
+    """` (seed 0 only)`, ` (seeds 0 2 only)`."""
+    return f" (seed{'s' if len(seeds) > 1 else ''} {' '.join(seeds)} only)"
+
+
+def _gain_cells(gain: dict[str, Any] | None, is_base: bool, row: dict[str, Any]) -> list[str]:
+    """The gain over the baseline and the worst silo's; the gain names its seeds when they are
+    not all of the row's finished seeds (the baseline failed on the others)."""
     if gain is None:
         return ["", ""]
     if is_base:
         return ["(baseline)", ""]
     left_out = gain.get("silos_not_compared") or []
     over = f" (not: {', '.join(left_out)})" if left_out else ""
+    finished = [s for s in row["seeds"] if s not in _failed(row)]
+    seeds = [str(s) for s in gain["seeds"]]
+    if sorted(seeds) != sorted(finished):
+        over += _only(seeds)
     return [
         f"{gain['mean_points']:+.1f}{over}",
         f"{gain['worst_silo_points']:+.1f} ({gain['worst_silo']})",
@@ -403,8 +414,9 @@ def _write_text(target: Path, text: str) -> None:
 
 
 def write(data: dict[str, Any], out: str, json_path: str) -> None:
-    """The JSON report and the markdown region."""
+    """The JSON report and the markdown region (made first: a failure writes neither)."""
     from silo_pfl.results import write_json_atomic
 
+    body = markdown(data)
     write_json_atomic(json_path, data)
-    replace_region(out, markdown(data))
+    replace_region(out, body)
