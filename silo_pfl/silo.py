@@ -203,11 +203,14 @@ class Silo:
         input_shape: tuple[int, ...],
         num_classes: int,
         identity_keys: dict[str, bytes] | None = None,
+        joining: bool = False,
     ) -> SplitInfo:
         """Build the federation's model (the classes of all silos) and this silo's split.
 
         Under secure aggregation the silo trusts the identity keys its config lists, or else
-        `identity_keys`, the ones every silo reported, as the driver relays them."""
+        `identity_keys`, the ones every silo reported, as the driver relays them. A silo
+        `joining` a trained federation trains its local keys only (`adapt`): an algorithm's
+        rule on the batches a round needs is checked only where it has local keys to train."""
         if tuple(input_shape) != self.data.input_shape:
             raise ValueError(f"silo {self.name}: inputs {self.data.input_shape}, not {input_shape}")
         self.model = init_model(self.cfg, tuple(input_shape), num_classes)
@@ -218,13 +221,14 @@ class Silo:
                 "give the silo more rows (data.max_train_rows, data.val_fraction) or choose a "
                 "model without BatchNorm"
             )
-        per_epoch = batches_per_epoch(
-            self.num_examples, self.cfg.train.batch_size, has_batchnorm(self.model)
-        )
-        self.algorithm.check_batches(self.name, self.num_examples, per_epoch)
         self._loaded = None
         self.num_classes = num_classes
         self.split: Split = compute_split(self.model, split_rules(self.cfg))
+        if self.split.local_keys or not joining:
+            per_epoch = batches_per_epoch(
+                self.num_examples, self.cfg.train.batch_size, has_batchnorm(self.model)
+            )
+            self.algorithm.check_batches(self.name, self.num_examples, per_epoch)
         self.algorithm.check_split(self.split)
         state = self.model.state_dict()
         shapes = {k: tuple(state[k].shape) for k in self.split.global_keys}

@@ -10,7 +10,7 @@ import torch
 
 from silo_pfl.algorithms import ALGORITHMS
 from silo_pfl.config import to_dict, written_keys
-from silo_pfl.errors import ConfigError
+from silo_pfl.errors import ConfigError, FederationError
 from silo_pfl.messages import SiloOutcome
 from silo_pfl.onboarding import alone_config, joining_config, onboard_report
 from silo_pfl.server_start import new_server
@@ -43,7 +43,7 @@ def _joining(
     cfg = joining_config(trained, mine, late)
     silo = Silo(to_dict(cfg), late)
     silo.setup()
-    silo.build(trained.input_shape, trained.num_classes)
+    silo.build(trained.input_shape, trained.num_classes, joining=True)
     return silo
 
 
@@ -173,6 +173,23 @@ def test_adapt_keeps_the_global_keys_frozen_and_trains_the_rest(job, algorithm):
         assert changed, "adapt trained nothing of the silo's own"
         assert np.isfinite(metrics.train_loss), "what adapt trained has a loss"
     assert metrics.bytes_sent == 0
+
+
+def test_a_joining_silo_with_one_batch_a_round_is_not_held_to_meta_steps_it_never_takes(job):
+    """perfedavg's meta-step takes 2 batches, so a founder with 1 a round is refused. A silo
+    joining keeps every key frozen (no local keys) and only adapts as it evaluates, which one
+    batch does: it was refused all the same, told to raise train.local_epochs, which would do
+    nothing for it."""
+    few = ("data.max_train_rows=10", "train.local_epochs=1")
+    trained = _trained(job, "algorithm.name=perfedavg")
+    silo = _joining(job, trained, *few)
+    assert not silo.split.local_keys
+    silo.adapt(trained.global_state, 1)
+    assert np.isfinite(silo.evaluate(trained.global_state, 1).val_accuracy)
+    founder = Silo(to_dict(job(JOB, "algorithm.name=perfedavg", *few)), "cleveland")
+    info = founder.setup()
+    with pytest.raises(FederationError, match=r"silo cleveland: its 10 training rows make 1 batch"):
+        founder.build(info.input_shape, info.num_classes)
 
 
 def test_the_onboarding_report_compares_with_the_founders_and_the_baseline(job):

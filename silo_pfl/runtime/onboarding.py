@@ -120,7 +120,9 @@ class Onboarding:
                 self._check_fit(info)
                 shape = (self.trained.input_shape, self.trained.num_classes)
                 splits: list[SplitInfo] = get(
-                    [actors[r].build.remote(*shape) for r in roles], "silo model", timeout
+                    [actors[r].build.remote(*shape, None, r == JOINED) for r in roles],
+                    "silo model",
+                    timeout,
                 )
                 split = dataclasses.replace(splits[0], bytes_sent_per_round=0)  # sends nothing
                 own = {name: actors[JOINED]}
