@@ -216,6 +216,53 @@ def test_a_pairing_from_an_earlier_run_of_the_federation_is_refused():
     assert now[first].confirm(request)
 
 
+def test_a_driver_that_shows_a_silo_an_earlier_runs_keys_of_its_far_silos_is_caught():
+    """SecAgg+ (7 silos, 2 neighbours, threshold 5): a silo needs fresh shares only from its
+    neighbours, so a driver could show it the earlier run's advertisements of the others, then
+    their earlier pairings and confirmations, which were signed over those same keys: with one
+    signature of this run the victim revealed. Every signature now covers all the attempt's
+    advertisements, the victim's own fresh keys among them."""
+    params, _, _ = protocol_federation(7, neighbors=2)
+    names = list(params.silos)
+    keys = {name: Ed25519PrivateKey.generate() for name in names}
+    trusted = {name: identity.public_bytes(key) for name, key in keys.items()}
+    payloads, weights = _payloads(names), _weights(names)
+    victim = names[0]
+
+    def masked_run(shown=None):
+        clients = {name: SecureClient(params, name, keys[name], trusted) for name in names}
+        server = SecureAggregator(params, trusted)
+        adverts = {n: clients[n].advertise(1, 1) for n in names}
+        server.enroll(1, 1, list(adverts.values()))
+        views = {n: list(adverts.values()) for n in names} | (shown(adverts) if shown else {})
+        inbox = server.route([clients[n].share_keys(views[n]) for n in names])
+        for name in names:
+            clients[name].mask(payloads[name], weights[name], 1, 1, inbox[name])
+        return clients, server, adverts
+
+    earlier, plan, old_adverts = masked_run()
+    far = [n for n in names if n != victim and n not in plan.topology.peers[victim]]
+    old = unmask_request(earlier, names)
+    kept = {name: earlier[name].confirm(old) for name in far}
+
+    def mixed(adverts):
+        return {victim: [old_adverts[n] if n in far else adverts[n] for n in names]}
+
+    now, _, _ = masked_run(mixed)
+    request = unmask_request(now, names)
+    shown = dataclasses.replace(
+        request,
+        pairings=tuple(
+            old.pairings[names.index(p.silo)] if p.silo in far else p for p in request.pairings
+        ),
+    )
+    with pytest.raises(FederationError, match=rf"^silo {victim}: the pairing of survivor s0\d"):
+        now[victim].confirm(shown)
+    signatures = {victim: b"", **kept}
+    with pytest.raises(FederationError, match=rf"^silo {victim}: asked to unmask .* another"):
+        now[victim].unmask(dataclasses.replace(shown, signatures=tuple(signatures.items())))
+
+
 def test_a_driver_that_shrinks_the_peer_set_is_caught():
     _, clients, _, adverts = _lying_setup()
     with pytest.raises(

@@ -13,7 +13,14 @@ from silo_pfl.errors import FederationError
 from silo_pfl.secure import shamir
 from silo_pfl.secure.agreement import mask_key
 from silo_pfl.secure.client import pairing_signed, verify
-from silo_pfl.secure.messages import Advertisement, Pairing, Reveal, SealedShares, UnmaskRequest
+from silo_pfl.secure.messages import (
+    Advertisement,
+    Pairing,
+    Reveal,
+    SealedShares,
+    UnmaskRequest,
+    roster,
+)
 from silo_pfl.secure.pairings import PairingError, check_pairings
 from silo_pfl.secure.params import SecureParams
 from silo_pfl.secure.prg import apply_streams
@@ -33,6 +40,7 @@ class SecureAggregator:
         self.trusted = dict(trusted) if trusted is not None else None
         self.round, self.attempt = 0, 0
         self.adverts: dict[str, Advertisement] = {}
+        self.roster = b""  # a digest of `adverts`: what the silos' pairings are signed over
         self.topology: Topology | None = None
         self.shared: tuple[str, ...] = ()  # U2: the silos whose shares went out
         self.request: UnmaskRequest | None = None
@@ -57,6 +65,7 @@ class SecureAggregator:
         else:
             self.adverts = {a.silo: a for a in adverts}
         self._enough("key advertisement", list(self.adverts))
+        self.roster = roster(self.adverts, self.params.federation)
         self.topology = topology(
             self.params.silos,
             list(self.adverts),
@@ -148,7 +157,7 @@ class SecureAggregator:
         no identity keys: every silo checks it)."""
         if self.trusted is None:
             return True
-        return pairing_signed(pairing, self.trusted, self.params.federation, self.adverts)
+        return pairing_signed(pairing, self.trusted, self.params.federation, self.roster)
 
     def _recover(self, reveals: Sequence[Reveal]) -> tuple[dict[str, bytes], dict[str, bytes]]:
         """Each survivor's seed and each dropped silo's mask key, from the revealed shares."""

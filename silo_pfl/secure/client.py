@@ -33,6 +33,7 @@ from silo_pfl.secure.messages import (
     Reveal,
     SealedShares,
     UnmaskRequest,
+    roster,
 )
 from silo_pfl.secure.pairings import PairingError, check_pairings
 from silo_pfl.secure.params import SecureParams
@@ -50,6 +51,7 @@ class _Round:
     mask: X25519PrivateKey = field(default_factory=X25519PrivateKey.generate)
     seed: bytes = field(default_factory=lambda: secrets.token_bytes(32))
     adverts: dict[str, Advertisement] = field(default_factory=dict)
+    roster: bytes = b""  # a digest of `adverts` once checked: what its signatures cover
     topology: Topology | None = None
     held: dict[str, tuple[int, int]] = field(default_factory=dict)  # owner -> its two shares
     paired: tuple[str, ...] = ()  # peers that shared keys: the pairwise masks
@@ -105,17 +107,11 @@ def signed_by(identity: bytes | None, signature: bytes, message: bytes) -> bool:
 
 
 def pairing_signed(
-    pairing: Pairing,
-    trusted: Mapping[str, bytes],
-    federation: str,
-    adverts: Mapping[str, Advertisement],
+    pairing: Pairing, trusted: Mapping[str, bytes], federation: str, attempt_roster: bytes
 ) -> bool:
-    """Whether `pairing` is signed by the identity key `trusted` lists for its silo, over that
-    silo's keys of the attempt as `adverts` holds them."""
-    signer = adverts.get(pairing.silo)
-    if signer is None:
-        return False
-    message = pairing.signed_bytes(federation, signer)
+    """Whether `pairing` is signed by the identity key `trusted` lists for its silo, over the
+    attempt's advertisements (`messages.roster`)."""
+    message = pairing.signed_bytes(federation, attempt_roster)
     return signed_by(trusted.get(pairing.silo), pairing.signature, message)
 
 
@@ -161,7 +157,7 @@ class SecureClient:
                 request.dropped,
                 state.round,
                 state.attempt,
-                lambda p: pairing_signed(p, self.trusted, federation, state.adverts),
+                lambda p: pairing_signed(p, self.trusted, federation, state.roster),
             )
         except PairingError as exc:
             raise self._fail(f"{exc}; it reveals nothing") from None
@@ -178,7 +174,7 @@ class SecureClient:
             and signed_by(
                 self.trusted.get(silo),
                 signature,
-                request.confirmation_bytes(self.params.federation, state.adverts[silo]),
+                request.confirmation_bytes(self.params.federation, state.roster),
             )
         }
         needed = self.params.threshold
@@ -249,6 +245,7 @@ class SecureClient:
                 f"{plan.threshold} holders; refusing to share keys"
             )
         state.adverts, state.topology = checked, plan
+        state.roster = roster(checked, self.params.federation)
         xs = [self.params.x(h) for h in holders]
         seeds = shamir.split(state.seed, plan.threshold, xs)
         keys = shamir.split(raw_private(state.mask), plan.threshold, xs)
@@ -318,8 +315,7 @@ class SecureClient:
             )
         state.masked = True
         pairing = Pairing(self.silo, round_, attempt, state.paired)
-        own = state.adverts[self.silo]
-        signature = self._identity.sign(pairing.signed_bytes(self.params.federation, own))
+        signature = self._identity.sign(pairing.signed_bytes(self.params.federation, state.roster))
         state.pairing = replace(pairing, signature=signature)
         vector = encode(payload, weight, len(self.params.silos), self.silo, self.params.clip)
         keys = [(state.seed, +1)]
@@ -357,8 +353,8 @@ class SecureClient:
             )
         self._check_request(state, request)
         state.confirmed = replace(request, signatures=())
-        own = state.adverts[self.silo]
-        return self._identity.sign(request.confirmation_bytes(self.params.federation, own))
+        message = request.confirmation_bytes(self.params.federation, state.roster)
+        return self._identity.sign(message)
 
     def unmask(self, request: UnmaskRequest) -> Reveal:
         """Step 4: the seed shares of survivors and the mask-key shares of the dropped, for the

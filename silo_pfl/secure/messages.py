@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -19,6 +21,18 @@ class Advertisement:
     def signed_bytes(self, federation: str) -> bytes:
         head = f"silo_pfl secagg advertise|{federation}|{self.silo}|{self.round}|{self.attempt}|"
         return head.encode() + self.cipher_key + self.mask_key
+
+
+def roster(adverts: Mapping[str, Advertisement], federation: str) -> bytes:
+    """A SHA-256 of an attempt's advertisements, every enrolled silo's fresh keys in silo
+    order: what a pairing and a confirmation are signed over. Identity keys outlive runs, and
+    every run counts rounds and attempts from 1, so one signed in an earlier run (or over
+    other keys than a silo was shown: a coordinator's mix of runs) does not verify."""
+    digest = hashlib.sha256(b"silo_pfl secagg roster")
+    for silo in sorted(adverts):
+        signed = adverts[silo].signed_bytes(federation)
+        digest.update(len(signed).to_bytes(4, "big") + signed)
+    return digest.digest()
 
 
 @dataclass(frozen=True)
@@ -43,14 +57,13 @@ class Pairing:
     peers: tuple[str, ...]
     signature: bytes = b""
 
-    def signed_bytes(self, federation: str, signer: Advertisement) -> bytes:
-        """The pairing, bound to the signer's fresh keys of the attempt (`signer`): one signed
-        in an earlier run of the federation, which counted rounds from 1 too, does not verify."""
+    def signed_bytes(self, federation: str, attempt_roster: bytes) -> bytes:
+        """The pairing, bound to the attempt's advertisements (`roster`)."""
         peers = ",".join(sorted(self.peers))
         head = (
             f"silo_pfl secagg paired|{federation}|{self.silo}|{self.round}|{self.attempt}|{peers}|"
         )
-        return head.encode() + signer.cipher_key + signer.mask_key
+        return head.encode() + attempt_roster
 
 
 @dataclass(frozen=True)
@@ -72,12 +85,10 @@ class UnmaskRequest:
         sets = f"{','.join(sorted(self.survivors))}|{','.join(sorted(self.dropped))}"
         return f"silo_pfl secagg unmask|{federation}|{self.round}|{self.attempt}|{sets}".encode()
 
-    def confirmation_bytes(self, federation: str, signer: Advertisement) -> bytes:
-        """What `signer` signs to confirm this request: the request, bound to the signer's
-        fresh keys of this attempt. Identity keys outlive runs, and every run counts its rounds
-        and attempts from 1, so a signature of the same request from an earlier run must not
-        count in this one."""
-        return self.signed_bytes(federation) + signer.cipher_key + signer.mask_key
+    def confirmation_bytes(self, federation: str, attempt_roster: bytes) -> bytes:
+        """What a survivor signs to confirm this request: the request, bound to the attempt's
+        advertisements (`roster`)."""
+        return self.signed_bytes(federation) + attempt_roster
 
 
 @dataclass(frozen=True)
