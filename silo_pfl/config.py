@@ -134,9 +134,12 @@ class AggregationConfig:
     # value outside the fixed-point range is an error naming the silo.
     clip: float | None = None
     # Reject a silo's update whose L2 norm (over the global keys' float values: not integer
-    # counters such as BatchNorm's step count) exceeds this, or that of an extra it carries
-    # (SCAFFOLD's control-variate change), each measured on its own; None: no bound.
+    # counters such as BatchNorm's step count) exceeds this; None: no bound.
     max_update_norm: float | None = None
+    # The same for each extra an update carries beside its delta (SCAFFOLD's control-variate
+    # change, which moves the server's c and so every silo's training): a bound of its own, as
+    # its scale is a gradient's, not a delta's; None: no bound.
+    max_extra_norm: float | None = None
 
 
 @dataclass
@@ -581,14 +584,15 @@ def check_ranges(cfg: FederationConfig) -> None:
             seconds,
         )
     _require(cfg.round.retries >= 0, "round.retries", "an integer >= 0", cfg.round.retries)
-    bound = cfg.aggregation.max_update_norm
-    if bound is not None:
-        _require(bound > 0, "aggregation.max_update_norm", "a number > 0, or null", bound)
-        if cfg.aggregation.secure:
-            raise ConfigError(
-                "aggregation.max_update_norm: cannot be checked under aggregation.secure, where "
-                "the server sees only masked updates; set it to null or turn secure off"
-            )
+    for name in ("max_update_norm", "max_extra_norm"):
+        bound, key = getattr(cfg.aggregation, name), f"aggregation.{name}"
+        if bound is not None:
+            _require(bound > 0, key, "a number > 0, or null", bound)
+            if cfg.aggregation.secure:
+                raise ConfigError(
+                    f"{key}: cannot be checked under aggregation.secure, where the server sees "
+                    "only masked updates; set it to null or turn secure off"
+                )
     _require(
         cfg.privacy.central_models in CENTRAL_MODELS,
         "privacy.central_models",

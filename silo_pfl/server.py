@@ -76,8 +76,7 @@ class Server:
             self.quorum = self.cfg.round.min_silos or params.threshold
         # Under secure: the accepted masked vectors awaiting their reveals, and the rejected.
         self._pending: tuple[int, dict[str, np.ndarray], dict[str, str]] | None = None
-        self.max_norm = self.cfg.aggregation.max_update_norm
-        # What max_update_norm measures: every float key, not integer counters (BatchNorm's
+        # What the norm bounds measure: every float key, not integer counters (BatchNorm's
         # num_batches_tracked, a silo's local steps, would outweigh the rest).
         self.measured = frozenset(k for k, v in self.state.items() if v.dtype.kind == "f")
         self.dir = server_dir(self.cfg, run_id)
@@ -174,24 +173,28 @@ class Server:
             self._check_values(update.silo, f"{name}/", values)
         if update.num_examples < 1:
             raise ValueError(f"update from silo {update.silo}: num_examples must be >= 1")
-        if self.max_norm is not None:
-            self._check_norm(update.silo, "", update.delta)
+        aggregation = self.cfg.aggregation
+        if aggregation.max_update_norm is not None:
+            self._check_norm(update.silo, "", update.delta, "max_update_norm")
+        if aggregation.max_extra_norm is not None:
             for name, values in sorted(update.extras.items()):
-                self._check_norm(update.silo, f"{name} ", values)
+                self._check_norm(update.silo, f"{name} ", values, "max_extra_norm")
 
-    def _check_norm(self, silo: str, part: str, values: dict[str, np.ndarray]) -> None:
+    def _check_norm(
+        self, silo: str, part: str, values: dict[str, np.ndarray], setting: str
+    ) -> None:
         """The L2 norm of one part of an update (its delta, or an extra such as SCAFFOLD's
         control-variate change, which reaches every silo through the server's state) over its
-        float values, at most aggregation.max_update_norm."""
-        assert self.max_norm is not None
+        float values, at most aggregation.<setting>."""
+        bound = getattr(self.cfg.aggregation, setting)
         squares = (
             np.sum(np.square(v, dtype=np.float64)) for k, v in values.items() if k in self.measured
         )
         norm = float(np.sqrt(sum(squares)))
-        if norm > self.max_norm:
+        if norm > bound:
             raise ValueError(
                 f"update from silo {silo}: {part}norm {norm:.4g} exceeds "
-                f"aggregation.max_update_norm={self.max_norm:g}"
+                f"aggregation.{setting}={bound:g}"
             )
 
     def _check_values(self, silo: str, prefix: str, values: dict[str, np.ndarray]) -> None:

@@ -46,7 +46,12 @@ def _rules(cfg: FederationConfig, local_rules: list[str]) -> Iterator[Finding]:
         yield (
             f"split.local={local_rules} keeps every key on its silo (algorithm "
             f"{cfg.algorithm['name']})",
-            (*SERVER_STEP, "aggregation.max_update_norm", "aggregation.secure"),
+            (
+                *SERVER_STEP,
+                "aggregation.max_update_norm",
+                "aggregation.max_extra_norm",
+                "aggregation.secure",
+            ),
             "there is nothing to aggregate",
         )
     for key, readers in SERVER_READERS.items():
@@ -100,6 +105,12 @@ def _rules(cfg: FederationConfig, local_rules: list[str]) -> Iterator[Finding]:
             f"split.local is {list(cfg.split.local)}",
             (algorithm.rules_key,),
             "split.local replaces the split {it} would make",
+        )
+    if not algorithm.Strategy.extras:
+        yield (
+            f"algorithm.name is {name}",
+            ("aggregation.max_extra_norm",),
+            "its updates carry nothing beside the delta (SCAFFOLD's carry their c change)",
         )
     own_rules = getattr(cfg.algorithm[name], "unused", None)  # the chosen algorithm's own
     for condition, keys, why in own_rules() if own_rules else ():

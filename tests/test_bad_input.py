@@ -258,6 +258,7 @@ def test_results_that_name_the_job_file_are_refused_before_the_run(tmp_path, cap
     [
         ("round.min_silos=2", "round.min_silos", "got 2, but a secure round needs 3 silos"),
         ("aggregation.max_update_norm=1.0", "aggregation.max_update_norm", "cannot be checked"),
+        ("aggregation.max_extra_norm=1.0", "aggregation.max_extra_norm", "cannot be checked"),
         (
             "aggregation.secure_threshold=2",
             "aggregation.secure_threshold",

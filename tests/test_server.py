@@ -164,35 +164,36 @@ def test_the_norm_bound_measures_float_values_not_batchnorms_step_count(job):
     assert "exceeds aggregation.max_update_norm" in bounded.aggregate(pushed).rejected["silo_8"]
 
 
-def test_the_norm_bound_measures_scaffolds_control_variate_change_too(job):
+def _norm(values) -> float:
+    return float(np.sqrt(sum(np.sum(v.astype(np.float64) ** 2) for v in values.values())))
+
+
+def test_scaffolds_control_variate_change_has_a_bound_of_its_own(job):
     """SCAFFOLD's control-variate change travels beside the delta and moves the server's c,
-    which every silo trains with: one silo's pushed far wrecked every silo's next round, while
-    the bound measured only the delta. Each part is bounded on its own."""
-    _, updates = _round_one(job, "algorithm.name=scaffold", "round.min_silos=1")
-
-    def norm(values) -> float:
-        return float(np.sqrt(sum(np.sum(v.astype(np.float64) ** 2) for v in values.values())))
-
-    parts = [u.delta for u in updates] + [v for u in updates for v in u.extras.values()]
-    bound = 1.5 * max(norm(part) for part in parts)
-    config = job(
-        "jobs/heart_disease.yaml",
-        "algorithm.name=scaffold",
-        "round.min_silos=1",
-        f"aggregation.max_update_norm={bound}",
-    )
-    bounded = new_server(to_dict(config), (13,), 2)
+    which every silo trains with: one silo's pushed far wrecked every silo's next round, and no
+    bound measured it. aggregation.max_extra_norm does; max_update_norm still bounds the delta
+    alone (the change is a gradient's size, a delta's over lr times the steps: a bound sized for
+    deltas rejected honest small silos)."""
+    scaffold = ("algorithm.name=scaffold", "round.min_silos=1", "train.lr=0.005")
+    _, updates = _round_one(job, *scaffold)
     hungarian, va = updates
     (name,) = hungarian.extras
-    pushed = {k: v + 1e6 for k, v in hungarian.extras[name].items()}
-    assert norm(hungarian.delta) <= bound
-    report = bounded.aggregate(dataclasses.replace(hungarian, extras={name: pushed}), va)
-    assert (
-        report.rejected["hungarian"].startswith(f"update from silo hungarian: {name} norm")
-        and f"exceeds aggregation.max_update_norm={bound:g}" in report.rejected["hungarian"]
+    deltas = max(_norm(u.delta) for u in updates)
+    extras = min(_norm(u.extras[name]) for u in updates)
+    assert extras > 1.5 * deltas  # a small step: the change is larger than the delta
+    deltas_bounded = job(
+        "jobs/heart_disease.yaml", *scaffold, f"aggregation.max_update_norm={1.5 * deltas}"
     )
+    assert new_server(to_dict(deltas_bounded), (13,), 2).aggregate(*updates).rejected == {}
+    extras = max(_norm(u.extras[name]) for u in updates)
+    config = job("jobs/heart_disease.yaml", *scaffold, f"aggregation.max_extra_norm={1.5 * extras}")
+    bounded = new_server(to_dict(config), (13,), 2)
+    assert bounded.aggregate(*updates).accepted == ("hungarian", "va")
+    pushed = {k: v + 1e6 for k, v in hungarian.extras[name].items()}
+    report = _fresh(bounded).aggregate(dataclasses.replace(hungarian, extras={name: pushed}), va)
+    assert report.rejected["hungarian"].startswith(f"update from silo hungarian: {name} norm")
+    assert f"exceeds aggregation.max_extra_norm={1.5 * extras:g}" in report.rejected["hungarian"]
     assert report.accepted == ("va",)
-    assert _fresh(bounded).aggregate(*updates).accepted == ("hungarian", "va")
 
 
 def test_a_selected_round_whose_checkpoint_is_gone_gives_the_last_rounds_state_and_says_so(

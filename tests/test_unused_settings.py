@@ -142,6 +142,11 @@ CASES = [
         "algorithm.finetune.epochs is 0, so algorithm.finetune.trainable has no effect: no "
         "fine-tuning runs",
     ),
+    (
+        ["aggregation.max_extra_norm=2"],
+        "algorithm.name is fedper, so aggregation.max_extra_norm has no effect: its updates "
+        "carry nothing beside the delta (SCAFFOLD's carry their c change)",
+    ),
 ]
 
 
