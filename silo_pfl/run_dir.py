@@ -112,6 +112,7 @@ class RunDir:
             "run_id": run_id,
             "kind": kind,
             "started_ns": time.time_ns(),
+            CHECKPOINTED: None,  # until round 0 is checkpointed (an earlier version wrote none)
             "config": to_dict(cfg),
         }
         write_json_atomic(path / RUN_FILE, record)
@@ -154,7 +155,7 @@ class RunDir:
         """Mark the run as resumable: the driver calls this once round 0 is checkpointed, so
         that `find` takes it even where the server's directory is on another node."""
         record = _read(self.path / RUN_FILE)
-        if CHECKPOINTED not in record:
+        if record.get(CHECKPOINTED) is None:
             record[CHECKPOINTED] = time.time_ns()
             write_json_atomic(self.path / RUN_FILE, record)
 
@@ -164,7 +165,8 @@ class RunDir:
         record = _read(self.path / RUN_FILE)
         record["config"] = to_dict(cfg)
         record["resumed_ns"] = [*record.get("resumed_ns", []), time.time_ns()]
-        record.setdefault(CHECKPOINTED, record["resumed_ns"][-1])  # restored from one
+        if record.get(CHECKPOINTED) is None:  # restored from one
+            record[CHECKPOINTED] = record["resumed_ns"][-1]
         write_json_atomic(self.path / RUN_FILE, record)
         (self.path / RESULT_FILE).unlink(missing_ok=True)
 
@@ -202,9 +204,11 @@ def _where(cfg: FederationConfig, parent: Path) -> str:
 
 def _reached_checkpoint(path: Path, record: dict[str, Any]) -> bool:
     """Whether the run at `path` checkpointed round 0, so that --resume has something to
-    continue: marked so in its run.json, finished, or its server's checkpoint on this node."""
+    continue: marked so in its run.json, finished, or its server's checkpoint on this node. A
+    run.json without the mark at all is an earlier version's, which wrote none: taken, as it
+    was then."""
     return (
-        CHECKPOINTED in record
+        record.get(CHECKPOINTED, True) is not None
         or (path / RESULT_FILE).is_file()
         or bool(checkpoint.rounds(path / SERVER))
     )

@@ -94,7 +94,20 @@ def test_a_run_marks_itself_resumable_once_round_0_is_checkpointed(tmp_path, ray
     with pytest.raises(KeyboardInterrupt):
         Federation(cfg, callbacks=[_StopAfter(1)]).run()
     (run,) = [p.parent for p in tmp_path.glob("*/*/run.json")]
-    assert CHECKPOINTED in json.loads((run / RUN_FILE).read_text())
+    assert json.loads((run / RUN_FILE).read_text())[CHECKPOINTED] is not None
     shutil.rmtree(run / "server")
     RunDir.create(cfg)  # a later run killed in its set-up
     assert RunDir.find(cfg, None).path == run
+
+
+def test_a_run_of_an_earlier_version_is_taken_as_it_was_then(tmp_path):
+    """Versions before the mark wrote no checkpointed_ns: such a run, unfinished, with its
+    server's directory on another node, was passed over for an older finished run."""
+    cfg = load_config(JOB, [f"output_dir={tmp_path}"])
+    finished = RunDir.create(cfg)
+    (finished.path / RESULT_FILE).write_text("{}")
+    earlier = RunDir.create(cfg)
+    record = json.loads((earlier.path / RUN_FILE).read_text())
+    assert record.pop(CHECKPOINTED) is None
+    (earlier.path / RUN_FILE).write_text(json.dumps(record))
+    assert RunDir.find(cfg, None).run_id == earlier.run_id
