@@ -30,9 +30,11 @@ def main() -> None:
     parser.add_argument("--out", help="write the table as JSON here")
     parser.add_argument("--baseline", help="an algorithm of --algorithms to compare each silo to")
     args = parser.parse_args()
-    if args.baseline is not None and args.baseline not in args.algorithms:
-        runs = ", ".join(args.algorithms)
-        parser.error(f"--baseline {args.baseline}: expected one of --algorithms ({runs})")
+    labels = [_spec(spec)[0] for spec in args.algorithms]  # `label:overrides` runs as label
+    if args.baseline is not None and args.baseline not in labels:
+        parser.error(
+            f"--baseline {args.baseline}: expected one of --algorithms ({', '.join(labels)})"
+        )
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         plans = {}  # every config checked before Ray starts: a misspelt one is refused at once

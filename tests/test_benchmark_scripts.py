@@ -67,8 +67,9 @@ def test_a_misspelt_algorithm_is_one_line_before_ray_starts(tmp_path: Path) -> N
 def test_a_baseline_that_is_not_run_is_refused_before_any_run(tmp_path: Path) -> None:
     """accuracy.py ran every algorithm, then lost them all to a KeyError: 'local'."""
     job = str(ROOT / "jobs/heart_disease.yaml")
-    done = run_script("accuracy.py", tmp_path, job, "--algorithms", "fedper", "--baseline", "local")
+    runs = ("--algorithms", "fedper", "local@lr:train.lr=0.01")
+    done = run_script("accuracy.py", tmp_path, job, *runs, "--baseline", "local")
     assert done.returncode == 2 and done.stdout == "", done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1] == (
-        "accuracy.py: error: --baseline local: expected one of --algorithms (fedper)"
+        "accuracy.py: error: --baseline local: expected one of --algorithms (fedper, local@lr)"
     )
