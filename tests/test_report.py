@@ -499,3 +499,9 @@ def test_a_report_that_fails_leaves_the_older_one_as_it_was(runs, tmp_path, monk
     monkeypatch.setattr(figures, "spread", crash)
     assert main(report(runs, run_id, out, "--no-log")) == 1
     assert {path.name: path.read_bytes() for path in out.iterdir()} == before
+    # The page has the permissions of its figures, of any new file here: a tracking server
+    # running as another user serves it (written whole through a private temporary file, it was
+    # the owner's alone).
+    probe = tmp_path / "probe"
+    probe.write_text("")
+    assert {path.stat().st_mode & 0o777 for path in out.iterdir()} == {probe.stat().st_mode & 0o777}

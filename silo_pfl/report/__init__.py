@@ -11,7 +11,6 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from silo_pfl.durable import write_atomic
 from silo_pfl.report.data import RunData, check_against, read_run
 from silo_pfl.report.figures import FILES, draw
 from silo_pfl.report.html import render
@@ -38,17 +37,17 @@ def build(
 def write(run: RunData, out: Path, against: RunData | None = None) -> Path:
     """Write report.html and its figures into `out` (created). They are drawn in a temporary
     directory inside `out` first: a report that fails leaves the older one as it was. Then the
-    figures are moved into place, the page (which embeds them) is written last, atomically, and
+    figures are moved into place, the page (which embeds them) last, each renamed whole, with
+    the permissions any new file gets here (a tracking server may run as another user), and
     the older report's files that this one does not have are removed."""
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out, prefix=".report-") as tmp:
         drawn = Path(tmp)
         figures = draw(run, against, drawn)
-        html = render(run, against, figures, drawn).encode()
-        for figure in figures:
-            os.replace(drawn / figure.file, out / figure.file)
+        (drawn / REPORT_FILE).write_text(render(run, against, figures, drawn), encoding="utf-8")
+        for name in (*(figure.file for figure in figures), REPORT_FILE):
+            os.replace(drawn / name, out / name)
     page = out / REPORT_FILE
-    write_atomic(page, html)
     for name in set(FILES) - {figure.file for figure in figures}:
         (out / name).unlink(missing_ok=True)
     return page
