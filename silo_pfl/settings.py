@@ -318,7 +318,11 @@ def check_files_apart(cfg: FederationConfig, on_cluster: bool | None = None) -> 
     for silo, path in paths.items():
         if names_variables(str(path)) or path == HIDDEN:  # HIDDEN: another silo's, in its view
             continue
-        where = str(path if on_cluster else Path(os.path.expanduser(str(path))).resolve())
+        where = (
+            os.path.normpath(str(path))
+            if on_cluster
+            else str(Path(os.path.expanduser(str(path))).resolve())
+        )
         for other in seen.get(where, []):
             if not on_cluster:
                 raise ConfigError(
@@ -326,13 +330,18 @@ def check_files_apart(cfg: FederationConfig, on_cluster: bool | None = None) -> 
                     "reads a file of its own rows, or rows would be in two silos"
                 )
             mine, theirs = silo_selector(cfg, str(silo)), silo_selector(cfg, other)
-            if mine is None or theirs is None or mine == theirs:
+            if not _apart(mine, theirs):
                 raise ConfigError(
                     f"data.paths.{silo}: names the path of silo {other} ({where}), which is each "
                     "node's own file only for silos on nodes of their own, and these two may "
                     "share one; pin each: ray.placement=per_node, or silos.<name>.node_label"
                 )
         seen.setdefault(where, []).append(str(silo))
+
+
+def _apart(mine: dict[str, str] | None, theirs: dict[str, str] | None) -> bool:
+    """Whether no node can carry both label selectors: they give one label two values."""
+    return bool(mine and theirs and any(theirs.get(k, v) != v for k, v in mine.items()))
 
 
 def _check_secure(cfg: FederationConfig, names: list[str]) -> None:

@@ -105,8 +105,12 @@ def test_two_silos_reading_one_file_on_one_machine_are_refused(tmp_path, capsys,
 
 @pytest.mark.parametrize(
     "placement",
-    [[], ["silos.a.node_label={site: one}", "silos.c.node_label={site: one}"]],
-    ids=["any-node", "one-label"],
+    [
+        [],
+        ["silos.a.node_label={site: one}", "silos.c.node_label={site: one}"],
+        ["silos.a.node_label={site: one}", "silos.c.node_label={site: one, gpu: 'yes'}"],
+    ],
+    ids=["any-node", "one-label", "overlapping-labels"],
 )
 def test_two_silos_that_may_share_a_clusters_node_may_not_read_one_path(
     tmp_path, capsys, placement
@@ -118,7 +122,7 @@ def test_two_silos_that_may_share_a_clusters_node_may_not_read_one_path(
     job.write_text(
         "name: csv_shared\nrounds: 1\nmodel: {name: mlp}\nalgorithm: {name: fedavg}\n"
         "data:\n  source: csv\n  num_classes: 2\n  paths:\n"
-        "    a: /data/heart.csv\n    b: /data/other.csv\n    c: /data/heart.csv\n"
+        "    a: /data/heart.csv\n    b: /data/other.csv\n    c: /data/./heart.csv\n"
     )
     expected = (
         "data.paths.c: names the path of silo a (/data/heart.csv), which is each node's own "
