@@ -140,9 +140,11 @@ def check_node_cpus(cfg: FederationConfig, groups: Sequence[Sequence[str]]) -> N
             sizes[-1] >= cfg.ray.silo_cpus * widest and sum(sizes) >= cfg.ray.silo_cpus * len(silos)
         ):
             continue
-        named = ", ".join(silos)
+        distinct = list(dict.fromkeys(silos))  # an onboarding's silo and its alone baseline
+        named = ", ".join(distinct)
         if len(workers) > 1:
-            who = f"the {len(workers)} workers of silos {named} together reserve"
+            of = f"silo {named}" if len(distinct) == 1 else f"silos {named}"
+            who = f"the {len(workers)} workers of {of} together reserve"
             room = f"more than the live nodes labelled {labels} have in all"
             most = min(sizes[-1] / widest, sum(sizes) / len(silos))
         else:
