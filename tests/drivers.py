@@ -1,5 +1,6 @@
 """Drivers as users start them: `python -m silo_pfl ...` in a session of its own (so a test can
-stop exactly what it started, by process group), from the repository's root."""
+stop exactly what it started, by process group), from the repository's root; and a callback
+that stops an in-process driver as Ctrl-C does."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+from silo_pfl.callbacks import Callback
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,3 +52,15 @@ def joining_env() -> dict[str, str]:
 
     address = ray.get_runtime_context().gcs_address
     return {**os.environ, "RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"}
+
+
+class StopAfter(Callback):
+    """Stops the driver (as Ctrl-C does) as round `round_` ends, once it is checkpointed and
+    before its silos select."""
+
+    def __init__(self, round_: int) -> None:
+        self.round = round_
+
+    def on_round_end(self, summary) -> None:
+        if summary.round == self.round:
+            raise KeyboardInterrupt

@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import numpy as np
 import pytest
-from drivers import joining_env, run_driver, start_driver
+from drivers import StopAfter, joining_env, run_driver, start_driver
 
 from silo_pfl import checkpoint
 from silo_pfl.callbacks import Callback
@@ -204,17 +204,6 @@ def test_a_worker_killed_while_idle_is_rejoined_at_its_next_call(tmp_path, undis
         s: int(s in killer.housemates) for s in result.silos
     }
     _assert_bit_equal(_final_states(result), _final_states(undisturbed))
-
-
-class StopAfter(Callback):
-    """Stops the driver (as Ctrl-C does) once round `round_` is checkpointed."""
-
-    def __init__(self, round_: int) -> None:
-        self.round = round_
-
-    def on_round_end(self, summary) -> None:
-        if summary.round == self.round:
-            raise KeyboardInterrupt
 
 
 @pytest.mark.parametrize("driver", ["goes_on", "resumed"])

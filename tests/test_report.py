@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from drivers import StopAfter
 from matplotlib.image import imread
 from mlflow import MlflowClient
 from processes import stop_group, wait_for_http
 
-from silo_pfl.callbacks import Callback
 from silo_pfl.cli import main
 from silo_pfl.federation import Federation
 from silo_pfl.results import FederationResult
@@ -74,17 +74,6 @@ def runs(ray_local, tmp_path_factory) -> Runs:
         fedavg=run("algorithm.name=fedavg", "eval.every=2"),
         secure=run("name=heart_secure", "aggregation.secure=true", "tracking.report=false"),
     )
-
-
-class StopAfter(Callback):
-    """Stops the driver (as Ctrl-C does) as round `round_` ends, before its silos select."""
-
-    def __init__(self, round_: int) -> None:
-        self.round = round_
-
-    def on_round_end(self, summary) -> None:
-        if summary.round == self.round:
-            raise KeyboardInterrupt
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ import json
 import shutil
 
 import pytest
+from drivers import StopAfter
 
-from silo_pfl.callbacks import Callback
 from silo_pfl.config import to_dict
 from silo_pfl.errors import ConfigError
 from silo_pfl.federation import Federation
@@ -76,23 +76,12 @@ def test_a_run_with_an_infinite_setting_resumes_with_the_same_config(tmp_path, i
         check_resumable(finite.saved_config(), cfg, finite.path)
 
 
-class _StopAfter(Callback):
-    """Stops the driver (as Ctrl-C does) as round `round_` ends."""
-
-    def __init__(self, round_: int) -> None:
-        self.round = round_
-
-    def on_round_end(self, summary) -> None:
-        if summary.round == self.round:
-            raise KeyboardInterrupt
-
-
 def test_a_run_marks_itself_resumable_once_round_0_is_checkpointed(tmp_path, ray_local):
     """A run stopped after round 1 is taken by --resume even where its server's directory is on
     another node than the driver's (removed here): run.json says it checkpointed."""
     cfg = load_config(JOB, [f"output_dir={tmp_path}", "rounds=3", "tracking.enabled=false"])
     with pytest.raises(KeyboardInterrupt):
-        Federation(cfg, callbacks=[_StopAfter(1)]).run()
+        Federation(cfg, callbacks=[StopAfter(1)]).run()
     (run,) = [p.parent for p in tmp_path.glob("*/*/run.json")]
     assert json.loads((run / RUN_FILE).read_text())[CHECKPOINTED] is not None
     shutil.rmtree(run / "server")
