@@ -280,33 +280,46 @@ def compare(
             pool = None
         shutil.rmtree(started, ignore_errors=True)
 
-    def submit(runs: Sequence[Run], size: int) -> None:
-        """Submit `runs` to a pool of `size` workers (a new one if the current is not so)."""
+    def submit(runs: Sequence[Run], size: int) -> list[Run]:
+        """Submit `runs` to a pool of `size` workers (a new one if the current is not so).
+        Returns those not submitted: the pool broke under them (a worker died between two
+        waits), and the next wait collects what it held. With nothing under way, a fresh pool
+        is tried once more."""
         nonlocal pool, pool_size, started
-        if pool is not None and pool_size != size:
-            drop_pool()
-        if pool is None:
-            pool = cf.ProcessPoolExecutor(
-                max_workers=size,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=init_worker,
-                initargs=(max(1, (os.cpu_count() or 1) // workers),),
-            )
-            pool_size = size
-            started = tempfile.mkdtemp(prefix="silo_pfl_compare_started_")
-        for run in runs:
-            args = (started, run.key, execute, run.config, list(run.overrides))
-            waiting[pool.submit(execute_marked, *args)] = run
+        left = list(runs)
+        for _ in range(2):
+            if pool is not None and pool_size != size:
+                drop_pool()
+            if pool is None:
+                pool = cf.ProcessPoolExecutor(
+                    max_workers=size,
+                    mp_context=multiprocessing.get_context("spawn"),
+                    initializer=init_worker,
+                    initargs=(max(1, (os.cpu_count() or 1) // workers),),
+                )
+                pool_size = size
+                started = tempfile.mkdtemp(prefix="silo_pfl_compare_started_")
+            try:
+                while left:
+                    args = (started, left[0].key, execute, left[0].config, list(left[0].overrides))
+                    waiting[pool.submit(execute_marked, *args)] = left[0]
+                    left.pop(0)
+            except BrokenProcessPool:
+                if waiting:
+                    return left
+                drop_pool()
+            else:
+                return []
+        raise BrokenProcessPool("a fresh pool of compare workers broke before any run started")
 
     def dispatch() -> None:
         """Submit what waits: a suspect alone in a pool of one worker (so that a second break
         is its own), else the backlog to a pool of `workers`."""
         if suspects:
-            if not waiting:
-                submit([suspects.pop(0)], 1)
+            if not waiting and not submit(suspects[:1], 1):
+                suspects.pop(0)
         elif backlog and (not waiting or pool_size == workers):
-            submit(backlog, workers)
-            backlog.clear()
+            backlog[:] = submit(backlog, workers)
 
     def finish(run: Run, answer: dict[str, Any]) -> None:
         queued.discard(run.key)

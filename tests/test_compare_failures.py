@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,9 @@ def test_a_worker_that_dies_fails_only_its_own_run(tmp_path, monkeypatch):
     outcome = compare(spec, 2, tmp_path / "cache", log=lines.append)
     assert outcome.failed_runs == [f"heart fedavg [{DYING}] seed 0: {BROKEN_TWICE}"], lines
     assert outcome.computed == 3
+    # Only the runs that had started run again; the one still queued goes back to the pool.
+    (again,) = [line for line in lines if "running again" in line]
+    assert DYING in again and "train.lr=0.05" not in again, again
     local, fedavg = outcome.units
     assert outcome.records[local.first[0].key].result is not None
     assert fedavg.chosen == 1 and outcome.records[fedavg.first[1].key].result is not None
@@ -159,3 +163,43 @@ def test_the_commit_is_silo_pfls_checkout_whatever_the_working_directory(tmp_pat
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     monkeypatch.chdir(tmp_path)
     assert git_commit().split("+")[0] == head
+
+
+def _quick_or_dying(config: str, overrides: Sequence[str]) -> dict[str, Any]:
+    """No run at all: local's candidates kill their worker after 2 s; fedavg's answer at once."""
+    if any(item.startswith("train.lr=0.3") for item in overrides):
+        time.sleep(2)
+        os._exit(9)
+    silos = {"a": {"val_accuracy": 0.5, "test_accuracy": 0.5}}
+    result = {"mean_test_accuracy": 0.5, "wall_seconds": 0.1, "silos": silos}
+    return {"result": result, "elapsed_seconds": 0.1}
+
+
+def test_a_pool_that_breaks_between_two_waits_takes_no_comparison_down(tmp_path, monkeypatch):
+    """fedavg's candidates answer; while the driver logs and caches them, local's workers die,
+    and the pool is broken when fedavg's winner goes on to seed 1: submitting to it raised
+    BrokenProcessPool out of the comparison, and no table was written."""
+    monkeypatch.setattr(compare_module, "execute", _quick_or_dying)
+    spec = parse_spec(
+        {
+            "jobs": {"heart": {"config": HEART, "seeds": [0, 1], "overrides": ["rounds=1"]}},
+            "algorithms": {
+                "fedavg": {"candidates": [["train.lr=0.05"], ["train.lr=0.06"]]},
+                "local": {"candidates": [["train.lr=0.3"], ["train.lr=0.31"]]},
+            },
+        },
+        str(tmp_path / "spec.yaml"),
+    )
+    successes: list[str] = []
+
+    def log(line: str) -> None:
+        if " test " in line:
+            successes.append(line)
+            if len(successes) == 2:
+                time.sleep(3)  # local's workers die meanwhile
+
+    outcome = compare(spec, 4, tmp_path / "cache", log=log)
+    assert sorted(outcome.failed_runs) == sorted(
+        f"heart local [train.lr={lr}] seed 0: {BROKEN_TWICE}" for lr in ("0.3", "0.31")
+    )
+    assert any("fedavg" in line and "seed 1" in line for line in successes), successes
