@@ -209,9 +209,17 @@ def _stop_workers(pool: cf.ProcessPoolExecutor, grace: float = 120.0) -> None:
 
 def git_commit() -> str:
     """The commit (short) of the checkout silo_pfl is imported from, whatever the working
-    directory, '+dirty' with uncommitted changes; '' when silo_pfl is not in a git checkout."""
-    git = ["git", "-C", str(Path(__file__).resolve().parent)]
+    directory, '+dirty' with uncommitted changes; '' when silo_pfl is not in a git checkout
+    (installed in a virtual environment inside another project's, say: git would answer for it,
+    but tracks no file of silo_pfl's)."""
+    here = Path(__file__).resolve()
+    git = ["git", "-C", str(here.parent)]
     try:
+        tracked = subprocess.run(
+            [*git, "ls-files", "--error-unmatch", here.name], capture_output=True, timeout=10
+        )
+        if tracked.returncode != 0:
+            return ""
         commit = subprocess.run(
             [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
         ).stdout.strip()

@@ -5,7 +5,9 @@ resolved, and the commit recorded from another working directory."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -163,6 +165,34 @@ def test_the_commit_is_silo_pfls_checkout_whatever_the_working_directory(tmp_pat
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     monkeypatch.chdir(tmp_path)
     assert git_commit().split("+")[0] == head
+
+
+def test_no_commit_is_recorded_for_silo_pfl_installed_inside_another_projects_checkout(
+    tmp_path,
+):
+    """A virtual environment inside a project's git checkout (ignored by it): git answered for
+    that project, whose commit went into the tables and the cache as silo_pfl's."""
+    project = tmp_path / "project"
+    site = project / ".venv" / "site"
+    shutil.copytree(ROOT / "silo_pfl", site / "silo_pfl", ignore=shutil.ignore_patterns("__py*"))
+    (project / ".gitignore").write_text(".venv/\n")
+    git = ["git", "-C", str(project), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(project)], check=True)
+    subprocess.run([*git, "add", ".gitignore"], check=True)
+    subprocess.run([*git, "commit", "-qm", "project"], check=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from silo_pfl.compare import git_commit; print(repr(git_commit()))",
+        ],
+        env={**os.environ, "PYTHONPATH": str(site)},
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout.strip() == "''", done.stderr[-2000:]
 
 
 def _quick_or_dying(config: str, overrides: Sequence[str]) -> dict[str, Any]:
