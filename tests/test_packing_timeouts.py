@@ -1,20 +1,14 @@
 """Deadlines of the per-silo steps outside the fits: a worker holding k silos (packed), which
 runs their calls one after another, is waited for k times round.call_timeout_s; and the steps of
-an onboarding's round, bounded by round.timeout_s, say so when late.
-
-This file is also the plugin its runs load (`plugins=[tests.test_packing_timeouts]`): FedPer
-whose silos' model builds and local procedures sleep a known time."""
+an onboarding's round, bounded by round.timeout_s, say so when late. The runs load
+tests/timeout_plugins.py: FedPer whose silos' model builds and local procedures sleep a known
+time."""
 
 from __future__ import annotations
-
-import time
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
-from silo_pfl.algorithms import ALGORITHMS, register
-from silo_pfl.algorithms.fedper import FedPer, FedPerParams
 from silo_pfl.config import to_dict
 from silo_pfl.errors import FederationError
 from silo_pfl.federation import Federation
@@ -23,34 +17,7 @@ from silo_pfl.runtime.onboarding import Onboarding
 from silo_pfl.server_start import new_server
 from silo_pfl.tracking.trained_run import TrainedRun
 
-PLUGIN = "plugins=[tests.test_packing_timeouts]"
-
-
-@dataclass
-class SlowStepsParams(FedPerParams):
-    """How long each silo's model build (set-up) and each local procedure sleep."""
-
-    build_s: float = 0.0
-    phases_s: float = 0.0
-
-
-class SlowSteps(FedPer):
-    """FedPer whose silos' builds sleep `build_s` and local procedures `phases_s`."""
-
-    name = "slow_steps"
-    Params = SlowStepsParams
-
-    def check_batches(self, silo: str, rows: int, per_epoch: int) -> None:
-        time.sleep(self.params.build_s)
-        super().check_batches(silo, rows, per_epoch)
-
-    def phases(self):
-        time.sleep(self.params.phases_s)
-        return super().phases()
-
-
-if SlowSteps.name not in ALGORITHMS:  # pytest imports this file, and the plugin list again
-    register(SlowSteps)
+PLUGIN = "plugins=[tests.timeout_plugins]"
 
 
 def test_a_packed_worker_gets_round_call_timeout_s_for_each_of_its_silos_set_up(job, ray_local):
