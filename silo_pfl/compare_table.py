@@ -255,14 +255,14 @@ def _job_table(label: str, job: dict[str, Any]) -> list[str]:
         cells = [name, _hyper(row)]
         if name in scored:
             mean = _pm(row["mean_test_accuracy"])
+            finished = [s for s in row["seeds"] if s not in _failed(row)]
             if _failed(row):
-                finished = [s for s in row["seeds"] if s not in _failed(row)]
                 mean += _only(finished)
             cells += [
                 f"**{mean}**" if name == best else mean,
                 _pm(row["worst_test_accuracy"]),
                 _pm(row["std_test_accuracy"]),
-                *_gain_cells(row.get("gain_over_baseline"), name == job["baseline"], row),
+                *_gain_cells(row.get("gain_over_baseline"), name == job["baseline"], finished),
                 _val(row["mean_val_accuracy"]),
                 f"{row['bytes_sent_per_round']:,.0f}",
                 f"{row['wall_seconds']:.1f}",
@@ -334,16 +334,15 @@ def _only(seeds: list[str]) -> str:
     return f" (seed{'s' if len(seeds) > 1 else ''} {' '.join(seeds)} only)"
 
 
-def _gain_cells(gain: dict[str, Any] | None, is_base: bool, row: dict[str, Any]) -> list[str]:
+def _gain_cells(gain: dict[str, Any] | None, is_base: bool, finished: list[str]) -> list[str]:
     """The gain over the baseline and the worst silo's; the gain names its seeds when they are
-    not all of the row's finished seeds (the baseline failed on the others)."""
+    not all of the row's `finished` seeds (the baseline failed on the others)."""
     if gain is None:
         return ["", ""]
     if is_base:
         return ["(baseline)", ""]
     left_out = gain.get("silos_not_compared") or []
     over = f" (not: {', '.join(left_out)})" if left_out else ""
-    finished = [s for s in row["seeds"] if s not in _failed(row)]
     seeds = [str(s) for s in gain["seeds"]]
     if sorted(seeds) != sorted(finished):
         over += _only(seeds)

@@ -171,15 +171,20 @@ class ShiftOnce(FedPer):
 
 @dataclass
 class SlowParams(FedPerParams):
-    """Every silo's fits sleep `seconds` in rounds 1 to `until`."""
+    """Every silo's fits sleep `seconds` in rounds 1 to `until`; its model build (set-up)
+    sleeps `build_s`, and each run of its local procedure (a fit's, a joining silo's adapt)
+    `phases_s`."""
 
     seconds: float = 1.0
     until: int = 5
+    build_s: float = 0.0
+    phases_s: float = 0.0
 
 
 @register
 class SlowRounds(FedPer):
-    """FedPer whose early rounds are slow: a run whose first part takes a known least time."""
+    """FedPer whose early rounds, or steps, are slow: a run whose parts take a known least
+    time."""
 
     name = "slow_rounds"
     Params = SlowParams
@@ -188,6 +193,14 @@ class SlowRounds(FedPer):
         super().begin_round(silo, reference, broadcast)
         if getattr(silo, "committed", 0) < self.params.until:
             time.sleep(self.params.seconds)
+
+    def check_batches(self, silo: str, rows: int, per_epoch: int) -> None:
+        time.sleep(self.params.build_s)
+        super().check_batches(silo, rows, per_epoch)
+
+    def phases(self):
+        time.sleep(self.params.phases_s)
+        return super().phases()
 
 
 @dataclass

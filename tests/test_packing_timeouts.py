@@ -1,8 +1,8 @@
 """Deadlines of the per-silo steps outside the fits: a worker holding k silos (packed), which
 runs their calls one after another, is waited for k times round.call_timeout_s; and the steps of
 an onboarding's round, bounded by round.timeout_s, say so when late. The runs load
-tests/timeout_plugins.py: FedPer whose silos' model builds and local procedures sleep a known
-time."""
+tests/fault_plugins.py's slow_rounds: FedPer whose silos' model builds and local procedures
+sleep a known time."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from silo_pfl.runtime.onboarding import Onboarding
 from silo_pfl.server_start import new_server
 from silo_pfl.tracking.trained_run import TrainedRun
 
-PLUGIN = "plugins=[tests.timeout_plugins]"
+PLUGIN = "plugins=[tests.fault_plugins]"
 
 
 def test_a_packed_worker_gets_round_call_timeout_s_for_each_of_its_silos_set_up(job, ray_local):
@@ -30,8 +30,9 @@ def test_a_packed_worker_gets_round_call_timeout_s_for_each_of_its_silos_set_up(
         "jobs/heart_disease.yaml",
         *quick,
         PLUGIN,
-        "algorithm.name=slow_steps",
-        "algorithm.slow_steps.build_s=1.2",
+        "algorithm.name=slow_rounds",
+        "algorithm.slow_rounds.seconds=0",
+        "algorithm.slow_rounds.build_s=1.2",
         "round.call_timeout_s=2",
     )
     result = Federation(cfg).run()
@@ -42,7 +43,8 @@ def test_a_packed_worker_gets_round_call_timeout_s_for_each_of_its_silos_set_up(
 def test_a_late_onboarding_round_names_round_timeout_s(job, ray_local):
     """The joining silo's training outlasts round.timeout_s=1: the error names that setting,
     not round.call_timeout_s, which bounds the set-up."""
-    common = (PLUGIN, "algorithm.name=slow_steps", "algorithm.slow_steps.phases_s=3")
+    common = (PLUGIN, "algorithm.name=slow_rounds", "algorithm.slow_rounds.seconds=0")
+    common += ("algorithm.slow_rounds.phases_s=3",)
     common += ("data.late_silos=[va]",)
     cfg = job("jobs/heart_disease.yaml", *common, "tracking.enabled=false")
     server = new_server(to_dict(cfg), (13,), 2)

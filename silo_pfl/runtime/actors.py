@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import gc
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -338,9 +339,7 @@ def silos_in_call(handles: Mapping[str, Any]) -> dict[str, int]:
     silo's handle is a worker of its own). A worker runs its silos' calls one after another,
     so a step waits for it that many times its timeout."""
     workers = {name: _worker(handle) for name, handle in handles.items()}
-    counts: dict[Any, int] = {}
-    for worker in workers.values():
-        counts[worker] = counts.get(worker, 0) + 1
+    counts = Counter(workers.values())
     return {name: counts[worker] for name, worker in workers.items()}
 
 

@@ -167,15 +167,11 @@ class SecureClient:
     def _check_signatures(self, request: UnmaskRequest) -> None:
         """At least the threshold of the request's survivors signed exactly this request."""
         state = self._current(request.round, request.attempt)
+        message = request.confirmation_bytes(self.params.federation, state.roster)
         signed = {
             silo
             for silo, signature in request.signatures
-            if silo in request.survivors
-            and signed_by(
-                self.trusted.get(silo),
-                signature,
-                request.confirmation_bytes(self.params.federation, state.roster),
-            )
+            if silo in request.survivors and signed_by(self.trusted.get(silo), signature, message)
         }
         needed = self.params.threshold
         if len(signed) < needed:
