@@ -1,7 +1,8 @@
 """SIGTERM as Ctrl-C: what `ray job stop`, `silo-pfl stop`, a CI's timeout or `kill` send stops
 the work as Ctrl-C does, raising `errors.Interrupted`, so that the clean-up runs (actors released,
 workers and their Ray stopped, temporary directories deleted). And signals held while a local Ray
-starts, which an interruption there would leave half-started."""
+starts, which an interruption there would leave half-started, or deferred while a store writes,
+which an interruption there would leave holding its lock."""
 
 from __future__ import annotations
 
@@ -66,3 +67,17 @@ def signals_held() -> Iterator[list[int]]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Ctrl-C and SIGTERM take effect as the block ends, through the handlers in force before
+    it (Interrupted, KeyboardInterrupt, or ignored during a clean-up): the block is never cut
+    in half. For short calls only: it cannot be stopped while it runs."""
+    held: list[int] = []
+    try:
+        with signals_held() as held:
+            yield
+    finally:
+        for signum in dict.fromkeys(held):
+            signal.raise_signal(signum)

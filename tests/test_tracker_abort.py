@@ -8,6 +8,9 @@ CLI, in a process of its own, stopped to play a store that dies) or a real SQLit
 
 from __future__ import annotations
 
+import os
+import signal
+import sqlite3
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,9 +23,11 @@ from processes import stop_group
 from serving import free_port
 
 from silo_pfl.config import FederationConfig
+from silo_pfl.errors import Interrupted
 from silo_pfl.messages import SiloInfo, SplitInfo
 from silo_pfl.results import RoundSummary
 from silo_pfl.settings import load_config
+from silo_pfl.stop_signals import sigterm_interrupts
 from silo_pfl.tracking.tracker import MlflowTracker
 
 SILOS = 6
@@ -103,3 +108,56 @@ def test_an_abort_over_a_store_that_answers_marks_every_run_and_model(tmp_path):
     statuses = _statuses(client, tracker)
     assert {s for run_id, s in statuses.items() if run_id != gone} == {"KILLED"}, statuses
     assert {str(client.get_logged_model(m).status) for m in models} == {"FAILED"}
+
+
+def test_a_sigterm_in_the_middle_of_a_write_leaves_the_store_to_the_clean_up(tmp_path):
+    """SIGTERM raised inside MLflow's SQLAlchemy code, half-way through a batch, left that
+    session's connection holding SQLite's write lock while the interruption lived, as it does
+    in Federation.run's clean-up: the abort then waited out the busy timeout (20 s) and marked
+    nothing KILLED (CI: `ray job stop` at round 5 took over 30 s). The write now finishes first,
+    and the interruption follows it."""
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    tracker = _started(_config(tmp_path, f"sqlite:///{tmp_path / 'mlflow.db'}"), buffered=True)
+    sent: list[str] = []
+
+    def sigterm_mid_write(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+        if statement.startswith("INSERT INTO metrics") and not sent:
+            sent.append(statement)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    event.listen(Engine, "after_cursor_execute", sigterm_mid_write)
+    try:
+        with sigterm_interrupts(), pytest.raises(Interrupted) as stopped:
+            tracker._flush()
+    finally:
+        event.remove(Engine, "after_cursor_execute", sigterm_mid_write)
+    assert sent and stopped.value.signum == signal.SIGTERM  # the interruption still lives
+    began = time.monotonic()
+    tracker.abort(killed=True)
+    took = time.monotonic() - began
+    assert took < 10, f"the abort took {took:.1f} s"
+    assert not tracker.unreachable
+    client = MlflowClient(tracker.uri)
+    assert set(_statuses(client, tracker).values()) == {"KILLED"}
+    for child in tracker.children.values():  # the interrupted batch went in whole, once
+        assert [m.step for m in client.get_metric_history(child, "val_accuracy")] == [1]
+
+
+def test_an_abort_over_a_database_another_process_keeps_locked_waits_on_it_once(tmp_path):
+    """A SQLite store whose write lock another connection holds answers each call after its
+    busy timeout, 20 s, with TEMPORARILY_UNAVAILABLE: taken for an answer, the abort waited
+    once per run and model (14 calls, 280 s here)."""
+    tracker = _started(_config(tmp_path, f"sqlite:///{tmp_path / 'mlflow.db'}"))
+    holder = sqlite3.connect(tmp_path / "mlflow.db", isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        began = time.monotonic()
+        tracker.abort(killed=True)
+        took = time.monotonic() - began
+    finally:
+        holder.rollback()
+        holder.close()
+    assert took < 60, f"abort took {took:.1f} s over a locked store"
+    assert tracker.unreachable

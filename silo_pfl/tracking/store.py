@@ -33,6 +33,7 @@ from silo_pfl.tracking.uri import (
     resolve_uri,
     sqlite_path,
 )
+from silo_pfl.tracking.whole_calls import whole_calls
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -149,7 +150,7 @@ def open_client(uri: str, key: str) -> MlflowClient:
         raise FederationError(
             f"{key}: cannot open the MLflow store {redact(uri)}: {one_line(exc)}"
         ) from None
-    return client
+    return whole_calls(client, uri)
 
 
 def open_existing(uri: str | None, key: str) -> tuple[MlflowClient, str]:

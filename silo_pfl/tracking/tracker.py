@@ -110,12 +110,14 @@ def _answered(exc: Exception) -> bool:
     """Whether the store answered the call that raised `exc`, with an error of its own (a
     run deleted, a logged model gone): an HTTP store's error response, or a local store's
     MLflow error with a code. A request that got no answer after MLflow's retries is an
-    MlflowException with the generic INTERNAL_ERROR, as is any other failure."""
+    MlflowException with the generic INTERNAL_ERROR, as is any other failure; a database
+    still locked after its busy timeout (SQLite's: 20 s) is TEMPORARILY_UNAVAILABLE."""
     from mlflow.exceptions import MlflowException, RestException
 
     if isinstance(exc, RestException):
         return True
-    return isinstance(exc, MlflowException) and exc.error_code != "INTERNAL_ERROR"
+    unanswered = ("INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE")
+    return isinstance(exc, MlflowException) and exc.error_code not in unanswered
 
 
 class MlflowTracker(Callback):

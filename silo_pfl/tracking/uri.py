@@ -20,7 +20,8 @@ DEFAULT_URI = "sqlite:///mlflow.db"
 ENV_URI = "MLFLOW_TRACKING_URI"
 ARTIFACTS_DIR = "mlartifacts"
 SQLITE_PREFIX = "sqlite:///"
-SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")
+DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")  # the client writes the database
+SCHEMES = (*DATABASE_SCHEMES, "http", "https", "databricks")
 EXAMPLES = "e.g. sqlite:///mlflow.db or http://host:5000"
 FILE_STORE = "; MLflow's file store is retired, a local store is sqlite:///PATH"
 ESCAPES = "a / ? # or @ in a user name or password is written %2F %3F %23 %40"
@@ -30,18 +31,23 @@ def check_uri(uri: str, key: str) -> str:
     """The URI, stripped, if MLflow can use it as a tracking and registry store: a known scheme,
     a SQLite database file, and an http(s) port that is a number (see check_port)."""
     uri = str(uri).strip()
-    scheme = "databricks" if uri == "databricks" else urlsplit(uri).scheme.split("+")[0]
-    if scheme not in SCHEMES:
-        retired = FILE_STORE if scheme in ("", "file") else ""
+    named = scheme(uri)
+    if named not in SCHEMES:
+        retired = FILE_STORE if named in ("", "file") else ""
         raise ConfigError(
             f"{key}: got {redact(uri)!r}, expected an MLflow store URI with a scheme among "
             f"{', '.join(SCHEMES)} ({EXAMPLES}){retired}"
         )
-    if scheme == "sqlite" and sqlite_target(uri) in ("", ":memory:"):
+    if named == "sqlite" and sqlite_target(uri) in ("", ":memory:"):
         raise ConfigError(f"{key}: got {redact(uri)!r}, expected sqlite:///PATH to a database file")
-    if scheme in ("http", "https"):
+    if named in ("http", "https"):
         check_port(uri, key)
     return uri
+
+
+def scheme(uri: str) -> str:
+    """The store's kind: the URI's scheme without a driver (mysql+pymysql is mysql)."""
+    return "databricks" if uri == "databricks" else urlsplit(uri).scheme.split("+")[0]
 
 
 def check_port(uri: str, key: str) -> None:
