@@ -161,3 +161,20 @@ def test_an_abort_over_a_database_another_process_keeps_locked_waits_on_it_once(
         holder.close()
     assert took < 60, f"abort took {took:.1f} s over a locked store"
     assert tracker.unreachable
+
+
+def test_a_resume_marks_failed_the_models_a_killed_attempt_left_pending(tmp_path):
+    """SIGKILL (or an OOM kill) skips the abort: the attempt's logged models stayed PENDING in
+    the store's list for good, beside the ones the resume made."""
+    cfg = _config(tmp_path, f"sqlite:///{tmp_path / 'mlflow.db'}")
+    killed = _started(cfg)  # then killed: no abort
+    orphans = [logged.model_id for logged in killed.logged.values()]
+    infos = [SiloInfo(f"silo_{i}", 100, 20, 30, (64,), 10, columns="c") for i in range(SILOS)]
+    resumed = MlflowTracker(cfg)
+    resumed.restore(killed.state())
+    resumed.on_start(cfg, infos, SPLIT)
+    resumed.exporters(infos)
+    client = MlflowClient(resumed.uri)
+    assert {str(client.get_logged_model(m).status) for m in orphans} == {"FAILED"}
+    fresh = [logged.model_id for logged in resumed.logged.values()]
+    assert {str(client.get_logged_model(m).status) for m in fresh} == {"PENDING"}

@@ -41,8 +41,8 @@ PAGE_SIZE = 1000
 
 
 def pages(search: Callable[..., Any], filter_string: str | None = None) -> Iterator[Any]:
-    """Every result of an MLflow search (search_registered_models, search_model_versions),
-    following its page tokens."""
+    """Every result of an MLflow search (search_registered_models, search_model_versions,
+    search_logged_models with its experiments bound), following its page tokens."""
     token = None
     while True:
         page = search(filter_string, max_results=PAGE_SIZE, page_token=token)

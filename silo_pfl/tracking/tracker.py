@@ -213,9 +213,20 @@ class MlflowTracker(Callback):
         running = RunStatus.to_string(RunStatus.RUNNING)
         for run_id in runs:
             self.client.update_run(run_id, status=running)
+        self._fail_orphans()
         resumes = runs[self.run_id].data.tags.get("resumes", "0")
         self.client.set_tag(self.run_id, "resumes", str(int(resumes) + 1))
         self.client.set_tag(self.run_id, ROUNDS_TAG, str(self.cfg.rounds))
+
+    def _fail_orphans(self) -> None:
+        """On resume: the logged models an earlier attempt left PENDING (killed by SIGKILL or an
+        OOM kill, so `abort` never marked them FAILED) are marked now; `exporters` makes new
+        ones, and a PENDING model stays in the store's list forever."""
+        for child in self.children.values():
+            pending = f"source_run_id = '{child}' AND status = 'PENDING'"
+            search = partial(self.client.search_logged_models, [self.experiment_id])
+            for model in registry.pages(search, pending):
+                self.client.finalize_logged_model(model.model_id, "FAILED")
 
     def on_start(
         self, config: FederationConfig, silos: Sequence[SiloInfo], split: SplitInfo
