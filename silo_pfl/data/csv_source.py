@@ -121,13 +121,26 @@ class _Table:
             raise self.error(f"cannot be read ({reason})") from None
 
     def _header(self, reader: Any) -> list[str]:
+        """The header row's names. A refused header is named by its names only when none is a
+        number: a file without a header row has its first example there, label and all."""
         header = [name.strip() for name in next(reader, [])]
         if not any(header):
             raise self.error("is empty; expected a header row, then one row per example")
+        numbers = sum(_is_number(name) for name in header)
+        if self.label_column not in header and numbers:
+            raise self.error(
+                f"has no label column {self.label_column!r} (data.label_column), and {numbers} "
+                f"of the {len(header)} cells of its first line are numbers: it needs a header "
+                "row naming its columns (values not shown)"
+            )
         duplicates = sorted({name for name in header if header.count(name) > 1})
         if duplicates:
+            shown = ", ".join(map(repr, duplicates)) if not numbers else "(values not shown)"
+            raise self.error(f"repeats column name(s) {shown} in its header")
+        if "" in header:
             raise self.error(
-                f"repeats column name(s) {', '.join(map(repr, duplicates))} in its header"
+                f"column {header.index('') + 1} of its header has no name; name every column "
+                "(pandas writes its row index so: to_csv(..., index=False) leaves it out)"
             )
         if self.label_column not in header:
             raise self.error(
@@ -198,6 +211,15 @@ class _Table:
                 f"not a class index; {self._allowed()}"
             )
         return values.astype(np.int64)
+
+
+def _is_number(cell: str) -> bool:
+    """Whether a header cell reads as a number (nan and inf included)."""
+    try:
+        float(cell)
+    except ValueError:
+        return False
+    return True
 
 
 def read_silo_csv(

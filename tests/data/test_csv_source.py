@@ -234,3 +234,20 @@ def test_unknown_silo(tmp_path):
     cfg = config({"a": tmp_path / "a.csv"})
     with pytest.raises(DataError, match=r"silo b: not in data\.paths"):
         csv_source.load(cfg, "b", 0)
+
+
+def test_a_file_without_a_header_row_never_shows_its_first_example(tmp_path):
+    """The first data row, read as the header, was listed as the columns found: a patient's
+    values, label included, on the driver's console and in the job's logs."""
+    message = load_error(tmp_path, "63.125,145.5,1\n37.75,130.25,0\n41.5,120.0,1\n")
+    assert "needs a header row" in message and "3 of the 3 cells" in message
+    assert not any(value in message for value in ("63.125", "145.5"))
+    repeated = load_error(tmp_path, "63.125,0,label,0\n37.75,1,1,1\n41.5,0,1,0\n")
+    assert "repeats column name(s)" in repeated and "63.125" not in repeated
+
+
+def test_a_column_without_a_name_is_refused(tmp_path):
+    """pandas' to_csv writes its row index as a first column without a name: it was trained on
+    as a feature, and on rows sorted by label it gave the label away."""
+    message = load_error(tmp_path, ",height,label\n0,170.5,0\n1,160.0,1\n2,150.5,0\n")
+    assert "column 1 of its header has no name" in message and "index=False" in message
