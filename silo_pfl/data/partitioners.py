@@ -73,9 +73,12 @@ def _dirichlet_draw(
     sizes = np.zeros(num_silos, dtype=np.int64)
     for label in np.unique(labels):
         rows = rng.permutation(np.flatnonzero(labels == label))
-        proportions = rng.dirichlet(np.full(num_silos, alpha)) * (sizes < share)
+        open_ = sizes < share
+        proportions = rng.dirichlet(np.full(num_silos, alpha)) * open_
         total = proportions.sum()
-        proportions = proportions / total if total > 0 else np.full(num_silos, 1 / num_silos)
+        if total == 0:  # tiny alpha: every open silo drew exactly 0; spread over them alike
+            proportions, total = open_.astype(np.float64), max(int(open_.sum()), 1)
+        proportions = proportions / total
         cuts = (np.cumsum(proportions) * len(rows)).astype(np.int64)[:-1]
         for silo, chunk in enumerate(np.split(rows, cuts)):
             parts[silo].append(chunk)

@@ -281,3 +281,12 @@ def test_holdout_sizes_and_stratification():
 def test_iid_parts_are_balanced(labels):
     parts = partitioners.iid(labels, 7, np.random.default_rng(0))
     assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+def test_a_class_no_open_silo_drew_goes_only_to_silos_under_their_share():
+    """At tiny alpha every open silo may draw exactly 0 of a class: the class was then spread
+    over every silo, full ones included, against the balancing rule. Four classes of 60 rows
+    over four silos now give each silo one class."""
+    labels = np.repeat(np.arange(4), 60)
+    parts = partitioners.dirichlet(labels, 4, 1e-3, np.random.default_rng(0))
+    assert sorted(len(np.unique(labels[part])) for part in parts) == [1, 1, 1, 1]
