@@ -315,10 +315,11 @@ def _declared(key: str) -> Any:
 
 
 def _may_be_null(key: str) -> bool:
-    """Whether FederationConfig lets the dotted `key` be null: its type is Optional, or not
-    known from the dataclasses."""
+    """Whether FederationConfig lets the dotted `key` be null: its type is Optional or Any. A
+    key the dataclasses do not know (a data source's own, an algorithm's) is not said to: its
+    source's checks may refuse null."""
     kind = _declared(key)
-    return kind is None or kind is Any or type(None) in typing.get_args(kind)
+    return kind is Any or (kind is not None and type(None) in typing.get_args(kind))
 
 
 def _takes_bool(key: str) -> bool:

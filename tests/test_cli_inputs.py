@@ -324,6 +324,11 @@ def test_a_reader_that_has_gone_ends_the_command_quietly(buffered):
             "error: rounds: got an empty value ('rounds=', an unset shell variable?); give a value",
         ),
         (
+            ["config", HEART, "data.label_column="],
+            "error: data.label_column: got an empty value ('data.label_column=', an unset shell "
+            "variable?); give a value",
+        ),
+        (
             ["config", HEART, "output_dir="],
             "error: output_dir: got an empty value ('output_dir=', an unset shell variable?); "
             "give a value",
