@@ -19,6 +19,7 @@ import csv
 import functools
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,10 @@ class _Table:
             raise self.error(f"not found (set data.paths.{self.silo} to an existing CSV file)")
         try:
             with self.path.open(newline="", encoding="utf-8-sig") as handle:
+                read = self._read_whole(handle)
+            if read is not None:
+                return read
+            with self.path.open(newline="", encoding="utf-8-sig") as handle:
                 return self._parse(csv.reader(handle))
         except UnicodeDecodeError:
             raise self.error("is not a UTF-8 text file") from None
@@ -150,6 +155,28 @@ class _Table:
         if len(header) < 2:
             raise self.error(f"has only the label column {self.label_column!r}, no features")
         return header
+
+    def _read_whole(self, handle: Any) -> tuple[tuple[str, ...], np.ndarray, np.ndarray] | None:
+        """A well-formed file through numpy's C reader: a tenth of the time, and the table's own
+        size in memory rather than ten times it as Python floats. None for any other file (a
+        blank or ragged row, a value numpy does not read, one not finite, a label not a class),
+        which `_parse` then reads cell by cell, to name the row and column."""
+        header = self._header(csv.reader(handle))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # no data rows: _parse says so
+                table = np.loadtxt(
+                    handle, delimiter=",", comments=None, quotechar='"', ndmin=2, dtype=np.float64
+                )
+        except ValueError:
+            return None
+        if table.shape[0] == 0 or table.shape[1] != len(header) or not np.isfinite(table).all():
+            return None
+        label_at = header.index(self.label_column)
+        if self._bad_labels(table[:, label_at]).any():
+            return None
+        names = tuple(name for name in header if name != self.label_column)
+        return names, np.delete(table, label_at, axis=1), table[:, label_at].astype(np.int64)
 
     def _parse(self, reader: Any) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
         header = self._header(reader)
@@ -200,10 +227,15 @@ class _Table:
             )
         return value
 
-    def _labels(self, values: np.ndarray, lines: list[int]) -> np.ndarray:
+    def _bad_labels(self, values: np.ndarray) -> np.ndarray:
+        """Which of `values` are no class index."""
         bad = (values < 0) | (values != np.round(values))
         if self.num_classes is not None:
             bad |= values >= self.num_classes
+        return bad
+
+    def _labels(self, values: np.ndarray, lines: list[int]) -> np.ndarray:
+        bad = self._bad_labels(values)
         if bad.any():
             row = int(np.flatnonzero(bad)[0]) + 1
             raise self.error(

@@ -251,3 +251,21 @@ def test_a_column_without_a_name_is_refused(tmp_path):
     as a feature, and on rows sorted by label it gave the label away."""
     message = load_error(tmp_path, ",height,label\n0,170.5,0\n1,160.0,1\n2,150.5,0\n")
     assert "column 1 of its header has no name" in message and "index=False" in message
+
+
+def test_numpys_reader_and_the_cell_by_cell_one_read_a_file_alike(tmp_path):
+    """A well-formed file goes through numpy's C reader (benchmarks/csv_read.py: its speed and
+    memory); the cell-by-cell reader, kept to name a bad cell, must read it to the same arrays:
+    quoted cells, spaces, CRLF, a blank line, exponents and 17 significant digits."""
+    text = (
+        'height,"label",weight\r\n"170.12345678901234",1, 7.5e1\r\n\r\n'
+        "-0.1,0,1E-3\r\n 160 ,2,+65.25\r\n"
+    )
+    table = csv_source._Table("clinic_b", write(tmp_path / "t.csv", text), "label", 3)
+    with table.path.open(newline="", encoding="utf-8-sig") as handle:
+        whole = table._read_whole(handle)
+    with table.path.open(newline="", encoding="utf-8-sig") as handle:
+        cells = table._parse(csv_source.csv.reader(handle))
+    assert whole is not None and whole[0] == cells[0] == ("height", "weight")
+    assert np.array_equal(whole[1], cells[1]) and np.array_equal(whole[2], cells[2])
+    assert whole[1][0].tolist() == [170.12345678901234, 75.0] and whole[2].tolist() == [1, 0, 2]
