@@ -61,12 +61,28 @@ def signals_held() -> Iterator[list[int]]:
     def hold(signum: int, frame: Any) -> None:
         held.append(signum)
 
-    previous = {sig: signal.signal(sig, hold) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # A handler put back raises for a signal that came meanwhile at the next Python step, which
+    # may come before the other is put back: that `hold` would outlive the block and swallow
+    # every later signal. So each handler is recorded before it is replaced, and putting them
+    # back is repeated until a pass ends with none raising; the first exception then goes on.
+    previous: dict[int, Any] = {}
     try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            got = signal.getsignal(sig)
+            previous[sig] = got if got is not None else signal.SIG_DFL  # None: set outside Python
+            signal.signal(sig, hold)
         yield held
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        raised: BaseException | None = None
+        while True:
+            try:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+                break
+            except BaseException as exc:
+                raised = raised or exc
+        if raised is not None:
+            raise raised
 
 
 @contextmanager
