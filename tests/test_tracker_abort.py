@@ -116,24 +116,14 @@ def test_a_sigterm_in_the_middle_of_a_write_leaves_the_store_to_the_clean_up(tmp
     in Federation.run's clean-up: the abort then waited out the busy timeout (20 s) and marked
     nothing KILLED (CI: `ray job stop` at round 5 took over 30 s). The write now finishes first,
     and the interruption follows it."""
-    from sqlalchemy import event
-    from sqlalchemy.engine import Engine
-
     tracker = _started(_config(tmp_path, f"sqlite:///{tmp_path / 'mlflow.db'}"), buffered=True)
-    sent: list[str] = []
-
-    def sigterm_mid_write(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
-        if statement.startswith("INSERT INTO metrics") and not sent:
-            sent.append(statement)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    event.listen(Engine, "after_cursor_execute", sigterm_mid_write)
+    listener = _listening("after_cursor_execute", _signal_at("INSERT INTO metrics", signal.SIGTERM))
     try:
         with sigterm_interrupts(), pytest.raises(Interrupted) as stopped:
             tracker._flush()
     finally:
-        event.remove(Engine, "after_cursor_execute", sigterm_mid_write)
-    assert sent and stopped.value.signum == signal.SIGTERM  # the interruption still lives
+        _stop_listening("after_cursor_execute", listener)
+    assert stopped.value.signum == signal.SIGTERM  # the interruption still lives
     began = time.monotonic()
     tracker.abort(killed=True)
     took = time.monotonic() - began
@@ -178,3 +168,74 @@ def test_a_resume_marks_failed_the_models_a_killed_attempt_left_pending(tmp_path
     assert {str(client.get_logged_model(m).status) for m in orphans} == {"FAILED"}
     fresh = [logged.model_id for logged in resumed.logged.values()]
     assert {str(client.get_logged_model(m).status) for m in fresh} == {"PENDING"}
+
+
+def test_an_abort_as_a_new_store_opens_waits_for_its_tables(tmp_path):
+    """A run stopped in its first seconds on a new SQLite store: the abort returned at once
+    (no run yet), the process ended, and with it the thread half-way through making MLflow's
+    tables, which left a store no later run could open ("table trace_info already exists")."""
+    tracker = MlflowTracker(_config(tmp_path, f"sqlite:///{tmp_path / 'mlflow.db'}"))
+    tracker.abort(killed=True)
+    assert tracker.opening.done()
+    assert tracker.opening.exception() is None
+
+
+def _signal_at(statement: str, signum: int, nth: int = 1) -> Any:
+    """A SQLAlchemy listener (of after_cursor_execute: the write made, its lock held) that
+    sends `signum` to this process as the `nth` statement starting with `statement` has run."""
+    seen: list[str] = []
+
+    def send(conn: Any, cursor: Any, text: str, *rest: Any) -> None:
+        if text.startswith(statement):
+            seen.append(text)
+            if len(seen) == nth:
+                os.kill(os.getpid(), signum)
+
+    return send
+
+
+def _listening(event_name: str, listener: Any) -> Any:
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    event.listen(Engine, event_name, listener)
+    return listener
+
+
+def _stop_listening(event_name: str, listener: Any) -> None:
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    event.remove(Engine, event_name, listener)
+
+
+def test_a_second_ctrl_c_during_the_abort_leaves_no_run_running(tmp_path):
+    """Ctrl-C pressed twice: the second, during the clean-up's first status update, raised out
+    of the abort and left every other run RUNNING for good."""
+    tracker = _started(_config(tmp_path, f"sqlite:///{tmp_path / 'mlflow.db'}"))
+    listener = _listening("after_cursor_execute", _signal_at("UPDATE runs", signal.SIGINT))
+    try:
+        tracker.abort(killed=True)
+    finally:
+        _stop_listening("after_cursor_execute", listener)
+    client = MlflowClient(tracker.uri)
+    assert set(_statuses(client, tracker).values()) == {"KILLED"}
+
+
+def test_a_sigterm_as_a_silos_run_is_made_leaves_no_run_unrecorded(tmp_path):
+    """The signal took effect as create_run returned, before the run was recorded: the abort
+    never learnt of it, and it stayed RUNNING."""
+    cfg = _config(tmp_path, f"sqlite:///{tmp_path / 'mlflow.db'}")
+    infos = [SiloInfo(f"silo_{i}", 100, 20, 30, (64,), 10, columns="c") for i in range(SILOS)]
+    tracker = MlflowTracker(cfg)
+    listener = _signal_at("INSERT INTO runs", signal.SIGTERM, nth=3)
+    _listening("after_cursor_execute", listener)
+    try:
+        with sigterm_interrupts(), pytest.raises(Interrupted):
+            tracker.on_start(cfg, infos, SPLIT)
+    finally:
+        _stop_listening("after_cursor_execute", listener)
+    tracker.abort(killed=True)
+    client = MlflowClient(tracker.uri)
+    made = client.search_runs([tracker.experiment_id])
+    assert len(made) == 3 and {run.info.status for run in made} == {"KILLED"}

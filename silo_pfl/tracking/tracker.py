@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ from silo_pfl.errors import ConfigError, FederationError, one_line, typed_line
 from silo_pfl.messages import SiloInfo, SplitInfo, model_shape
 from silo_pfl.results import FederationResult, RoundSummary
 from silo_pfl.settings import split_rules
+from silo_pfl.stop_signals import signals_deferred, signals_held
 from silo_pfl.tracking import registry
 from silo_pfl.tracking.exporter import MODEL_NAME, LocalExporter, MlflowExporter
 from silo_pfl.tracking.store import (
@@ -40,7 +42,7 @@ from silo_pfl.tracking.store import (
     open_client,
 )
 from silo_pfl.tracking.trained_run import FEDERATION_FILE, federation_record
-from silo_pfl.tracking.uri import artifact_dir, redact
+from silo_pfl.tracking.uri import DATABASE_SCHEMES, artifact_dir, redact, scheme
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -256,8 +258,9 @@ class MlflowTracker(Callback):
         else:
             run_name = f"{config.name}-{algorithm}-onboard-{'-'.join(i.silo for i in silos)}"
             tags.update({registry.RUN_KIND: registry.ONBOARD_RUN, TRAINED_RUN: self.trained_run})
-        run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
-        self.run_id = run.info.run_id
+        with self._whole():
+            run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
+            self.run_id = run.info.run_id
         resolved = logged_view(to_dict(config))
         params = [Param(k, v) for k, v in flatten(resolved).items()]
         for start in range(0, len(params), MAX_PARAMS_PER_BATCH):
@@ -270,19 +273,20 @@ class MlflowTracker(Callback):
             record = json.dumps({"silos": self.partition}, indent=2)
             self.client.log_text(self.run_id, record, PARTITION_FILE)
         for info in silos:
-            child = self.client.create_run(
-                self.experiment_id,
-                run_name=info.silo,
-                tags={
-                    PARENT_RUN_TAG: self.run_id,
-                    registry.SILO: info.silo,
-                    "node_id": info.node_id,
-                    registry.ALGORITHM: algorithm,
-                    registry.JOINED: self.joined,
-                    "model_store": self._model_store(info.silo),
-                },
-            )
-            self.children[info.silo] = child.info.run_id
+            with self._whole():
+                child = self.client.create_run(
+                    self.experiment_id,
+                    run_name=info.silo,
+                    tags={
+                        PARENT_RUN_TAG: self.run_id,
+                        registry.SILO: info.silo,
+                        "node_id": info.node_id,
+                        registry.ALGORITHM: algorithm,
+                        registry.JOINED: self.joined,
+                        "model_store": self._model_store(info.silo),
+                    },
+                )
+                self.children[info.silo] = child.info.run_id
 
     def _central(self, silos: Iterable[str]) -> list[str]:
         """Of `silos`, those whose models the central store registers."""
@@ -317,13 +321,14 @@ class MlflowTracker(Callback):
                 exporters[info.silo] = LocalExporter()
                 continue
             child = self.children[info.silo]
-            logged = self.client.create_logged_model(
-                self.experiment_id,
-                name=MODEL_NAME,
-                source_run_id=child,
-                tags={registry.SILO: info.silo, registry.ALGORITHM: algorithm},
-            )
-            self.logged[info.silo] = logged
+            with self._whole():
+                logged = self.client.create_logged_model(
+                    self.experiment_id,
+                    name=MODEL_NAME,
+                    source_run_id=child,
+                    tags={registry.SILO: info.silo, registry.ALGORITHM: algorithm},
+                )
+                self.logged[info.silo] = logged
             exporters[info.silo] = MlflowExporter(
                 self.uri,
                 "tracking.uri",
@@ -512,13 +517,29 @@ class MlflowTracker(Callback):
             if run_id:
                 self.client.set_terminated(run_id, status=status)
 
+    def _whole(self) -> AbstractContextManager[None]:
+        """Around a call that makes a run or model and the line that records it: on a database
+        store, a signal takes effect after both (else `abort` never learns of what was made);
+        an HTTP store's calls stay interruptible (`whole_calls`)."""
+        return signals_deferred() if scheme(self.uri) in DATABASE_SCHEMES else nullcontext()
+
     def abort(self, killed: bool = False) -> None:
         """Mark the runs KILLED (interrupted) or FAILED (an error); never raises over either.
 
         A store that does not answer one call (MLflow gives up on it after its retries, about
         7 s) is left alone for the rest: the clean-up waits on it once, not once per silo. A
         store that answers with an error for one call (a logged model gone, say) still gets
-        the others."""
+        the others. Ctrl-C or SIGTERM meanwhile (a second one: the first began the clean-up)
+        is held and dropped: cut short, the abort would leave runs RUNNING for good."""
+        with signals_held():
+            self._abort(killed)
+
+    def _abort(self, killed: bool) -> None:
+        if scheme(self.uri) in DATABASE_SCHEMES:
+            # A new database's tables are made as the store opens, in a thread that the
+            # process's exit would kill half-way: a store that no later run could open.
+            with contextlib.suppress(BaseException):
+                self.opening.exception()
         if self.reporting is not None:
             with contextlib.suppress(Exception):
                 self.reporting.join()
