@@ -27,6 +27,7 @@ from silo_pfl.config import FederationConfig, flat, to_dict
 from silo_pfl.errors import ConfigError
 from silo_pfl.paths import outermost_missing
 from silo_pfl.results import finite_or_null, write_json_atomic
+from silo_pfl.stop_signals import signals_deferred
 
 RUN_FILE = "run.json"
 RESULT_FILE = "result.json"
@@ -167,8 +168,9 @@ class RunDir:
         record["resumed_ns"] = [*record.get("resumed_ns", []), time.time_ns()]
         if record.get(CHECKPOINTED) is None:  # restored from one
             record[CHECKPOINTED] = record["resumed_ns"][-1]
-        write_json_atomic(self.path / RUN_FILE, record)
-        (self.path / RESULT_FILE).unlink(missing_ok=True)
+        with signals_deferred():  # a result beside the raised rounds: the run looks finished
+            write_json_atomic(self.path / RUN_FILE, record)
+            (self.path / RESULT_FILE).unlink(missing_ok=True)
 
     def discard(self) -> None:
         """Remove a fresh run's directory (on this node) after it failed with nothing to

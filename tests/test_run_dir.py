@@ -100,3 +100,28 @@ def test_a_run_of_an_earlier_version_is_taken_as_it_was_then(tmp_path):
     assert record.pop(CHECKPOINTED) is None
     (earlier.path / RUN_FILE).write_text(json.dumps(record))
     assert RunDir.find(cfg, None).run_id == earlier.run_id
+
+
+def test_a_sigterm_as_a_finished_run_is_started_again_leaves_it_resumable(tmp_path, monkeypatch):
+    """A finished run resumed with more rounds, stopped by SIGTERM just as its run.json took
+    them: its result was still there, so the resume command the stop printed was refused
+    ("already finished its 3 rounds")."""
+    import os
+    import signal
+
+    from silo_pfl import run_dir
+    from silo_pfl.errors import Interrupted
+    from silo_pfl.stop_signals import sigterm_interrupts
+
+    run = RunDir.create(load_config(JOB, [f"output_dir={tmp_path}", "rounds=2"]))
+    (run.path / RESULT_FILE).write_text("{}")
+    write = run_dir.write_json_atomic
+
+    def then_sigterm(*args, **kwargs):
+        write(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(run_dir, "write_json_atomic", then_sigterm)
+    with sigterm_interrupts(), pytest.raises(Interrupted):
+        run.started_again(load_config(JOB, [f"output_dir={tmp_path}", "rounds=3"]))
+    assert run.saved_config()["rounds"] == 3 and not run.finished()
