@@ -187,3 +187,15 @@ def test_a_column_of_objects_is_read_as_numbers_and_its_nulls_as_missing(registe
         "input has missing or non-finite values in column(s) chol (row 1: missing); "
         "expected a finite number in every raw column"
     )
+
+
+def test_a_finite_value_too_large_for_the_models_inputs_is_refused(registered):
+    """1e300 is finite, so it passed the checks; normalised and cast to float32 it became inf,
+    and the model answered class 0 with NaN probabilities."""
+    bad = list(ROW)
+    bad[RAW_COLUMNS.index("chol")] = -1e300
+    message = refusal(registered.heart, pd.DataFrame([ROW, bad], columns=list(RAW_COLUMNS)))
+    assert message == (
+        "column chol, row 1: got -1e+300, too large for the model (normalised, it is no finite "
+        "float32); expected a value of the size the silo trained on"
+    )

@@ -158,7 +158,25 @@ class SiloPyfunc(mlflow.pyfunc.PythonModel):
             encoded = self.encode(raw)
         except DataError as exc:
             raise InputError(str(exc)) from None
-        return self.preprocessing.apply(encoded)
+        with np.errstate(over="ignore", invalid="ignore"):
+            inputs = self.preprocessing.apply(encoded)
+        self._check_finite(encoded, inputs)
+        return inputs
+
+    def _check_finite(self, encoded: np.ndarray, inputs: np.ndarray) -> None:
+        """A finite raw value too large for the network's float32 inputs once normalised (1e300,
+        say) would be answered as class 0 with NaN probabilities: an InputError instead."""
+        bad = ~np.isfinite(inputs.reshape(len(inputs), -1))
+        if not bad.any():
+            return
+        row, feature = (int(i) for i in np.argwhere(bad)[0])
+        names = self.preprocessing.feature_names
+        column = names[feature] if feature < len(names) else f"feature {feature}"
+        value = encoded.reshape(len(encoded), -1)[row, feature]
+        raise InputError(
+            f"column {column}, row {row}: got {value:g}, too large for the model (normalised, "
+            "it is no finite float32); expected a value of the size the silo trained on"
+        )
 
     def _check_columns(self, frame: pd.DataFrame) -> None:
         """Every raw column is there, else how many are expected and the first few missing."""
