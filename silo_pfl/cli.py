@@ -20,6 +20,7 @@ from silo_pfl.errors import ConfigError, SiloPflError, interruption, typed_line
 
 if TYPE_CHECKING:
     from silo_pfl.callbacks import Callback
+    from silo_pfl.config import FederationConfig
     from silo_pfl.federation import Federation
 
 EXIT_USER_ERROR = 2
@@ -287,20 +288,36 @@ def _run_config(args: argparse.Namespace) -> int:
         print_results_line(result.to_dict())
     tracked = result.extras.get("mlflow")
     if tracked:
-        listing = ["silo-pfl", "models", "--federation", config.name]
-        listing += ["--tracking-uri", tracked["tracking_uri"]]
-        kept = ["silo-pfl", "models", "--local", str(Path(config.output_dir).resolve())]
-        models = (
-            shlex.join(listing)
-            if config.privacy.central_models == "full"
-            else f"kept by each silo ({shlex.join(kept)})"
-        )
         print(
             f"mlflow: run {tracked['run_id']} in experiment {tracked['experiment']} at "
-            f"{tracked['tracking_uri']}; models: {models}"
+            f"{tracked['tracking_uri']}; models: "
+            f"{models_hint(config, tracked['tracking_uri'], list(result.silos))}"
         )
     print(f"run {result.run_id}: {result.run_dir}")
     return 0
+
+
+def models_hint(config: FederationConfig, central_uri: str, silos: Sequence[str]) -> str:
+    """The command that lists a finished run's models: the central store's, else each silo's
+    own directory; and for each of `silos` with a store of its own, that store's (as
+    configured: its $VARS are filled in on the silo's node, where the command is then run)."""
+    from silo_pfl.tracking.uri import redact
+
+    listing = ["silo-pfl", "models", "--federation", config.name]
+    settings = {silo: config.silos.get(silo) for silo in silos}
+    own = {silo: c.tracking_uri for silo, c in settings.items() if c and c.tracking_uri}
+    kept = ["silo-pfl", "models", "--local", str(Path(config.output_dir).resolve())]
+    hint = (
+        shlex.join([*listing, "--tracking-uri", central_uri])
+        if config.privacy.central_models == "full"
+        else f"kept by each silo ({shlex.join(kept)})"
+    )
+    if own and len(own) == len(silos):
+        hint = "none in the central store"
+    for silo, uri in own.items():
+        command = shlex.join([*listing, "--tracking-uri", redact(str(uri))])
+        hint += f"; {silo}'s in its own store ({command}, on its node)"
+    return hint
 
 
 def _loaded(args: argparse.Namespace, callbacks: list[Callback]) -> Federation:

@@ -461,3 +461,24 @@ def test_models_local_that_is_no_directory_is_a_usage_error(tmp_path, capsys):
     assert_one_line(
         code, err, f"error: --local {missing}: not a directory; expected a run's output_dir"
     )
+
+
+def test_the_closing_models_line_names_the_silos_with_stores_of_their_own(tmp_path):
+    """The line named only the central store: pasted, it listed no model of a silo with a store
+    of its own ("no registered silo models" when every silo had one)."""
+    from silo_pfl.cli import models_hint
+    from silo_pfl.settings import load_config
+
+    hospitals = ["cleveland", "hungarian", "switzerland", "va"]
+    central = "sqlite:////data/central.db"
+    own = "silos.va.tracking_uri=http://mlflow:s3cret@va.example:5000"
+    cfg = load_config(HEART, [f"output_dir={tmp_path}", own])
+    assert models_hint(cfg, central, hospitals) == (
+        f"silo-pfl models --federation heart_disease --tracking-uri {central}; va's in its own "
+        "store (silo-pfl models --federation heart_disease --tracking-uri "
+        "'http://mlflow:***@va.example:5000', on its node)"
+    )
+    every = [f"silos.{h}.tracking_uri=sqlite:///{h}.db" for h in hospitals]
+    hint = models_hint(load_config(HEART, [f"output_dir={tmp_path}", *every]), central, hospitals)
+    assert hint.startswith("none in the central store; cleveland's in its own store (")
+    assert hint.count("in its own store") == 4
