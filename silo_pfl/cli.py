@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from silo_pfl.callbacks import Callback
     from silo_pfl.config import FederationConfig
     from silo_pfl.federation import Federation
+    from silo_pfl.results import FederationResult
 
 EXIT_USER_ERROR = 2
 EXIT_FAILURE = 1
@@ -270,15 +271,24 @@ def _run(args: argparse.Namespace) -> int:
 def _run_config(args: argparse.Namespace) -> int:
     from silo_pfl.config import merge_config, read_yaml
     from silo_pfl.progress import ProgressPrinter
-    from silo_pfl.runtime.jobs import print_results_line
     from silo_pfl.runtime.session import ray_session_while
+    from silo_pfl.stop_signals import sigterm_interrupts_unless_set
 
     draft = merge_config(read_yaml(Path(args.config)), args.overrides)
     _check_results_path(args.results, args.config)
     callbacks: list[Callback] = [] if args.quiet else [ProgressPrinter()]
     with ray_session_while(draft, lambda: _loaded(args, callbacks)) as federation:
         result = federation.run(resume=args.resume)
-    config = federation.config
+    with sigterm_interrupts_unless_set():  # Ray's session has ended: SIGTERM still stops
+        _ran(args, federation.config, result)
+    return 0
+
+
+def _ran(args: argparse.Namespace, config: FederationConfig, result: FederationResult) -> None:
+    """What `run` prints and writes once the run has ended."""
+    from silo_pfl.progress import ProgressPrinter
+    from silo_pfl.runtime.jobs import print_results_line
+
     if args.quiet:
         ProgressPrinter().on_end(result)
     if args.results:
@@ -294,7 +304,6 @@ def _run_config(args: argparse.Namespace) -> int:
             f"{models_hint(config, tracked['tracking_uri'], list(result.silos))}"
         )
     print(f"run {result.run_id}: {result.run_dir}")
-    return 0
 
 
 def models_hint(config: FederationConfig, central_uri: str, silos: Sequence[str]) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import signal
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 from silo_pfl.errors import Interrupted
@@ -46,6 +46,15 @@ def sigterm_interrupts() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def sigterm_interrupts_unless_set() -> AbstractContextManager[None]:
+    """`sigterm_interrupts`, unless a session around this one (or its caller) has put it in
+    force already: that one's clean-up after a SIGTERM, which ignores a second, must not find
+    the handler put back by this one."""
+    if signal.getsignal(signal.SIGTERM) is interrupt:
+        return nullcontext()
+    return sigterm_interrupts()
 
 
 @contextmanager

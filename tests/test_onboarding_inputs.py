@@ -6,6 +6,8 @@ is refused in one line before anything starts."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,8 +16,9 @@ import pytest
 from silo_pfl.callbacks import Callback
 from silo_pfl.cli import main
 from silo_pfl.data.heart_disease import RAW_COLUMNS, read_complete_rows
+from silo_pfl.errors import Interrupted
 from silo_pfl.federation import Federation
-from silo_pfl.results import RoundSummary
+from silo_pfl.results import FederationResult, RoundSummary
 from silo_pfl.settings import load_config
 
 NEW = "va"  # the hospital that sits out of training, then joins
@@ -90,6 +93,14 @@ class _CtrlC(Callback):
         raise KeyboardInterrupt
 
 
+class _SigtermAsItEnds(Callback):
+    """`ray job stop` once the onboarding's Ray session has ended, as its results are drawn."""
+
+    def on_end(self, result: FederationResult) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.sigtimedwait([], 1)  # the handler runs here
+
+
 def test_a_failed_or_interrupted_onboarding_leaves_no_directory(trained, tmp_path, capsys):
     before = _dirs(trained)
     assert before == {trained.run_id}
@@ -111,6 +122,11 @@ def test_a_failed_or_interrupted_onboarding_leaves_no_directory(trained, tmp_pat
     with pytest.raises(KeyboardInterrupt):
         federation.onboard(NEW)
     assert _dirs(trained) == before, "Ctrl-C with the baseline beside it"
+    # Once its Ray session had ended, SIGTERM ended the process at once, directories and all.
+    federation = Federation(load_config(trained.job), callbacks=[_SigtermAsItEnds()])
+    with pytest.raises(Interrupted):
+        federation.onboard(NEW, alone=False)
+    assert _dirs(trained) == before, "SIGTERM as the onboarding's results are drawn"
 
 
 def test_resume_takes_the_latest_federation_run_never_an_onboarding(trained, capsys):

@@ -40,6 +40,7 @@ from silo_pfl.runtime.placement import (
 )
 from silo_pfl.runtime.session import ray_session
 from silo_pfl.selection import Selector, evaluated
+from silo_pfl.stop_signals import sigterm_interrupts_unless_set
 from silo_pfl.tracking.registry import ONBOARD
 from silo_pfl.tracking.trained_run import TrainedRun
 
@@ -161,9 +162,10 @@ class Onboarding:
                     **{k: v for callback in self.callbacks for k, v in callback.extras().items()},
                 },
             )
-        self._emit("on_end", result)
-        self._emit("on_closed")
-        result.write_json(self.run_dir.path / RESULT_FILE)
+        with sigterm_interrupts_unless_set():  # Ray's session has ended: SIGTERM still stops
+            self._emit("on_end", result)
+            self._emit("on_closed")
+            result.write_json(self.run_dir.path / RESULT_FILE)
         return result
 
     def _round(

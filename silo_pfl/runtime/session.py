@@ -11,7 +11,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import ray
@@ -22,7 +22,11 @@ from silo_pfl.runtime.discovery import write_discovery_file
 from silo_pfl.runtime.metrics import export_interval, ray_address
 from silo_pfl.runtime.ray_token import ensure_local_token
 from silo_pfl.runtime.tls_probe import SETUP_HINT, speaks_tls, tls_problem
-from silo_pfl.stop_signals import interrupt, signals_held, sigterm_interrupts
+from silo_pfl.stop_signals import (
+    signals_held,
+    sigterm_interrupts,
+    sigterm_interrupts_unless_set,
+)
 
 
 @contextmanager
@@ -39,7 +43,7 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
     Whichever Ray the run uses, SIGTERM raises Interrupted inside (`sigterm_interrupts`).
     """
     if ray.is_initialized():
-        with _sigterm_interrupts_unless_set():
+        with sigterm_interrupts_unless_set():
             yield
         return
     address = ray_address(cfg.address)
@@ -87,15 +91,6 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
                 shutdown_local()
             else:
                 ray.shutdown()
-
-
-def _sigterm_interrupts_unless_set() -> AbstractContextManager[None]:
-    """`sigterm_interrupts`, unless a session around this one (or its caller) has put it in
-    force already: that one's clean-up after a SIGTERM, which ignores a second, must not find
-    the handler put back by this one."""
-    if signal.getsignal(signal.SIGTERM) is interrupt:
-        return nullcontext()
-    return sigterm_interrupts()
 
 
 def _unreachable(exc: Exception, address: str | None) -> FederationError:
