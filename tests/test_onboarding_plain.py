@@ -204,3 +204,22 @@ def test_the_onboarding_report_compares_with_the_founders_and_the_baseline(job):
     failed = {"silos": {"cleveland": {"test_accuracy": 0.0}, "hungarian": {"test_accuracy": 0.0}}}
     zero = dataclasses.replace(trained, result=failed)  # founders that all scored 0
     assert np.isnan(onboard_report("va", zero, joined, None)["share_of_founders_mean"])
+
+
+def test_without_from_a_silo_joins_the_run_that_finished_last(tmp_path):
+    """An older run resumed to more rounds finishes after a newer one: "the latest finished
+    run" is the older one, which the search by start time passed over."""
+    from mlflow import MlflowClient
+
+    from silo_pfl.tracking import registry
+    from silo_pfl.tracking.trained_run import _latest
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("heart_disease")
+    tags = {registry.RUN_KIND: registry.FEDERATION_RUN}
+    older = client.create_run(experiment, tags=tags, start_time=1_000).info.run_id
+    newer = client.create_run(experiment, tags=tags, start_time=2_000).info.run_id
+    client.set_terminated(newer, end_time=3_000)
+    client.set_terminated(older, end_time=4_000)  # resumed, then finished
+    assert _latest(client, "heart_disease", uri) == older

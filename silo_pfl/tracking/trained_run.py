@@ -62,7 +62,7 @@ def federation_record(
 
 
 def _latest(client: MlflowClient, federation: str, uri: str) -> str:
-    """The id of the federation's latest finished federation run (not an onboarding run)."""
+    """The id of the federation's federation run (not an onboarding run) that finished last."""
     experiment = client.get_experiment_by_name(federation)
     if experiment is None:
         raise ConfigError(
@@ -73,7 +73,7 @@ def _latest(client: MlflowClient, federation: str, uri: str) -> str:
         [experiment.experiment_id],
         filter_string=f"attributes.status = 'FINISHED' and tags.{registry.RUN_KIND} = "
         f"'{registry.FEDERATION_RUN}'",
-        order_by=["attributes.start_time DESC"],
+        order_by=["attributes.end_time DESC"],  # a resumed older run may finish last
         max_results=1,
     )
     if not runs:
