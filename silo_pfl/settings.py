@@ -34,7 +34,13 @@ from silo_pfl.config import (
     written_keys,
 )
 from silo_pfl.config_views import HIDDEN
-from silo_pfl.data import all_silo_names, data_config, known_input_shape, silo_names
+from silo_pfl.data import (
+    all_silo_names,
+    check_partition,
+    data_config,
+    known_input_shape,
+    silo_names,
+)
 from silo_pfl.errors import ConfigError, scrub, typed_line
 from silo_pfl.models import build_model, check_adapters, check_hidden
 from silo_pfl.node_env import names_variables
@@ -74,6 +80,7 @@ def build_config(
     resolve_server_optimizer(cfg.server, algorithm.server_optimizer, cfg.algorithm["name"])
     if probe:
         _check_split(cfg, algorithm)
+        check_partition(cfg.data, cfg.seed)
     _check_silos(cfg)
     setattr(cfg, CHECKED, _fingerprint(cfg))
     return cfg

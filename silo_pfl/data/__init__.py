@@ -27,6 +27,7 @@ __all__ = [
     "Preprocessing",
     "SiloData",
     "all_silo_names",
+    "check_partition",
     "known_input_shape",
     "load_silo_data",
     "raw_encoder",
@@ -96,6 +97,14 @@ def known_input_shape(cfg: DataConfig) -> tuple[int, ...] | None:
     (a built-in dataset's); None where only the silos' files say (csv)."""
     shape = getattr(_source(cfg.source), "input_shape", None)
     return None if shape is None else tuple(shape(cfg))
+
+
+def check_partition(cfg: DataConfig, seed: int) -> None:
+    """The source's own check of the partition it makes from the seed alone, where it has one
+    (digits': its Dirichlet draws), run once on the driver."""
+    check = getattr(_source(cfg.source), "check_partition", None)
+    if check is not None:
+        check(cfg, seed)
 
 
 def all_silo_names(cfg: DataConfig) -> list[str]:

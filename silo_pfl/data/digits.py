@@ -222,6 +222,13 @@ def partition(cfg: Params, labels: np.ndarray, seed: int) -> list[np.ndarray]:
     return partitioners.iid(labels, cfg.num_silos, numpy_rng(seed, "partition", "iid"))
 
 
+def check_partition(cfg: Params, seed: int) -> None:
+    """On the driver, before Ray starts: a Dirichlet partition the seed cannot make (data.alpha
+    too small for data.num_silos) is a ConfigError now, not once every silo has started."""
+    if cfg.partition == "dirichlet":
+        partition(cfg, read_digits()[1], seed)
+
+
 def label_permutations(cfg: Params, seed: int) -> np.ndarray:
     """concept_shift: row s is silo_s's map from true digit to the label it uses."""
     rng = numpy_rng(seed, "concept_shift")

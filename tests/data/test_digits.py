@@ -290,3 +290,10 @@ def test_a_class_no_open_silo_drew_goes_only_to_silos_under_their_share():
     labels = np.repeat(np.arange(4), 60)
     parts = partitioners.dirichlet(labels, 4, 1e-3, np.random.default_rng(0))
     assert sorted(len(np.unique(labels[part])) for part in parts) == [1, 1, 1, 1]
+
+
+def test_a_dirichlet_partition_the_seed_cannot_make_is_refused_as_the_config_loads():
+    """It was found by the silos, once Ray and every one of them had started (82 s for 128)."""
+    overrides = ["data.num_silos=89", "data.alpha=0.01"]
+    with pytest.raises(ConfigError, match=r"^data\.alpha: 0\.01 with data\.num_silos=89"):
+        load_config("jobs/digits_dirichlet.yaml", overrides)
