@@ -92,8 +92,11 @@ def validate(cfg: Params) -> None:
             f"data.partition: got {cfg.partition!r}, expected one of "
             f"{', '.join(partitioners.PARTITIONS)}"
         )
-    if not cfg.alpha > 0:
-        raise ConfigError(f"data.alpha: got {cfg.alpha}, expected a number > 0")
+    if not (cfg.alpha > 0 and math.isfinite(cfg.alpha)):
+        raise ConfigError(
+            f"data.alpha: got {cfg.alpha}, expected a finite number > 0 (a large one, e.g. "
+            "1000, splits every class nearly evenly)"
+        )
     if not 1 <= cfg.classes_per_silo <= NUM_CLASSES:
         raise ConfigError(
             f"data.classes_per_silo: got {cfg.classes_per_silo}, expected 1 <= value <= "

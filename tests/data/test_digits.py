@@ -47,6 +47,7 @@ def labels() -> np.ndarray:
         ({"num_silos": 129}, "data.num_silos"),
         ({"partition": "random"}, "data.partition"),
         ({"alpha": -1.0}, "data.alpha"),
+        ({"alpha": float("inf")}, "data.alpha"),
         ({"classes_per_silo": 0}, "data.classes_per_silo"),
         ({"classes_per_silo": 11}, "data.classes_per_silo"),
         ({"partition": "pathological", "num_silos": 3, "classes_per_silo": 2}, "classes_per_silo"),
