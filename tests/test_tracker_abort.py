@@ -239,3 +239,28 @@ def test_a_sigterm_as_a_silos_run_is_made_leaves_no_run_unrecorded(tmp_path):
     client = MlflowClient(tracker.uri)
     made = client.search_runs([tracker.experiment_id])
     assert len(made) == 3 and {run.info.status for run in made} == {"KILLED"}
+
+
+def test_an_abort_never_waits_on_a_network_database_still_opening(tmp_path):
+    """Only a SQLite file's tables are made locally, in seconds: an abort that waited on any
+    database's opening, with signals held, hung for good on a PostgreSQL host that accepts and
+    never answers (psycopg2 has no connect timeout), Ctrl-C and SIGTERM dropped."""
+    from concurrent.futures import Future
+
+    tracker = MlflowTracker(_config(tmp_path, "postgresql://u:p@127.0.0.1:1/db"))
+    tracker.opening.exception()  # here it fails at once (no driver installed)
+    tracker.opening = Future()  # as the opening psycopg2 never ends
+    began = time.monotonic()
+    tracker.abort(killed=True)
+    assert time.monotonic() - began < 5
+
+
+def test_a_sqlite_stores_client_can_be_copied(tmp_path):
+    """Its wrapper looked up `_client` through itself before it was set: copy and unpickle
+    recursed until Python gave up."""
+    import copy
+
+    from silo_pfl.tracking.store import open_client
+
+    client = open_client(f"sqlite:///{tmp_path / 'mlflow.db'}", "tracking.uri")
+    assert copy.copy(client).search_experiments(max_results=1) is not None

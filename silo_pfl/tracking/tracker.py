@@ -42,7 +42,8 @@ from silo_pfl.tracking.store import (
     open_client,
 )
 from silo_pfl.tracking.trained_run import FEDERATION_FILE, federation_record
-from silo_pfl.tracking.uri import DATABASE_SCHEMES, artifact_dir, redact, scheme
+from silo_pfl.tracking.uri import artifact_dir, redact
+from silo_pfl.tracking.whole_calls import local_database
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -518,10 +519,10 @@ class MlflowTracker(Callback):
                 self.client.set_terminated(run_id, status=status)
 
     def _whole(self) -> AbstractContextManager[None]:
-        """Around a call that makes a run or model and the line that records it: on a database
+        """Around a call that makes a run or model and the line that records it: on a SQLite
         store, a signal takes effect after both (else `abort` never learns of what was made);
-        an HTTP store's calls stay interruptible (`whole_calls`)."""
-        return signals_deferred() if scheme(self.uri) in DATABASE_SCHEMES else nullcontext()
+        any other store's calls stay interruptible (`whole_calls`)."""
+        return signals_deferred() if local_database(self.uri) else nullcontext()
 
     def abort(self, killed: bool = False) -> None:
         """Mark the runs KILLED (interrupted) or FAILED (an error); never raises over either.
@@ -535,9 +536,10 @@ class MlflowTracker(Callback):
             self._abort(killed)
 
     def _abort(self, killed: bool) -> None:
-        if scheme(self.uri) in DATABASE_SCHEMES:
-            # A new database's tables are made as the store opens, in a thread that the
-            # process's exit would kill half-way: a store that no later run could open.
+        if local_database(self.uri):
+            # A new SQLite file's tables are made as the store opens (a few seconds, locally),
+            # in a thread that the process's exit would kill half-way: a store that no later
+            # run could open.
             with contextlib.suppress(BaseException):
                 self.opening.exception()
         if self.reporting is not None:

@@ -1,11 +1,12 @@
-"""A database-backed store's client whose calls a signal cannot cut in half.
+"""A SQLite store's client whose calls a signal cannot cut in half.
 
 Ctrl-C or SIGTERM raised inside MLflow's SQLAlchemy code leaves the interrupted session's
 connection holding the database's write lock while the exception (and its frames) lives: the
 clean-up's own writes (runs marked KILLED) then wait out SQLite's busy timeout, 20 s, and fail.
 So each call to such a store finishes first and the signal takes effect as it returns
-(`stop_signals.signals_deferred`). An HTTP store's calls stay interruptible: the server keeps
-its own transactions, and a store that does not answer could hold a Ctrl-C for minutes.
+(`stop_signals.signals_deferred`); a local file's call is short. Any other store's calls stay
+interruptible: an HTTP server keeps its own transactions, and a store across the network that
+stops answering (an HTTP server, a PostgreSQL host) could hold a Ctrl-C for minutes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import functools
 from typing import TYPE_CHECKING, Any, cast
 
 from silo_pfl.stop_signals import signals_deferred
-from silo_pfl.tracking.uri import DATABASE_SCHEMES, scheme
+from silo_pfl.tracking.uri import scheme
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -27,6 +28,8 @@ class WholeCalls:
         self._client = client
 
     def __getattr__(self, name: str) -> Any:
+        if name == "_client" or name.startswith("__"):  # a copy or unpickling, before __init__
+            raise AttributeError(name)
         attr = getattr(self._client, name)
         if not callable(attr):
             return attr
@@ -39,8 +42,11 @@ class WholeCalls:
         return whole
 
 
+def local_database(uri: str) -> bool:
+    """Whether the store is a SQLite file, whose calls are made whole."""
+    return scheme(uri) == "sqlite"
+
+
 def whole_calls(client: MlflowClient, uri: str) -> MlflowClient:
-    """`client` itself for an HTTP store; for a database-backed one, its calls made whole."""
-    if scheme(uri) not in DATABASE_SCHEMES:
-        return client
-    return cast("MlflowClient", WholeCalls(client))
+    """For a SQLite store, `client` with its calls made whole; any other's, itself."""
+    return cast("MlflowClient", WholeCalls(client)) if local_database(uri) else client
