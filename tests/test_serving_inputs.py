@@ -199,3 +199,8 @@ def test_a_finite_value_too_large_for_the_models_inputs_is_refused(registered):
         "column chol, row 1: got -1e+300, too large for the model (normalised, it is no finite "
         "float32); expected a value of the size the silo trained on"
     )
+
+
+def test_no_rows_get_no_answers(registered):
+    """The finite check reshaped the inputs by their row count: 0 rows raised numpy's error."""
+    assert len(registered.heart.predict(pd.DataFrame([], columns=list(RAW_COLUMNS)))) == 0

@@ -166,6 +166,8 @@ class SiloPyfunc(mlflow.pyfunc.PythonModel):
     def _check_finite(self, encoded: np.ndarray, inputs: np.ndarray) -> None:
         """A finite raw value too large for the network's float32 inputs once normalised (1e300,
         say) would be answered as class 0 with NaN probabilities: an InputError instead."""
+        if inputs.size == 0:  # no rows: nothing to answer, nothing to refuse
+            return
         bad = ~np.isfinite(inputs.reshape(len(inputs), -1))
         if not bad.any():
             return
