@@ -305,10 +305,16 @@ def _declared(key: str) -> Any:
     """The type FederationConfig declares for the dotted `key`; None where the dataclasses do
     not say (a section of free keys)."""
     kind: Any = FederationConfig
-    for part in key.split("."):
+    parts = key.split(".")
+    while parts:
+        value = typing.get_args(kind)[1] if typing.get_origin(kind) is dict else None
+        if dataclasses.is_dataclass(value):  # silos.<name>: the name, then a silo's settings
+            kind = value
+            parts.pop(0)
+            continue
         if not dataclasses.is_dataclass(kind):
             return None
-        kind = typing.get_type_hints(kind).get(part)
+        kind = typing.get_type_hints(kind).get(parts.pop(0))
         if kind is None:
             return None
     return kind

@@ -324,6 +324,11 @@ def test_a_reader_that_has_gone_ends_the_command_quietly(buffered):
             "error: rounds: got an empty value ('rounds=', an unset shell variable?); give a value",
         ),
         (
+            ["config", HEART, "silos.va.tracking_uri="],
+            "error: silos.va.tracking_uri: got an empty value ('silos.va.tracking_uri=', an unset "
+            "shell variable?); give a value, or silos.va.tracking_uri=null for none",
+        ),
+        (
             ["config", HEART, "data.label_column="],
             "error: data.label_column: got an empty value ('data.label_column=', an unset shell "
             "variable?); give a value",
@@ -482,3 +487,19 @@ def test_the_closing_models_line_names_the_silos_with_stores_of_their_own(tmp_pa
     hint = models_hint(load_config(HEART, [f"output_dir={tmp_path}", *every]), central, hospitals)
     assert hint.startswith("none in the central store; cleveland's in its own store (")
     assert hint.count("in its own store") == 4
+
+
+def test_models_fills_in_the_variables_of_a_store_uri_as_printed(tmp_path, monkeypatch, capsys):
+    """The closing line quotes a silo's own store as configured ('$VA_MLFLOW_URI', for its node's
+    shell to leave alone): `models` took the quoted name for the URI and refused it."""
+    from mlflow import MlflowClient
+
+    store = f"sqlite:///{tmp_path / 'va.db'}"
+    MlflowClient(store).search_experiments()  # an MLflow store, empty
+    monkeypatch.setenv("VA_MLFLOW_URI", store)
+    assert main(["models", "--tracking-uri", "$VA_MLFLOW_URI"]) == 0
+    monkeypatch.delenv("VA_MLFLOW_URI")
+    capsys.readouterr()
+    assert main(["models", "--tracking-uri", "$VA_MLFLOW_URI"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: --tracking-uri: environment variable VA_MLFLOW_URI is not set\n"

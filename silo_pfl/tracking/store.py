@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import quote, unquote, urlsplit
 
+from silo_pfl import node_env
 from silo_pfl.errors import ConfigError, FederationError, one_line
 from silo_pfl.paths import nearest_existing
 from silo_pfl.tracking.uri import (
@@ -156,7 +157,13 @@ def open_client(uri: str, key: str) -> MlflowClient:
 def open_existing(uri: str | None, key: str) -> tuple[MlflowClient, str]:
     """A store that runs were logged to already (what `silo-pfl models` and `report` read): a
     client and the resolved URI. A SQLite file that is not there, or is no MLflow store (an
-    empty file among them), is a one-line error, and the file is left as it was."""
+    empty file among them), is a one-line error, and the file is left as it was. `$NAME`s are
+    filled in from the environment, as on a silo's node for its own store: the command the
+    run prints for such a store is run there, the URI quoted as configured."""
+    if uri is not None:
+        uri, unset = node_env.expand(uri)
+        if unset:
+            raise ConfigError(f"{key}: environment variable {unset} is not set")
     uri = resolve_uri(uri, key)
     path = sqlite_path(uri)
     if path is not None and not path.is_file():
