@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,7 +30,7 @@ from silo_pfl.errors import ConfigError, FederationError, one_line, typed_line
 from silo_pfl.messages import SiloInfo, SplitInfo, model_shape
 from silo_pfl.results import FederationResult, RoundSummary
 from silo_pfl.settings import split_rules
-from silo_pfl.stop_signals import signals_deferred, signals_held
+from silo_pfl.stop_signals import signals_held
 from silo_pfl.tracking import registry
 from silo_pfl.tracking.exporter import MODEL_NAME, LocalExporter, MlflowExporter
 from silo_pfl.tracking.store import (
@@ -43,7 +42,7 @@ from silo_pfl.tracking.store import (
 )
 from silo_pfl.tracking.trained_run import FEDERATION_FILE, federation_record
 from silo_pfl.tracking.uri import artifact_dir, redact
-from silo_pfl.tracking.whole_calls import local_database
+from silo_pfl.tracking.whole_calls import local_database, whole_steps
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -225,9 +224,9 @@ class MlflowTracker(Callback):
         """On resume: the logged models an earlier attempt left PENDING (killed by SIGKILL or an
         OOM kill, so `abort` never marked them FAILED) are marked now; `exporters` makes new
         ones, and a PENDING model stays in the store's list forever."""
+        search = partial(self.client.search_logged_models, [self.experiment_id])
         for child in self.children.values():
             pending = f"source_run_id = '{child}' AND status = 'PENDING'"
-            search = partial(self.client.search_logged_models, [self.experiment_id])
             for model in registry.pages(search, pending):
                 self.client.finalize_logged_model(model.model_id, "FAILED")
 
@@ -259,7 +258,7 @@ class MlflowTracker(Callback):
         else:
             run_name = f"{config.name}-{algorithm}-onboard-{'-'.join(i.silo for i in silos)}"
             tags.update({registry.RUN_KIND: registry.ONBOARD_RUN, TRAINED_RUN: self.trained_run})
-        with self._whole():
+        with whole_steps(self.uri):
             run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
             self.run_id = run.info.run_id
         resolved = logged_view(to_dict(config))
@@ -274,7 +273,7 @@ class MlflowTracker(Callback):
             record = json.dumps({"silos": self.partition}, indent=2)
             self.client.log_text(self.run_id, record, PARTITION_FILE)
         for info in silos:
-            with self._whole():
+            with whole_steps(self.uri):
                 child = self.client.create_run(
                     self.experiment_id,
                     run_name=info.silo,
@@ -322,7 +321,7 @@ class MlflowTracker(Callback):
                 exporters[info.silo] = LocalExporter()
                 continue
             child = self.children[info.silo]
-            with self._whole():
+            with whole_steps(self.uri):
                 logged = self.client.create_logged_model(
                     self.experiment_id,
                     name=MODEL_NAME,
@@ -517,12 +516,6 @@ class MlflowTracker(Callback):
         for run_id in [*self.children.values(), self.run_id]:
             if run_id:
                 self.client.set_terminated(run_id, status=status)
-
-    def _whole(self) -> AbstractContextManager[None]:
-        """Around a call that makes a run or model and the line that records it: on a SQLite
-        store, a signal takes effect after both (else `abort` never learns of what was made);
-        any other store's calls stay interruptible (`whole_calls`)."""
-        return signals_deferred() if local_database(self.uri) else nullcontext()
 
     def abort(self, killed: bool = False) -> None:
         """Mark the runs KILLED (interrupted) or FAILED (an error); never raises over either.

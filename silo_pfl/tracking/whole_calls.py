@@ -12,6 +12,7 @@ stops answering (an HTTP server, a PostgreSQL host) could hold a Ctrl-C for minu
 from __future__ import annotations
 
 import functools
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, cast
 
 from silo_pfl.stop_signals import signals_deferred
@@ -40,6 +41,12 @@ class WholeCalls:
                 return attr(*args, **kwargs)
 
         return whole
+
+
+def whole_steps(uri: str) -> AbstractContextManager[None]:
+    """For a SQLite store, around a call and the lines that record what it made: a signal takes
+    effect after them all (else a clean-up never learns of what was made); else nothing."""
+    return signals_deferred() if local_database(uri) else nullcontext()
 
 
 def local_database(uri: str) -> bool:
