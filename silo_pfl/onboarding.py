@@ -55,6 +55,8 @@ def joining_config(
     _check_data_split(trained, cfg)
     values = to_dict(cfg)
     values.update({key: trained.config[key] for key in FROM_TRAINED_RUN})
+    mine = values["plugins"]  # the trained run's algorithm may be a plugin's: import it too
+    values["plugins"] = [*mine, *(p for p in trained.config.get("plugins") or [] if p not in mine)]
     values["aggregation"]["secure"] = False  # the joining silo sends nothing to mask
     if cfg.aggregation.secure or trained.config.get("aggregation", {}).get("secure"):
         values["privacy"]["label_counts"] = False  # as its founders, it keeps them

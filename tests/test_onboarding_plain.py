@@ -223,3 +223,18 @@ def test_without_from_a_silo_joins_the_run_that_finished_last(tmp_path):
     client.set_terminated(newer, end_time=3_000)
     client.set_terminated(older, end_time=4_000)  # resumed, then finished
     assert _latest(client, "heart_disease", uri) == older
+
+
+def test_a_run_trained_with_a_plugins_algorithm_brings_its_plugins(job):
+    """The trained run's plugins come with its algorithm: a job that names none is told which
+    algorithm the run was trained with (before: the plugin's algorithm name, which the user
+    never wrote, refused as not built in), and one that names others gets the run's as well."""
+    trained = _trained(job, "plugins=[tests.strategy_plugins]", "algorithm.name=median_fedavg")
+    mine = job(JOB, "tracking.enabled=false")
+    with pytest.raises(ConfigError, match="^algorithm.name: got 'fedper', but run run-1 was"):
+        joining_config(trained, mine, "va")
+    other = "plugins=[tests.canary_plugins]"
+    mine = job(JOB, "tracking.enabled=false", other, "algorithm.name=median_fedavg")
+    cfg = joining_config(trained, mine, "va")
+    assert cfg.algorithm["name"] == "median_fedavg"
+    assert list(cfg.plugins) == ["tests.canary_plugins", "tests.strategy_plugins"]
