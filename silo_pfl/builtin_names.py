@@ -24,4 +24,6 @@ ALGORITHMS = (
     "perfedavg",
     "scaffold",
 )
+# what else an algorithm name may be: one a plugin registers (config key `plugins`)
+OWN_ALGORITHM = "or one of your own, its module listed in plugins (e.g. plugins=[my_team.algos])"
 MODELS = ("cnn_small", "cnn_small_bn", "mlp", "resnet18", "transformer")

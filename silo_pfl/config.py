@@ -552,7 +552,8 @@ def check_ranges(cfg: FederationConfig) -> None:
     name = cfg.algorithm.get("name", "fedavg")
     if not cfg.plugins:  # a plugin may register more; the registry checks those, on load
         algorithms = builtin_names.ALGORITHMS
-        _require(name in algorithms, "algorithm.name", "one of " + ", ".join(algorithms), name)
+        allowed = f"one of {', '.join(algorithms)}, {builtin_names.OWN_ALGORITHM}"
+        _require(name in algorithms, "algorithm.name", allowed, name)
     _check_not_blank(cfg)
     t = cfg.train
     _require(cfg.rounds >= 1, "rounds", "an integer >= 1", cfg.rounds)

@@ -45,6 +45,11 @@ def test_every_job_loads():
         (["rounds=0"], "rounds: got 0, expected an integer >= 1"),
         (["train.lr=-0.1"], "train.lr: got -0.1, expected a number > 0"),
         (["algorithm.name=fedmagic"], "algorithm.name: got 'fedmagic', expected one of"),
+        (["algorithm.name=mine"], "scaffold, or one of your own, its module listed in plugins"),
+        (
+            ["algorithm.name=mine", "plugins=[tests.canary_plugins]"],
+            "scaffold, or one of your own, its module listed in plugins",
+        ),
         (["model.name=vit"], "model.name: got 'vit', expected one of"),
         (["algorithm.head_epochs=2"], "algorithm.head_epochs: unknown key; expected name or"),
         (

@@ -8,6 +8,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from silo_pfl.algorithms.base import Algorithm, NoParams, Phase
+from silo_pfl.builtin_names import OWN_ALGORITHM
 from silo_pfl.config import TrainConfig
 from silo_pfl.config_errors import KeyedError, merge_structured
 from silo_pfl.errors import ConfigError
@@ -28,7 +29,8 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
 def _lookup(name: object) -> type[Algorithm]:
     if name not in ALGORITHMS:
         raise ConfigError(
-            f"algorithm.name: got {name!r}, expected one of {', '.join(sorted(ALGORITHMS))}"
+            f"algorithm.name: got {name!r}, expected one of {', '.join(sorted(ALGORITHMS))}, "
+            + OWN_ALGORITHM
         )
     return ALGORITHMS[str(name)]
 
