@@ -28,6 +28,8 @@ from silo_pfl.stop_signals import (
     sigterm_interrupts_unless_set,
 )
 
+log = logging.getLogger(__name__)
+
 
 @contextmanager
 def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iterator[None]:
@@ -43,6 +45,7 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
     Whichever Ray the run uses, SIGTERM raises Interrupted inside (`sigterm_interrupts`).
     """
     if ray.is_initialized():
+        check_connected(cfg)
         with sigterm_interrupts_unless_set():
             yield
         return
@@ -91,6 +94,37 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
                 shutdown_local()
             else:
                 ray.shutdown()
+
+
+def check_connected(cfg: RayConfig) -> None:
+    """A run in a process whose Ray was initialised before it uses that Ray: refuse one whose
+    `ray.address` names another, rather than train there silently; warn that `ray.num_cpus`,
+    which only a Ray the run starts takes, does nothing."""
+    connected = ray.get_runtime_context().gcs_address
+    if cfg.address and not cfg.address.startswith("ray://"):
+        wanted = resolve_auto() if cfg.address == "auto" else cfg.address
+        if _endpoint(wanted) != _endpoint(connected):
+            raise FederationError(
+                f"ray.address: got {cfg.address}, but this process is connected to Ray at "
+                f"{connected} already (ray.init was called before the run); call ray.shutdown() "
+                "first, or leave ray.address out to run on the Ray in use"
+            )
+    if cfg.num_cpus is not None:
+        log.warning(
+            "ray.num_cpus=%d has no effect: this process is connected to Ray at %s already, "
+            "which keeps its own CPUs",
+            cfg.num_cpus,
+            connected,
+        )
+
+
+def _endpoint(address: str) -> tuple[str, str]:
+    """`host:port` with its host as an IP address where it resolves (localhost = 127.0.0.1)."""
+    host, _, port = address.rpartition(":")
+    try:
+        return socket.gethostbyname(host), port
+    except OSError:
+        return host, port
 
 
 def _unreachable(exc: Exception, address: str | None) -> FederationError:
