@@ -400,13 +400,15 @@ def _check_graph(neighbors: int, silos: int, threshold: int) -> None:
         raised = ""
         if neighbors < silos - 1:
             raised = f" (raised to {peers}: {neighbors} and {silos} are both odd)"
+        below = silos - 1 - silos % 2  # the least full mesh's degree; k is at least 2
+        saves = f"only with fewer than {below}" if below > 2 else f"nothing with {silos} silos"
         log.warning(
             "%s%s: with %d silos each silo pairs with every other, a full mesh as with null; "
-            "SecAgg+ saves only with fewer than %d",
+            "SecAgg+ saves %s",
             key,
             raised,
             silos,
-            silos - 1 - silos % 2,
+            saves,
         )
         return
     if peers != neighbors:

@@ -361,6 +361,15 @@ def test_a_secagg_graph_as_large_as_the_full_mesh_is_named(caplog):
         load_config(job, [*secure, "aggregation.secure_graph.neighbors=2"])
         load_config(job, secure)
     assert full_mesh_warnings() == []
+    for late, silos in (("[va]", 3), ("[va,switzerland]", 2)):  # no k >= 2 is below a full mesh
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="silo_pfl.settings"):
+            late_silos = f"data.late_silos={late}"
+            load_config(job, [*secure, "aggregation.secure_graph.neighbors=2", late_silos])
+        assert full_mesh_warnings() == [
+            f"aggregation.secure_graph.neighbors=2: with {silos} silos each silo pairs with "
+            f"every other, a full mesh as with null; SecAgg+ saves nothing with {silos} silos"
+        ]
 
 
 @pytest.mark.parametrize(
