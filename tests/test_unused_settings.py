@@ -32,9 +32,9 @@ CASES = [
         "server.lr have no effect: there is nothing to aggregate",
     ),
     (
-        ["algorithm.name=local", "aggregation.secure=true"],
-        "split.local=['all'] keeps every key on its silo (algorithm local), so aggregation.secure "
-        "has no effect: there is nothing to aggregate",
+        ["algorithm.name=local", "aggregation.secure=true", "server.lr=0.2"],
+        "split.local=['all'] keeps every key on its silo (algorithm local), so server.lr "
+        "has no effect: there is nothing to aggregate",  # secure still masks the row counts
     ),
     (
         ["server.beta1=0.5"],
