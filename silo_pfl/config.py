@@ -367,13 +367,17 @@ def flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return leaves
 
 
-def written_keys(base: Any = None, overrides: list[str] | None = None) -> set[str]:
+def written_keys(
+    base: Any = None, overrides: list[str] | None = None, nulls: bool = True
+) -> set[str]:
     """The dotted keys a job's mapping and its `key=value` overrides give values to (each leaf,
-    a list being one), e.g. {"rounds", "model.hidden", "silos.a.tracking_uri"}."""
+    a list being one), e.g. {"rounds", "model.hidden", "silos.a.tracking_uri"}; without `nulls`,
+    not those written as null (a default the load may resolve, as tracking.uri)."""
     keys: set[str] = set()
     for part in (base, _parse_overrides(overrides or [])):
         if part is not None and not isinstance(part, FederationConfig):
-            keys |= flat(OmegaConf.to_container(OmegaConf.create(as_literal(part)))).keys()
+            leaves = flat(OmegaConf.to_container(OmegaConf.create(as_literal(part))))
+            keys |= {key for key, value in leaves.items() if nulls or value is not None}
     return keys
 
 

@@ -109,7 +109,8 @@ def user_config(base: Any, overrides: list[str] | None = None) -> FederationConf
     which also warns of each setting it gives that its other settings make do nothing
     (silo_pfl.unused_settings; of a loaded config, only the overrides are the user's)."""
     cfg = build_config(to_dict(base) if isinstance(base, FederationConfig) else base, overrides)
-    written, overridden = written_keys(base, overrides), written_keys(None, overrides)
+    written = written_keys(base, overrides, nulls=False)
+    overridden = written_keys(None, overrides, nulls=False)
     for line in unused(cfg, split_rules(cfg), written, overridden):
         log.warning("%s", line)
     return cfg
@@ -144,6 +145,8 @@ def resolved_config(cfg: FederationConfig) -> dict[str, Any]:
     default = dataclasses.asdict(SiloConfig())
     named = resolved["silos"]
     resolved["silos"] = {n: named.get(n, default) for n in all_silo_names(cfg.data)}
+    if not cfg.tracking.enabled:  # not in force, and resolved at load: written, it would warn
+        resolved["tracking"]["uri"] = None
     return resolved
 
 

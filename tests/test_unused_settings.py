@@ -179,6 +179,20 @@ def test_silo_pfl_configs_output_run_as_a_job_warns_of_nothing(caplog, job, tmp_
     ]
 
 
+def test_the_config_of_a_job_without_tracking_written_out_warns_of_nothing(caplog, tmp_path):
+    """tracking.uri is resolved at load; with tracking off it was written out as a choice, and
+    the written config warned that it has no effect."""
+    from omegaconf import OmegaConf
+
+    from silo_pfl.settings import resolved_config
+
+    written = tmp_path / "resolved.yaml"
+    cfg = load_config(JOB, ["tracking.enabled=false"])
+    written.write_text(OmegaConf.to_yaml(resolved_config(cfg)))
+    assert warnings_of(caplog, lambda: load_config(str(written))) == []
+    assert load_config(str(written)).tracking == cfg.tracking
+
+
 @pytest.mark.parametrize("name", ["apfl", "perfedavg"])
 def test_an_algorithms_own_defaults_written_out_warn_of_nothing(caplog, name, tmp_path):
     """`silo-pfl config` writes the chosen algorithm's every option (APFL's alpha_lr beside
