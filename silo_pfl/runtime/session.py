@@ -100,6 +100,8 @@ def check_connected(cfg: RayConfig) -> None:
     """A run in a process whose Ray was initialised before it uses that Ray: refuse one whose
     `ray.address` names another, rather than train there silently; warn that `ray.num_cpus`,
     which only a Ray the run starts takes, does nothing."""
+    if not cfg.address and cfg.num_cpus is None:
+        return
     connected = ray.get_runtime_context().gcs_address
     if cfg.address and not cfg.address.startswith("ray://"):
         wanted = resolve_auto() if cfg.address == "auto" else cfg.address
