@@ -357,7 +357,7 @@ def _apart(mine: dict[str, str] | None, theirs: dict[str, str] | None) -> bool:
 def _check_secure(cfg: FederationConfig, names: list[str]) -> None:
     """Secure aggregation needs two silos, a majority threshold, a quorum no smaller, and either
     every silo's identity key or none."""
-    from silo_pfl.secure.fixed_point import bound
+    from silo_pfl.secure.fixed_point import RESOLUTION, bound
     from silo_pfl.secure.identity import configured_keys
     from silo_pfl.secure.topology import default_threshold
 
@@ -378,6 +378,11 @@ def _check_secure(cfg: FederationConfig, names: list[str]) -> None:
         raise ConfigError(
             f"aggregation.clip: got {clip:g}, but a clipped value times its silo's rows must "
             f"stay below {most:.3g} for {len(names)} silos; expected a number below that"
+        )
+    if clip is not None and clip < RESOLUTION:
+        raise ConfigError(
+            f"aggregation.clip: got {clip:g}, below the fixed point's resolution "
+            f"({RESOLUTION:.3g}), so every clipped value would be sent as 0; expected at least that"
         )
     quorum = cfg.round.min_silos
     if quorum is not None and quorum < threshold:

@@ -457,6 +457,9 @@ def test_a_clip_no_silo_could_encode_is_refused():
     with pytest.raises(ConfigError, match=r"aggregation.clip: got inf, but a clipped value times"):
         load_config(JOB, ["aggregation.secure=true", "aggregation.clip=inf"])
     assert load_config(JOB, ["aggregation.secure=true", "aggregation.clip=10"])
+    with pytest.raises(ConfigError, match=r"^aggregation.clip: got 1e-300, below the fixed point"):
+        load_config(JOB, ["aggregation.secure=true", "aggregation.clip=1e-300"])
+    assert load_config(JOB, ["aggregation.secure=true", "aggregation.clip=1e-7"])
 
 
 def test_a_keyed_config_error_survives_pickling_as_an_actors_error_does():

@@ -10,6 +10,7 @@ from silo_pfl.errors import FederationError
 
 FRACTION_BITS = 24  # a value v is sent as round(v * 2^24) modulo 2^64
 SCALE = float(1 << FRACTION_BITS)
+RESOLUTION = 1.0 / SCALE  # the least value a silo of one row sends as other than 0 (about 6e-8)
 SUM_BITS = 62  # the sum over every silo stays below 2^62 in magnitude: it never wraps
 BLOCK_VALUES = 1 << 16  # values encoded at a time: 512 KiB of float64, in a core's cache
 
