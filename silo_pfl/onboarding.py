@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from silo_pfl.algorithms import algorithm_config, build_algorithm
-from silo_pfl.config import FederationConfig, flat, to_dict
+from silo_pfl.config import CENTRAL_MODELS, FederationConfig, flat, to_dict
 from silo_pfl.data import all_silo_names, data_config
 from silo_pfl.errors import ConfigError
 from silo_pfl.messages import SiloOutcome
@@ -58,11 +58,22 @@ def joining_config(
     mine = values["plugins"]  # the trained run's algorithm may be a plugin's: import it too
     values["plugins"] = [*mine, *(p for p in trained.config.get("plugins") or [] if p not in mine)]
     values["aggregation"]["secure"] = False  # the joining silo sends nothing to mask
+    values["privacy"] = _stricter(values["privacy"], trained.config.get("privacy") or {})
     if cfg.aggregation.secure or trained.config.get("aggregation", {}).get("secure"):
         values["privacy"]["label_counts"] = False  # as its founders, it keeps them
     joined = build_config(values)
     _check_written(trained, cfg, joined, written)
     return joined
+
+
+def _stricter(mine: dict[str, Any], founders: dict[str, Any]) -> dict[str, Any]:
+    """The joining silo's privacy settings, none looser than the founders': what they kept out of
+    the central store (a personalized model, per-class counts), the silo keeps out too."""
+    order = CENTRAL_MODELS  # from the loosest to the strictest
+    theirs = founders.get("central_models", order[0])
+    central = max(mine["central_models"], theirs, key=order.index)
+    counts = mine["label_counts"] and founders.get("label_counts", True)
+    return {**mine, "central_models": central, "label_counts": counts}
 
 
 def check_onboarding(cfg: FederationConfig, silo: str) -> None:

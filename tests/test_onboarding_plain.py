@@ -238,3 +238,26 @@ def test_a_run_trained_with_a_plugins_algorithm_brings_its_plugins(job):
     cfg = joining_config(trained, mine, "va")
     assert cfg.algorithm["name"] == "median_fedavg"
     assert list(cfg.plugins) == ["tests.canary_plugins", "tests.strategy_plugins"]
+
+
+@pytest.mark.parametrize(
+    ("founders", "mine", "joined"),
+    [
+        (("global_only", False), ("full", True), ("global_only", False)),
+        (("full", True), ("global_only", True), ("global_only", True)),
+        (("global_only", True), ("none", False), ("none", False)),
+    ],
+    ids=["founders-stricter", "silo-stricter", "silo-strictest"],
+)
+def test_a_joining_silo_keeps_out_of_the_central_store_what_the_founders_kept_out(
+    job, founders, mine, joined
+):
+    """Before, a job at the defaults (full) sent the joining silo's personalized model and its
+    rows per class to the central store of a federation trained with global_only."""
+
+    def privacy(central: str, counts: bool) -> list[str]:
+        return [f"privacy.central_models={central}", f"privacy.label_counts={counts}"]
+
+    trained = _trained(job, *privacy(*founders))
+    cfg = joining_config(trained, job(JOB, "tracking.enabled=false", *privacy(*mine)), "va")
+    assert (cfg.privacy.central_models, cfg.privacy.label_counts) == joined
