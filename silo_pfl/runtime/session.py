@@ -45,9 +45,14 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
     Whichever Ray the run uses, SIGTERM raises Interrupted inside (`sigterm_interrupts`).
     """
     if ray.is_initialized():
-        check_connected(cfg)
-        with sigterm_interrupts_unless_set():
-            yield
+        if not _OPEN:  # connected by the user (a notebook's ray.init), not by an outer session
+            check_connected(cfg)
+        _OPEN.append(None)
+        try:
+            with sigterm_interrupts_unless_set():
+                yield
+        finally:
+            _OPEN.pop()
         return
     address = ray_address(cfg.address)
     if address is not None:
@@ -85,10 +90,12 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
         raise _unreachable(exc, address) from None
     except (RuntimeError, ValueError) as exc:
         raise _unreachable(exc, address) from None
+    _OPEN.append(address)
     try:
         with sigterm_interrupts():
             yield
     finally:
+        _OPEN.pop()
         with signals_held():  # a second Ctrl-C cannot leave Ray half stopped
             if address is None:
                 shutdown_local()
@@ -96,37 +103,61 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
                 ray.shutdown()
 
 
+_OPEN: list[str | None] = []  # the `ray_session`s open in this process, outermost first
+
+
 def check_connected(cfg: RayConfig) -> None:
-    """A run in a process whose Ray was initialised before it uses that Ray: refuse one whose
-    `ray.address` names another, rather than train there silently; warn that `ray.num_cpus`,
-    which only a Ray the run starts takes, does nothing."""
-    if not cfg.address and cfg.num_cpus is None:
+    """A run in a process whose Ray the user initialised before it uses that Ray. A warning says
+    so where the config asks for another: a `ray.address` (host:port) that is not the connected
+    GCS's, as far as names resolve here (a warning, as one cluster has several names), and
+    `ray.num_cpus`, which only a Ray the run starts takes."""
+    address = cfg.address  # auto and local name whatever runs; a client's port is not the GCS's
+    if address in (None, "auto", "local") or address.startswith("ray://"):
+        address = None
+    if address is None and cfg.num_cpus is None:
         return
     connected = ray.get_runtime_context().gcs_address
-    if cfg.address and not cfg.address.startswith("ray://"):
-        wanted = resolve_auto() if cfg.address == "auto" else cfg.address
-        if _endpoint(wanted) != _endpoint(connected):
-            raise FederationError(
-                f"ray.address: got {cfg.address}, but this process is connected to Ray at "
-                f"{connected} already (ray.init was called before the run); call ray.shutdown() "
-                "first, or leave ray.address out to run on the Ray in use"
-            )
+    if address is not None and _endpoints(address).isdisjoint(_endpoints(connected)):
+        log.warning(
+            "ray.address=%s has no effect: this process is connected to Ray at %s already "
+            "(ray.init was called before the run), and the run uses it; call ray.shutdown() "
+            "first to join %s",
+            address,
+            connected,
+            address,
+        )
     if cfg.num_cpus is not None:
         log.warning(
-            "ray.num_cpus=%d has no effect: this process is connected to Ray at %s already, "
-            "which keeps its own CPUs",
+            "ray.num_cpus=%d has no effect: this process is connected to Ray at %s already "
+            "(ray.init was called before the run), which keeps its own CPUs",
             cfg.num_cpus,
             connected,
         )
 
 
-def _endpoint(address: str) -> tuple[str, str]:
-    """`host:port` with its host as an IP address where it resolves (localhost = 127.0.0.1)."""
+def _endpoints(address: str) -> set[tuple[str, str]]:
+    """(IP, port) for each address `host:port` resolves to here, or its host as written; the
+    machine's own names and addresses (loopback included) count as one."""
     host, _, port = address.rpartition(":")
+    host = host.strip("[]")
     try:
-        return socket.gethostbyname(host), port
+        ips = {info[4][0] for info in socket.getaddrinfo(host, None)}
     except OSError:
-        return host, port
+        ips = {host}
+    own = _own_addresses()
+    return {("this machine" if ip in own else ip, port) for ip in ips}
+
+
+def _own_addresses() -> set[str]:
+    """This machine's IP addresses, as far as its name and loopback resolve."""
+    names = {"localhost", socket.gethostname(), socket.getfqdn()}
+    found = {"127.0.0.1", "::1", ray.util.get_node_ip_address()}  # the IP Ray's nodes here use
+    for name in names:
+        try:
+            found |= {info[4][0] for info in socket.getaddrinfo(name, None)}
+        except OSError:
+            continue
+    return found
 
 
 def _unreachable(exc: Exception, address: str | None) -> FederationError:
