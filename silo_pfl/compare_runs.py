@@ -348,7 +348,8 @@ def execute(config: str, overrides: Sequence[str]) -> dict[str, Any]:
         # SIGTERM during the run: Interrupted, so that the run releases its actors
         signal.signal(signal.SIGTERM, interrupt)
         try:
-            cfg = load_config(config, [*overrides, f"output_dir={_WORKER_RUN_DIR[0]}"])
+            local = ["ray.address=null", "ray.num_cpus=null"]  # the worker's own Ray, as it is
+            cfg = load_config(config, [*overrides, *local, f"output_dir={_WORKER_RUN_DIR[0]}"])
             result = Federation(cfg).run().to_dict()
         finally:
             signal.signal(signal.SIGTERM, _terminated)

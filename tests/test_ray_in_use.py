@@ -61,3 +61,19 @@ def test_a_cli_run_on_the_ray_it_started_warns_of_nothing(tmp_path):
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "has no effect" not in done.stderr, done.stderr
+
+
+def test_a_compare_run_of_a_job_that_names_a_ray_uses_its_workers_own_without_a_word(
+    ray_local, tmp_path, caplog
+):
+    """compare runs every job on its worker's local Ray: the job's ray.address and ray.num_cpus
+    are set aside, not warned of in each worker."""
+    from silo_pfl.compare_runs import execute
+
+    job = tmp_path / "job.yaml"
+    lines = (ROOT / JOB).read_text()
+    job.write_text(lines + "ray:\n  address: 10.255.255.1:6379\n  num_cpus: 8\n")
+    with caplog.at_level(logging.WARNING, logger=SESSION):
+        result = execute(str(job), ["rounds=1", "tracking.enabled=false"])
+    assert "error" not in result, result
+    assert [r.getMessage() for r in caplog.records if r.name == SESSION] == []
