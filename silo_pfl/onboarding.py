@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from silo_pfl import builtin_names
 from silo_pfl.algorithms import algorithm_config, build_algorithm
 from silo_pfl.config import CENTRAL_MODELS, FederationConfig, flat, to_dict
 from silo_pfl.data import all_silo_names, data_config
@@ -55,8 +56,9 @@ def joining_config(
     _check_data_split(trained, cfg)
     values = to_dict(cfg)
     values.update({key: trained.config[key] for key in FROM_TRAINED_RUN})
-    mine = values["plugins"]  # the trained run's algorithm may be a plugin's: import it too
-    values["plugins"] = [*mine, *(p for p in trained.config.get("plugins") or [] if p not in mine)]
+    if trained.config["algorithm"]["name"] not in builtin_names.ALGORITHMS:  # a plugin's: its
+        mine, theirs = values["plugins"], trained.config.get("plugins") or []  # modules come too
+        values["plugins"] = [*mine, *(p for p in theirs if p not in mine)]
     values["aggregation"]["secure"] = False  # the joining silo sends nothing to mask
     values["privacy"] = _stricter(values["privacy"], trained.config.get("privacy") or {})
     if cfg.aggregation.secure or trained.config.get("aggregation", {}).get("secure"):
