@@ -133,6 +133,7 @@ def resolved_config(cfg: FederationConfig) -> dict[str, Any]:
     job names none), the threshold and quorum, and a section per silo. Run as a job, it gives the
     same run. metrics.enabled stays null where it is: on as the run joins a cluster, else off."""
     from silo_pfl.secure.topology import default_threshold
+    from silo_pfl.tracking.uri import resolve_uri
 
     resolved = to_dict(cfg)
     resolved["split"]["local"] = split_rules(cfg)
@@ -145,8 +146,8 @@ def resolved_config(cfg: FederationConfig) -> dict[str, Any]:
     default = dataclasses.asdict(SiloConfig())
     named = resolved["silos"]
     resolved["silos"] = {n: named.get(n, default) for n in all_silo_names(cfg.data)}
-    if not cfg.tracking.enabled:  # not in force, and resolved at load: written, it would warn
-        resolved["tracking"]["uri"] = None
+    if not cfg.tracking.enabled and cfg.tracking.uri == resolve_uri(None, "tracking.uri"):
+        resolved["tracking"]["uri"] = None  # the load's default, not in force: written, it warns
     return resolved
 
 

@@ -191,6 +191,10 @@ def test_the_config_of_a_job_without_tracking_written_out_warns_of_nothing(caplo
     written.write_text(OmegaConf.to_yaml(resolved_config(cfg)))
     assert warnings_of(caplog, lambda: load_config(str(written))) == []
     assert load_config(str(written)).tracking == cfg.tracking
+    team = f"sqlite:///{tmp_path / 'team.db'}"  # written by the user: kept, for tracking on again
+    cfg = load_config(JOB, ["tracking.enabled=false", f"tracking.uri={team}"])
+    written.write_text(OmegaConf.to_yaml(resolved_config(cfg)))
+    assert load_config(str(written), ["tracking.enabled=true"]).tracking.uri == team
 
 
 @pytest.mark.parametrize("name", ["apfl", "perfedavg"])
