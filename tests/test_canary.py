@@ -5,7 +5,8 @@ looked for in every byte that leaves a silo, in every form (text, float64, float
 - In one process (no Ray): everything a silo returns (what Ray would carry: setup, build, fit,
   evaluate, commit, outcome, export) and its errors.
 - On a real local Ray with a real MLflow server: the central store (its database and artifacts),
-  the results JSON, the driver's log and the silo workers' logs, the model each silo keeps, and
+  the results JSON, the run's directory outside the silos' (server checkpoints, history, report,
+  run.json), the driver's log and the silo workers' logs, the model each silo keeps, and
   the config each silo's process was given.
 A canary may appear only where the configuration allows it (README, "What leaves a silo").
 """
@@ -214,6 +215,19 @@ def test_no_canary_leaves_a_silo_on_ray_with_mlflow(tmp_path, mlflow_server, cap
     results.append((Path(result.run_dir) / "result.json").read_bytes())
     for text in results:
         assert _leaks(text, allowed={"beta's store"}) == []
+    # The run's directory but the silos' own: the server's checkpoints, global state and history,
+    # the run's record and its report.
+    run_dir = Path(result.run_dir)
+    outside = [
+        path
+        for path in run_dir.rglob("*")
+        if path.is_file() and path.relative_to(run_dir).parts[0] != "silos"
+    ]
+    assert {p.relative_to(run_dir).parts[0] for p in outside} >= {"server", "report", "run.json"}
+    config = {"beta's data path", "beta's store", "secret"}  # run.json: the driver's own config
+    for path in outside:
+        allowed = config if path.name == "run.json" else {"beta's store"}
+        assert _leaks(path.read_bytes(), allowed=allowed) == [], path
     # The silo workers' logs, found by their processes' ids.
     import ray
 
