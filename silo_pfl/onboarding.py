@@ -12,6 +12,7 @@ tracking. Its baseline, the same silo training alone, is the same config with al
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 from collections.abc import Collection
 from typing import Any
@@ -56,9 +57,9 @@ def joining_config(
     _check_data_split(trained, cfg)
     values = to_dict(cfg)
     values.update({key: trained.config[key] for key in FROM_TRAINED_RUN})
-    if trained.config["algorithm"]["name"] not in builtin_names.ALGORITHMS:  # a plugin's: its
-        mine, theirs = values["plugins"], trained.config.get("plugins") or []  # modules come too
-        values["plugins"] = [*mine, *(p for p in theirs if p not in mine)]
+    if trained.config["algorithm"]["name"] not in builtin_names.ALGORITHMS:
+        mine, theirs = values["plugins"], trained.config.get("plugins") or []
+        values["plugins"] = [*mine, *(p for p in theirs if p not in mine and _importable(p))]
     values["aggregation"]["secure"] = False  # the joining silo sends nothing to mask
     values["privacy"] = _stricter(values["privacy"], trained.config.get("privacy") or {})
     if cfg.aggregation.secure or trained.config.get("aggregation", {}).get("secure"):
@@ -66,6 +67,16 @@ def joining_config(
     joined = build_config(values)
     _check_written(trained, cfg, joined, written)
     return joined
+
+
+def _importable(module: str) -> bool:
+    """Whether a plugin of the trained run imports here: the one that registers its algorithm
+    comes with it; others may be the founders' own, and are left out."""
+    try:
+        importlib.import_module(module)
+    except Exception:
+        return False
+    return True
 
 
 def _stricter(mine: dict[str, Any], founders: dict[str, Any]) -> dict[str, Any]:

@@ -238,9 +238,13 @@ def test_a_run_trained_with_a_plugins_algorithm_brings_its_plugins(job):
     cfg = joining_config(trained, mine, "va")
     assert cfg.algorithm["name"] == "median_fedavg"
     assert list(cfg.plugins) == ["tests.canary_plugins", "tests.strategy_plugins"]
-    # A built-in algorithm needs none of the run's plugins, which may be the founders' own.
+    # The run's other plugins may be the founders' own, importable on their nodes only: a
+    # built-in algorithm takes none of them, a plugin's those that import here.
+    trained.config["plugins"] = ["tests.strategy_plugins", "founders_site.hooks"]
+    cfg = joining_config(trained, mine, "va")
+    assert list(cfg.plugins) == ["tests.canary_plugins", "tests.strategy_plugins"]
     trained = _trained(job, "plugins=[tests.strategy_plugins]")
-    trained.config["plugins"] = ["founders_site.hooks"]  # importable on the founders' nodes only
+    trained.config["plugins"] = ["founders_site.hooks"]
     assert list(joining_config(trained, job(JOB, "tracking.enabled=false"), "va").plugins) == []
 
 
