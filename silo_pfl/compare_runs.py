@@ -35,7 +35,8 @@ IGNORED_KEYS = (
     "round.timeout_s",
     "round.call_timeout_s",
 )
-FORCED = ("tracking.enabled=false",)
+# every run untracked, on its worker's own local Ray (a job's cluster address and CPUs set aside)
+FORCED = ("tracking.enabled=false", "ray.address=null", "ray.num_cpus=null")
 
 
 @dataclass(frozen=True)
@@ -348,8 +349,7 @@ def execute(config: str, overrides: Sequence[str]) -> dict[str, Any]:
         # SIGTERM during the run: Interrupted, so that the run releases its actors
         signal.signal(signal.SIGTERM, interrupt)
         try:
-            local = ["ray.address=null", "ray.num_cpus=null"]  # the worker's own Ray, as it is
-            cfg = load_config(config, [*overrides, *local, f"output_dir={_WORKER_RUN_DIR[0]}"])
+            cfg = load_config(config, [*overrides, f"output_dir={_WORKER_RUN_DIR[0]}"])
             result = Federation(cfg).run().to_dict()
         finally:
             signal.signal(signal.SIGTERM, _terminated)

@@ -63,17 +63,27 @@ def test_a_cli_run_on_the_ray_it_started_warns_of_nothing(tmp_path):
     assert "has no effect" not in done.stderr, done.stderr
 
 
-def test_a_compare_run_of_a_job_that_names_a_ray_uses_its_workers_own_without_a_word(
+def test_compare_runs_a_job_that_names_a_ray_on_its_workers_own_without_a_word(
     ray_local, tmp_path, caplog
 ):
-    """compare runs every job on its worker's local Ray: the job's ray.address and ray.num_cpus
-    are set aside, not warned of in each worker."""
-    from silo_pfl.compare_runs import execute
+    """compare runs every job on its worker's local Ray: a job's ray.address and ray.num_cpus are
+    set aside for every run. Before, the parent's check of each run's config and the worker's run
+    each warned, of a cluster the run never joins."""
+    from silo_pfl.compare import parse_spec
+    from silo_pfl.compare_runs import execute, make_run
 
     job = tmp_path / "job.yaml"
-    lines = (ROOT / JOB).read_text()
-    job.write_text(lines + "ray:\n  address: 10.255.255.1:6379\n  num_cpus: 8\n")
-    with caplog.at_level(logging.WARNING, logger=SESSION):
-        result = execute(str(job), ["rounds=1", "tracking.enabled=false"])
+    job.write_text((ROOT / JOB).read_text() + "ray:\n  address: 10.255.255.1:6379\n  num_cpus: 8\n")
+    jobs = {"heart": {"config": str(job), "seeds": [0], "overrides": ["rounds=1"]}}
+    spec = parse_spec({"baseline": None, "jobs": jobs, "algorithms": {"local": {}}}, "spec.yaml")
+    with caplog.at_level(logging.WARNING):
+        run = make_run(spec.jobs["heart"], spec.rows["local"], (), 0)
+        result = execute(run.config, list(run.overrides))
     assert "error" not in result, result
-    assert [r.getMessage() for r in caplog.records if r.name == SESSION] == []
+    assert caplog.records == []
+
+
+def test_an_address_whose_name_cannot_be_encoded_is_a_warning_not_a_crash(ray_local, caplog):
+    with caplog.at_level(logging.WARNING, logger=SESSION):
+        check_connected(RayConfig(address="head..cluster:6379"))
+    assert caplog.records[0].getMessage().startswith("ray.address=head..cluster:6379 has no")

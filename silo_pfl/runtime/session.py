@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import signal
@@ -117,7 +118,7 @@ def check_connected(cfg: RayConfig) -> None:
     if address is None and cfg.num_cpus is None:
         return
     connected = ray.get_runtime_context().gcs_address
-    if address is not None and _endpoints(address).isdisjoint(_endpoints(connected)):
+    if address not in (None, connected) and _endpoints(address).isdisjoint(_endpoints(connected)):
         log.warning(
             "ray.address=%s has no effect: this process is connected to Ray at %s already "
             "(ray.init was called before the run), and the run uses it; call ray.shutdown() "
@@ -136,28 +137,20 @@ def check_connected(cfg: RayConfig) -> None:
 
 
 def _endpoints(address: str) -> set[tuple[str, str]]:
-    """(IP, port) for each address `host:port` resolves to here, or its host as written; the
-    machine's own names and addresses (loopback included) count as one."""
+    """(IP, port) for each address `host:port` resolves to (an IP literal is not looked up), or
+    its host as written where it does not resolve; this machine's own addresses (loopback and
+    the IP Ray's nodes here use) count as one."""
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
     try:
-        ips = {info[4][0] for info in socket.getaddrinfo(host, None)}
-    except OSError:
-        ips = {host}
-    own = _own_addresses()
-    return {("this machine" if ip in own else ip, port) for ip in ips}
-
-
-def _own_addresses() -> set[str]:
-    """This machine's IP addresses, as far as its name and loopback resolve."""
-    names = {"localhost", socket.gethostname(), socket.getfqdn()}
-    found = {"127.0.0.1", "::1", ray.util.get_node_ip_address()}  # the IP Ray's nodes here use
-    for name in names:
+        ips = {str(ipaddress.ip_address(host))}
+    except ValueError:
         try:
-            found |= {info[4][0] for info in socket.getaddrinfo(name, None)}
-        except OSError:
-            continue
-    return found
+            ips = {str(info[4][0]) for info in socket.getaddrinfo(host, None)}
+        except (OSError, UnicodeError):
+            ips = {host}
+    own = {"::1", ray.util.get_node_ip_address()}
+    return {("this machine" if ip in own or ip.startswith("127.") else ip, port) for ip in ips}
 
 
 def _unreachable(exc: Exception, address: str | None) -> FederationError:
