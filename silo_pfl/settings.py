@@ -133,7 +133,6 @@ def resolved_config(cfg: FederationConfig) -> dict[str, Any]:
     job names none), the threshold and quorum, and a section per silo. Run as a job, it gives the
     same run. metrics.enabled stays null where it is: on as the run joins a cluster, else off."""
     from silo_pfl.secure.topology import default_threshold
-    from silo_pfl.tracking.uri import resolve_uri
 
     resolved = to_dict(cfg)
     resolved["split"]["local"] = split_rules(cfg)
@@ -146,9 +145,20 @@ def resolved_config(cfg: FederationConfig) -> dict[str, Any]:
     default = dataclasses.asdict(SiloConfig())
     named = resolved["silos"]
     resolved["silos"] = {n: named.get(n, default) for n in all_silo_names(cfg.data)}
-    if not cfg.tracking.enabled and cfg.tracking.uri == resolve_uri(None, "tracking.uri"):
+    if not cfg.tracking.enabled and cfg.tracking.uri == _default_uri():
         resolved["tracking"]["uri"] = None  # the load's default, not in force: written, it warns
     return resolved
+
+
+def _default_uri() -> str | None:
+    """The store a job that names none resolves to here; None where $MLFLOW_TRACKING_URI names
+    one a run could not use (a job that writes its own is never refused for it)."""
+    from silo_pfl.tracking.uri import resolve_uri
+
+    try:
+        return resolve_uri(None, "tracking.uri")
+    except ConfigError:
+        return None
 
 
 def _check_split(cfg: FederationConfig, algorithm: Algorithm) -> None:
@@ -383,7 +393,8 @@ def _check_secure(cfg: FederationConfig, names: list[str]) -> None:
     if clip is not None and clip < RESOLUTION:
         raise ConfigError(
             f"aggregation.clip: got {clip:g}, below the fixed point's resolution "
-            f"({RESOLUTION:.3g}), so every clipped value would be sent as 0; expected at least that"
+            f"({RESOLUTION:.3g}): a silo of one row would send every clipped value as 0, and "
+            "others a few steps of it at most; expected at least that"
         )
     quorum = cfg.round.min_silos
     if quorum is not None and quorum < threshold:

@@ -197,6 +197,16 @@ def test_the_config_of_a_job_without_tracking_written_out_warns_of_nothing(caplo
     assert load_config(str(written), ["tracking.enabled=true"]).tracking.uri == team
 
 
+def test_a_job_with_its_own_store_is_written_out_whatever_mlflow_tracking_uri_says(monkeypatch):
+    """A job that writes tracking.uri never reads $MLFLOW_TRACKING_URI; nor does its config."""
+    from silo_pfl.settings import resolved_config
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "file:///tmp/mlruns")  # a store no run may use
+    team = "sqlite:////tmp/team.db"
+    cfg = load_config(JOB, ["tracking.enabled=false", f"tracking.uri={team}"])
+    assert resolved_config(cfg)["tracking"]["uri"] == team
+
+
 @pytest.mark.parametrize("name", ["apfl", "perfedavg"])
 def test_an_algorithms_own_defaults_written_out_warn_of_nothing(caplog, name, tmp_path):
     """`silo-pfl config` writes the chosen algorithm's every option (APFL's alpha_lr beside
