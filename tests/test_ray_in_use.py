@@ -42,14 +42,16 @@ def test_the_connected_rays_own_address_under_any_name_of_this_machine_is_no_war
     with caplog.at_level(logging.WARNING, logger=SESSION):
         for host in ("127.0.0.1", "localhost", os.uname().nodename):
             check_connected(RayConfig(address=f"{host}:{port}"))
-        for address in ("auto", "local", "ray://127.0.0.1:10001"):
+        for address in ("auto", "ray://127.0.0.1:10001"):
             check_connected(RayConfig(address=address))
         assert caplog.records == []
         check_connected(RayConfig(address="127.0.0.1:1"))
+        check_connected(RayConfig(address="local"))  # a fresh local Ray: not this one
         check_connected(RayConfig(num_cpus=8))
     warned = [r.getMessage() for r in caplog.records]
-    assert len(warned) == 2 and warned[0].startswith("ray.address=127.0.0.1:1 has no effect")
-    assert warned[1].startswith("ray.num_cpus=8 has no effect: this process is connected to Ray")
+    assert len(warned) == 3 and warned[0].startswith("ray.address=127.0.0.1:1 has no effect")
+    assert warned[1].startswith("ray.address=local has no effect")
+    assert warned[2].startswith("ray.num_cpus=8 has no effect: this process is connected to Ray")
 
 
 def test_a_cli_run_on_the_ray_it_started_warns_of_nothing(tmp_path):

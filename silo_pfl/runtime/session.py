@@ -112,8 +112,8 @@ def check_connected(cfg: RayConfig) -> None:
     so where the config asks for another: a `ray.address` (host:port) that is not the connected
     GCS's, as far as names resolve here (a warning, as one cluster has several names), and
     `ray.num_cpus`, which only a Ray the run starts takes."""
-    address = cfg.address  # auto and local name whatever runs; a client's port is not the GCS's
-    if address in (None, "auto", "local") or address.startswith("ray://"):
+    address = cfg.address  # auto names whatever runs; a client's port is not the GCS's
+    if address in (None, "auto") or address.startswith("ray://"):
         address = None
     if address is None and cfg.num_cpus is None:
         return
