@@ -10,6 +10,7 @@ import pytest
 import torch
 from plain_federation import aggregate, fit_all
 
+from silo_pfl import builtin_names
 from silo_pfl.config import to_dict
 from silo_pfl.messages import SiloUpdate
 from silo_pfl.server_start import new_server
@@ -32,38 +33,48 @@ def _arrays_and_keys(value, keys: set[str], arrays: list[np.ndarray]) -> None:
         arrays.append(np.asarray(value))
 
 
-@pytest.mark.parametrize(
-    ("algorithm", "model", "source", "secure"),
-    [
-        ("fedper", "mlp", "heart_disease", False),
-        ("fedper", "mlp", "heart_disease", True),
-        ("fedrep", "mlp", "heart_disease", False),
-        ("fedbn", "cnn_small_bn", "digits", False),
-    ],
-)
-def test_nothing_a_silo_hands_out_holds_a_local_key(job, algorithm, model, source, secure):
-    path = (
-        "jobs/heart_disease.yaml" if source == "heart_disease" else "jobs/digits_feature_shift.yaml"
-    )
-    fewer = ("data.num_silos=2",) if source == "digits" else ()
-    fewer += ("round.min_silos=2",) if source == "heart_disease" and not secure else ()
-    hospitals = ("cleveland", "hungarian", "switzerland", "va") if secure else ("cleveland", "va")
-    options = (f"algorithm.name={algorithm}", f"model.name={model}", f"aggregation.secure={secure}")
-    cfg = job(path, *options, *fewer)
-    config = to_dict(cfg)
-    silos = (
-        [Silo(config, name) for name in hospitals]
-        if source == "heart_disease"
-        else [Silo(config, name) for name in ("silo_0", "silo_1")]
-    )
+DIGITS = ("jobs/digits_feature_shift.yaml", "data.num_silos=2", "model.name=cnn_small_bn")
+# Every built-in algorithm, with what it keeps local: its default split where it has one, else
+# the head (a K-layer split of a baseline); plus adapters, a BatchNorm model, and masking.
+CASES = {
+    **{name: ("split.local=[head]",) for name in builtin_names.ALGORITHMS},
+    "fedbn": DIGITS,
+    "fedper": (),
+    "fedrep": (),
+    "lg_fedavg": (),
+    "local": (),
+    "moe_heads": (),
+    "apfl": (),
+    "ditto": (),
+    "fedavg-last2": ("model.hidden=[32,16]", "split.local=[last:2]"),
+    "fedper-adapters": ("model.adapter_dim=4", "split.local=[adapters]"),
+    "fedper-secure": ("aggregation.secure=true",),
+    "ditto-secure": ("aggregation.secure=true",),
+}
+HOSPITALS = ("cleveland", "hungarian", "switzerland", "va")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_nothing_a_silo_hands_out_holds_its_personal_state(job, case):
+    """Over two rounds of every algorithm: no local key's name, and no value of a local key, of
+    the algorithm's own state (a personal model, alpha, a gate) or of the personalized model
+    (where the global state does not hold it), in anything a silo hands out."""
+    algorithm, options = case.split("-")[0], CASES[case]
+    on_digits = options[:1] == DIGITS[:1]
+    path, *options = options if on_digits else ("jobs/heart_disease.yaml", *options)
+    secure = "aggregation.secure=true" in options
+    names = ("silo_0", "silo_1") if on_digits else HOSPITALS if secure else HOSPITALS[:2]
+    quorum = () if secure else (f"round.min_silos={len(names)}",)
+    kept = "privacy.central_models=global_only"  # full sends a silo's model, and its figures
+    config = to_dict(job(path, f"algorithm.name={algorithm}", kept, *quorum, *options))
+    silos = [Silo(config, name) for name in names]
     handed_out = [silo.setup() for silo in silos]
     shape, classes = handed_out[0].input_shape, handed_out[0].num_classes
     keys = {info.silo: info.identity_key for info in handed_out if info.identity_key}
     handed_out += [silo.build(shape, classes, keys) for silo in silos]
     server = new_server(config, shape, classes)
     local_keys = set(silos[0].split.local_keys)
-    assert local_keys, "the algorithm under test keeps some keys local"
-    global_state = server.global_state()
+    personal: list[np.ndarray] = []
     for round_ in (1, 2):
         updates = [update for update, _ in fit_all(silos, server, round_, sent=handed_out)]
         local_before = [
@@ -73,24 +84,43 @@ def test_nothing_a_silo_hands_out_holds_a_local_key(job, algorithm, model, sourc
         global_state = server.global_state()
         for silo, before in zip(silos, local_before, strict=True):
             handed_out.append(silo.evaluate(global_state, round_))
-            silo.commit(round_, keep=True)
+            personal += _personal_values(silo, global_state)
+            handed_out.append(silo.commit(round_, keep=True))
             after = silo.model.state_dict()
             for key in local_keys:
                 assert torch.equal(after[key], before[key]), f"aggregation changed local {key}"
             for key in silo.split.global_keys:
                 np.testing.assert_array_equal(after[key].numpy(), global_state[key])
     handed_out += [silo.outcome() for silo in silos]
+    assert local_keys or silos[0].algorithm.local_state(), "the case keeps something personal"
+    assert sum(value.size for value in personal) > 0
 
-    keys: set[str] = set()
+    found_keys: set[str] = set()
     arrays: list[np.ndarray] = []
-    _arrays_and_keys(handed_out, keys, arrays)
-    assert not keys & local_keys
+    _arrays_and_keys(handed_out, found_keys, arrays)
+    assert not found_keys & local_keys
     assert set(global_state).isdisjoint(local_keys)
-    local_values = [silo.model.state_dict()[k].numpy() for silo in silos for k in local_keys]
+    telling = [v for v in personal if v.dtype.kind == "f" and np.any(v != np.round(v))]
     for array in arrays:
-        for value in local_values:
+        for value in telling:
             assert array.shape != value.shape or not np.array_equal(array, value)
-    assert not _shared_values(arrays, local_values), "a local value left as a number or a part"
+    assert not _shared_values(arrays, personal), "a personal value left as a number or a part"
+
+
+def _personal_values(silo: Silo, global_state: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """What of a silo is its own after a round's evaluation: its local keys, its algorithm's
+    state (but SCAFFOLD's control variate, which its server mirrors), and the values of its
+    personalized model where they differ from the global state."""
+    state = silo.model.state_dict()
+    values = [state[key].numpy().copy() for key in silo.split.local_keys]
+    if not silo.algorithm.server_mirrors_state:
+        values += [v.detach().numpy().copy() for v in silo.algorithm.local_state().values()]
+    for key, value in silo._evaluated.state_dict().items():
+        array = value.detach().numpy()
+        if key in global_state:
+            array = array[array != global_state[key]]
+        values.append(array.copy())
+    return values
 
 
 def _shared_values(arrays: list[np.ndarray], local: list[np.ndarray]) -> list[float]:
