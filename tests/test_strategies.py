@@ -100,7 +100,7 @@ def test_a_silo_that_dies_after_its_update_was_aggregated_rejoins_with_the_state
             _assert_c_is_the_mean_of_the_silos(server, silos)
 
 
-@pytest.mark.parametrize("momentum", [0.0, 0.5, 0.9])
+@pytest.mark.parametrize("momentum", [0.0, 0.5, 0.9, 0.9999999999, 0.999999999999999])
 def test_scaffolds_steps_moved_is_how_far_sgd_moves_under_a_steady_gradient(momentum):
     """The c_i update divides the drift by what K steps of the package's SGD (a fresh momentum
     buffer each round) move per unit gradient; K * lr / (1 - m) was 0.23x of that at K=4."""
