@@ -129,6 +129,9 @@ class EvalMetrics:
     test_accuracy: float
     test_loss: float
     bytes_received: int = 0  # the round's new global keys it evaluated
+    # why this personalized model can never be selected: a value of it is not finite (e.g.
+    # fine-tuning diverged at evaluation)
+    diverged: str = ""
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ Modes (eval.selection):
   last           the last round.
 A silo with no validation rows is not compared: under best_val and last it takes its last
 evaluated round; under best_mean_val, the round the other silos' scores choose. A loss that is not
-a number (NaN) ranks below every other at equal accuracy.
+a number (NaN) ranks below every other at equal accuracy. A model with a value that is not finite
+(fine-tuning that diverged at evaluation) is never selected: its silo keeps the model it had.
 
 Only an evaluated round can be selected. With eval.every=k a round is evaluated when its number is
 a multiple of k, and the last round always is (`evaluated`); the rounds between are committed for
@@ -56,6 +57,7 @@ class Selector:
     def choose(self, evals: Sequence[EvalMetrics], unselected: Collection[str] = ()) -> list[str]:
         """The silos whose model of this round becomes (or stays) their selected one;
         `unselected` are the silos with no model selected yet."""
+        evals = [e for e in evals if not e.diverged]
         if self.mode == "last":
             return [e.silo for e in evals]
         if self.mode == "best_val":

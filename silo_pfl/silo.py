@@ -474,19 +474,15 @@ class Silo:
         state = self.model.state_dict()
         diverged = first_not_finite(state)
         if diverged is not None:
-            reason = (
-                f"training diverged ({diverged} is not finite); it sends no update this round. "
-                "If it persists, lower train.lr or the local epochs"
-            )
-            seconds = time.perf_counter() - start
-            sent, self._secure_bytes = self._secure_bytes, 0
-            return None, dataclasses.replace(
-                metrics, train_seconds=seconds, withheld=reason, bytes_sent=sent
-            )
+            return None, self._withheld(metrics, start, "training", diverged)
         delta = {k: (state[k] - reference[k]).numpy() for k in self.split.global_keys}
         extras = self.algorithm.update_extras(self, reference)
         payload = self.split.outgoing(delta, extras)
         self.algorithm.after_fit(self, reference, round_)
+        diverged = first_not_finite(self.algorithm.local_state())
+        if diverged is not None:
+            options = f"the options of algorithm.{self.algorithm.name}"
+            return None, self._withheld(metrics, start, "its personal training", diverged, options)
         if self.algorithm.server_mirrors_state:
             self.store.save_sent(round_, attempt, as_arrays(self.algorithm.local_state()))
         num_examples = self.num_examples
@@ -510,6 +506,24 @@ class Silo:
             bytes_sent=sent,
             secure_seconds=masking,
         )
+
+    def _withheld(
+        self,
+        metrics: FitMetrics,
+        start: float,
+        what: str,
+        key: str,
+        options: str = "the local epochs",
+    ) -> FitMetrics:
+        """A fit that sends no update because `what` diverged (`key` is not finite): rolled back
+        at the next round's start, not evaluated, not committed."""
+        reason = (
+            f"{what} diverged ({key} is not finite); it sends no update this round. If it "
+            f"persists, lower train.lr or {options}"
+        )
+        sent, self._secure_bytes = self._secure_bytes, 0
+        seconds = time.perf_counter() - start
+        return dataclasses.replace(metrics, train_seconds=seconds, withheld=reason, bytes_sent=sent)
 
     def _protocol(self) -> SecureClient:
         if self._secure is None:
@@ -588,6 +602,7 @@ class Silo:
         silo's own local keys; an algorithm may personalize further (fine-tuning, Ditto)."""
         self._load_global(global_state)
         self._evaluated = self.algorithm.personalized_model(self, round_)
+        diverged = first_not_finite(self._evaluated.state_dict())
         sizes = len(self.val_xy[1]), len(self.test_xy[1])
         val, test = evaluate_parts(self._evaluated, *self.held_out_xy, sizes)
         self._last = EvalMetrics(
@@ -598,6 +613,7 @@ class Silo:
             test.accuracy,
             test.loss,
             bytes_received=nbytes(global_state),
+            diverged=f"{diverged} is not finite" if diverged is not None else "",
         )
         return self._last
 

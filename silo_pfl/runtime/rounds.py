@@ -74,6 +74,7 @@ class Party:
     selected_by_silo: bool = False
     restarts: int = 0
     died: bool = False  # its process died: rejoin it before its next round
+    diverged: str = ""  # why its last evaluated model could not be selected (not finite)
 
     @property
     def unselected(self) -> bool:
@@ -401,6 +402,11 @@ class RoundRunner:
                 self.parties[name].selected = round_
         for name, reason in sorted(absent.items()):
             log.warning("round %d: silo %s left out: %s", round_, name, reason)
+        for name, e in sorted(evals.items()):
+            if e is not None and e.diverged:
+                self.parties[name].diverged = e.diverged
+                why = f"its personalized model cannot be selected: {e.diverged}"
+                log.warning("round %d: silo %s: %s", round_, name, why)
         summary = self._summary(
             round_, began, attempt, report, sent, evals, absent, rejoined, evaluating
         )
@@ -486,6 +492,13 @@ class RoundRunner:
         selection chose for it, which it had not been told of (the last round's choice). A silo
         that dies as it is told is rejoined and told again, once."""
         never = sorted(n for n, p in self.parties.items() if p.unselected)
+        diverged = [n for n in never if self.parties[n].diverged]
+        if diverged:
+            raise FederationError(
+                f"silo {diverged[0]}: its personalized model was not finite in every round it "
+                f"was evaluated ({self.parties[diverged[0]].diverged}), so it has none to "
+                f"select; lower train.lr or the options of algorithm.{self.cfg.algorithm['name']}"
+            )
         if never:
             raise FederationError(
                 f"silo {never[0]}: left out of every evaluated round, it has no model to select; "
