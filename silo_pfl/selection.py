@@ -84,6 +84,15 @@ class Selector:
         return True
 
 
+def never_finite(who: str, why: str, algorithm: str) -> str:
+    """The one line for a silo (`who`) none of whose evaluated models could be selected, each
+    not finite (`why`: the last one's key)."""
+    return (
+        f"{who}: its personalized model was not finite in every round it was evaluated ({why}), "
+        f"so it has none to select; lower train.lr or the options of algorithm.{algorithm}"
+    )
+
+
 def _scores(evals: Sequence[EvalMetrics]) -> dict[str, tuple[float, float]]:
     """(accuracy, -loss) on validation of each silo of `evals` that has validation rows."""
     return {

@@ -129,6 +129,19 @@ def test_a_failed_or_interrupted_onboarding_leaves_no_directory(trained, tmp_pat
     assert _dirs(trained) == before, "SIGTERM as the onboarding's results are drawn"
 
 
+def test_an_onboarding_whose_models_all_diverge_ends_in_one_line_and_leaves_nothing(
+    trained, capsys
+):
+    """No model that is not finite is ever selected, so a side with none ends the onboarding."""
+    before = _dirs(trained)
+    diverges = ["train.lr=1e35", "train.local_epochs=20"]
+    code = main(["onboard", str(trained.job), "--silo", NEW, *diverges])
+    err = capsys.readouterr().err
+    _one_line(err[err.index("error: ") :], f"silo {NEW}")
+    assert "its personalized model was not finite in every round it was evaluated (" in err
+    assert code == 1 and _dirs(trained) == before
+
+
 def test_resume_takes_the_latest_federation_run_never_an_onboarding(trained, capsys):
     assert main(["onboard", str(trained.job), "--silo", NEW, "rounds=1", "--no-alone"]) == 0
     (onboarded,) = _dirs(trained) - {trained.run_id}

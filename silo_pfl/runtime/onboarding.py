@@ -39,7 +39,7 @@ from silo_pfl.runtime.placement import (
     silo_selector,
 )
 from silo_pfl.runtime.session import ray_session
-from silo_pfl.selection import Selector, evaluated
+from silo_pfl.selection import Selector, evaluated, never_finite
 from silo_pfl.stop_signals import sigterm_interrupts_unless_set
 from silo_pfl.tracking.registry import ONBOARD
 from silo_pfl.tracking.trained_run import TrainedRun
@@ -132,6 +132,7 @@ class Onboarding:
                 exporting = attach_exporters(self.callbacks, [info], own, timeout)
                 states = {JOINED: ray.put(self.trained.global_state), ALONE: ray.put({})}
                 selectors = {role: Selector(self.cfg.eval.selection) for role in roles}
+                self.unselected = {role: "" for role in roles}  # role -> why (not finite)
                 history = []
                 for round_ in range(1, self.cfg.rounds + 1):
                     self._emit("on_round_start", round_)
@@ -140,6 +141,7 @@ class Onboarding:
                     fit, evaluation = evals[JOINED]
                     history.append(_summary(round_, began, fit, evaluation))
                     self._emit("on_round_end", history[-1])
+                self._check_selected()
                 outcomes: list[SiloOutcome] = get(
                     [actors[r].outcome.remote() for r in roles], "silo outcome", timeout
                 )
@@ -167,6 +169,13 @@ class Onboarding:
             self._emit("on_closed")
             result.write_json(self.run_dir.path / RESULT_FILE)
         return result
+
+    def _check_selected(self) -> None:
+        """Each side has a model selected: one whose every evaluated model diverged has none."""
+        if self.unselected:
+            role, why = next(iter(self.unselected.items()))
+            who = f"silo {self.silo}" + ("" if role == JOINED else "'s alone baseline")
+            raise FederationError(never_finite(who, why, self.cfg.algorithm["name"]))
 
     def _round(
         self,
@@ -200,10 +209,13 @@ class Onboarding:
             names,
             key=ROUND_TIMEOUT,
         )
-        commits = [
-            actors[r].commit.remote(round_, bool(selectors[r].choose([e])))
-            for r, e in zip(roles, evals, strict=True)
-        ]
+        keep = {r: bool(selectors[r].choose([e])) for r, e in zip(roles, evals, strict=True)}
+        for role, e in zip(roles, evals, strict=True):
+            if keep[role]:
+                self.unselected.pop(role, None)
+            elif role in self.unselected:
+                self.unselected[role] = e.diverged
+        commits = [actors[r].commit.remote(round_, keep[r]) for r in roles]
         get(commits, f"round {round_}: silo commit", timeout, names, key=ROUND_TIMEOUT)
         return {r: (f, e) for r, f, e in zip(roles, fits, evals, strict=True)}
 

@@ -53,7 +53,7 @@ from silo_pfl.runtime.actors import (
 from silo_pfl.runtime.aggregation_steps import PlainSteps, Prepared, SecureSteps
 from silo_pfl.runtime.metrics import DriverMetrics, NoMetrics
 from silo_pfl.runtime.placement import homeless, silo_selector
-from silo_pfl.selection import Selector, evaluated
+from silo_pfl.selection import Selector, evaluated, never_finite
 
 log = logging.getLogger("silo_pfl.rounds")
 REJOIN_POLL_SECONDS = 0.5  # how often a restarting silo is asked again to rejoin
@@ -494,11 +494,9 @@ class RoundRunner:
         never = sorted(n for n, p in self.parties.items() if p.unselected)
         diverged = [n for n in never if self.parties[n].diverged]
         if diverged:
-            raise FederationError(
-                f"silo {diverged[0]}: its personalized model was not finite in every round it "
-                f"was evaluated ({self.parties[diverged[0]].diverged}), so it has none to "
-                f"select; lower train.lr or the options of algorithm.{self.cfg.algorithm['name']}"
-            )
+            why = self.parties[diverged[0]].diverged
+            algorithm = self.cfg.algorithm["name"]
+            raise FederationError(never_finite(f"silo {diverged[0]}", why, algorithm))
         if never:
             raise FederationError(
                 f"silo {never[0]}: left out of every evaluated round, it has no model to select; "
