@@ -159,13 +159,16 @@ class FederationResult:
         write_json_atomic(path, self.to_dict())
 
 
+def json_text(data: Any) -> str:
+    """`data` as a run's JSON files hold it: a figure that is not finite (a round's accuracy
+    between evaluations: NaN) as null, so that any JSON parser reads it."""
+    return json.dumps(finite_or_null(data), indent=2, default=json_default, allow_nan=False) + "\n"
+
+
 def write_json_atomic(path: str | Path, data: Any) -> None:
-    """Write JSON to a temporary file beside `path`, then rename it into place, durably (a run's
-    record must survive a power cut whole: `durable.write_atomic`). A figure that is not finite
-    (a round's accuracy between evaluations: NaN) is written as null, so that any JSON parser
-    reads the file."""
-    text = json.dumps(finite_or_null(data), indent=2, default=json_default, allow_nan=False)
-    durable.write_atomic(Path(path), (text + "\n").encode())
+    """Write `json_text(data)` to a temporary file beside `path`, then rename it into place,
+    durably (a run's record must survive a power cut whole: `durable.write_atomic`)."""
+    durable.write_atomic(Path(path), json_text(data).encode())
 
 
 def finite_or_null(value: Any) -> Any:

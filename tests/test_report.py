@@ -133,6 +133,19 @@ def test_every_tracked_run_ends_with_its_report(runs):
         assert len(counts) == 2 and sum(counts) == silo.num_train, hospital
 
 
+def test_the_result_logged_to_mlflow_is_strict_json_and_the_run_directorys(runs, tmp_path):
+    """Between evaluations a round's means are not numbers: null in JSON, never a bare NaN."""
+    run_id = Runs.run_id(runs.fedavg)
+    logged = MlflowClient(runs.uri).download_artifacts(run_id, "result.json", str(tmp_path))
+    text = Path(logged).read_text()
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not JSON: {constant}")
+
+    assert json.loads(text, parse_constant=refuse)["history"][0]["mean_val_accuracy"] is None
+    assert text == (Path(runs.fedavg.run_dir) / "result.json").read_text()
+
+
 def test_the_report_a_run_writes_as_it_ends_equals_the_one_read_back_from_the_store(runs, tmp_path):
     """The tracker writes the report from the run itself, without reading the store back; the
     same report, byte for byte, comes from what the store holds; also where rounds between

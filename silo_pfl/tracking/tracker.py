@@ -28,7 +28,7 @@ from silo_pfl.config_views import logged_view
 from silo_pfl.data import silo_names
 from silo_pfl.errors import ConfigError, FederationError, one_line, typed_line
 from silo_pfl.messages import SiloInfo, SplitInfo, model_shape
-from silo_pfl.results import FederationResult, RoundSummary
+from silo_pfl.results import FederationResult, RoundSummary, json_text
 from silo_pfl.settings import split_rules
 from silo_pfl.stop_signals import signals_held
 from silo_pfl.tracking import registry
@@ -496,9 +496,7 @@ class MlflowTracker(Callback):
         summary = self._split_summary(result)
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "split.json").write_text(json.dumps(summary, indent=2))
-            (Path(tmp) / "result.json").write_text(
-                json.dumps(result.to_dict(), indent=2, default=str)
-            )
+            (Path(tmp) / "result.json").write_text(json_text(result.to_dict()))
             self.client.log_artifacts(self.run_id, tmp)
 
     def _split_summary(self, result: FederationResult) -> dict[str, Any]:
