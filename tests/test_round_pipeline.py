@@ -106,7 +106,7 @@ def test_the_next_fits_begin_before_the_driver_has_chosen_among_the_evaluations(
 def test_a_rejected_update_leaves_its_silo_out_though_its_evaluation_was_sent(job, tmp_path):
     """Evaluations go out with the aggregation, before its report: a silo whose update the
     server rejects is evaluated too, but its evaluation does not count and it does not commit;
-    it takes part again next round."""
+    it takes part again next round. Its fit's figures (the bytes it sent) are the round's."""
     config = job(
         *SMALL,
         "round.min_silos=3",
@@ -119,7 +119,10 @@ def test_a_rejected_update_leaves_its_silo_out_though_its_evaluation_was_sent(jo
     result = Federation(config).run()
     first, second, third = result.history
     assert sorted(second.participants) == ["silo_0", "silo_2", "silo_3"]
-    assert sorted(second.silos) == ["silo_0", "silo_2", "silo_3"]
+    # Its update crossed the wire and was checked: its fit's figures stay, with no evaluation.
+    assert sorted(second.silos) == ["silo_0", "silo_1", "silo_2", "silo_3"]
+    assert second.silos["silo_1"]["bytes_sent"] == second.silos["silo_0"]["bytes_sent"] > 0
+    assert "val_accuracy" not in second.silos["silo_1"] and "val_accuracy" in second.silos["silo_0"]
     assert "exceeds aggregation.max_update_norm=100" in second.absent["silo_1"]
     assert len(first.participants) == len(third.participants) == 4
     assert sorted(third.silos) == ["silo_0", "silo_1", "silo_2", "silo_3"]

@@ -575,15 +575,17 @@ class RoundRunner:
         evaluating: bool,
     ) -> RoundSummary:
         """The round as the driver saw it; where it was not `evaluating` (eval.every), `evals`
-        holds None for each silo that committed it."""
+        holds None for each silo that committed it. Each silo that sent an update has its fit's
+        figures, aggregated or not (an update the server rejected crossed the wire all the
+        same); the means are over the silos that committed the round."""
         per_silo: dict[str, dict[str, float]] = {}
-        for name, e in sorted(evals.items()):
-            fit = fits[name]
+        for name, fit in sorted(fits.items()):
             per_silo[name] = {
                 "train_loss": fit.train_loss,
                 "train_seconds": fit.train_seconds,
                 "bytes_sent": float(fit.bytes_sent),
             }
+        for name, e in evals.items():
             if e is not None:
                 per_silo[name].update(val_accuracy=e.val_accuracy, test_accuracy=e.test_accuracy)
         scored = [e for e in evals.values() if e is not None]
