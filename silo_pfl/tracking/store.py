@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import fcntl
 import functools
 import http.client
 import logging
@@ -19,6 +20,7 @@ import tempfile
 import urllib.error
 import urllib.request
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import quote, unquote, urlsplit
@@ -136,6 +138,30 @@ def check_store(uri: str, key: str) -> None:
     _check_server(uri, key)
 
 
+@contextlib.contextmanager
+def _one_opener(uri: str) -> Iterator[None]:
+    """For a SQLite store, one process of this machine at a time opens it first: MLflow builds a
+    new file's tables (or upgrades an older one's) in some 70 steps, and two processes that
+    interleave them leave a half-built store no later run can open (two seeds started together
+    in a fresh directory). An exclusive lock on the file's directory, which leaves no file
+    behind; where the file system takes no lock, MLflow opens the store unguarded."""
+    path = sqlite_path(uri)
+    if path is None:
+        yield
+        return
+    try:
+        guard = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(guard, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(guard)  # and with it the lock
+
+
 @functools.lru_cache(maxsize=8)
 def open_client(uri: str, key: str) -> MlflowClient:
     """A client of the store at `uri` (tracking and registry), checked; one per process and URI."""
@@ -145,8 +171,9 @@ def open_client(uri: str, key: str) -> MlflowClient:
     quiet()  # after the import, which sets MLflow's own log level
 
     try:
-        client = MlflowClient(tracking_uri=uri, registry_uri=uri)
-        client.search_experiments(max_results=1)
+        with _one_opener(uri):
+            client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+            client.search_experiments(max_results=1)
     except Exception as exc:
         raise FederationError(
             f"{key}: cannot open the MLflow store {redact(uri)}: {one_line(exc)}"
