@@ -89,3 +89,68 @@ def test_an_address_whose_name_cannot_be_encoded_is_a_warning_not_a_crash(ray_lo
     with caplog.at_level(logging.WARNING, logger=SESSION):
         check_connected(RayConfig(address="head..cluster:6379"))
     assert caplog.records[0].getMessage().startswith("ray.address=head..cluster:6379 has no")
+
+
+TWO_THREADS = """
+import sys, threading
+from silo_pfl.callbacks import Callback
+from silo_pfl.errors import FederationError
+from silo_pfl.federation import Federation
+from silo_pfl.settings import load_config
+
+started, tried = threading.Event(), threading.Event()
+
+
+class Hold(Callback):
+    def on_round_end(self, summary):
+        started.set()
+        tried.wait(120)
+
+
+def config(name):
+    return load_config(
+        "jobs/heart_disease.yaml",
+        [f"name={name}", "rounds=2", "tracking.enabled=false", f"output_dir={sys.argv[1]}"],
+    )
+
+
+def first():
+    result = Federation(config("first"), callbacks=[Hold()]).run()
+    print("first", len(result.history))
+
+
+thread = threading.Thread(target=first)
+thread.start()
+started.wait(300)
+try:
+    Federation(config("second")).run()
+    print("second ran")
+except FederationError as error:
+    print("second:", error)
+tried.set()
+thread.join()
+"""
+
+
+def test_a_second_thread_is_refused_the_ray_another_threads_run_started(tmp_path):
+    """Two runs on threads, without the user's ray.init: the first starts Ray and would stop it
+    at its end, under the second, so the second is refused in one line; the first completes."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run(
+        [sys.executable, "-c", TWO_THREADS, str(tmp_path / "runs")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == [
+        "second: another federation runs in this process, on a Ray its run started and will "
+        "stop; to run several at once, call ray.init() before them (they then share it), or run "
+        "them one after another",
+        "first 2",
+    ], done.stdout
+    assert not (tmp_path / "runs" / "second").exists() or not any(
+        (tmp_path / "runs" / "second").iterdir()
+    )

@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -44,8 +45,20 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
     RAY_metrics_report_interval_ms says otherwise) to its metrics agent, which runs either way,
     and the run writes the Prometheus service-discovery file the dashboard would have written.
     Whichever Ray the run uses, SIGTERM raises Interrupted inside (`sigterm_interrupts`).
+    A Ray a session started is its thread's: another thread's run is refused in one line (it
+    would be stopped under that run), where a Ray the user initialised is shared.
     """
-    if ray.is_initialized():
+    with _STARTING:
+        reusing = ray.is_initialized()
+        if reusing and _STARTED_BY not in (None, threading.get_ident()):
+            raise FederationError(
+                "another federation runs in this process, on a Ray its run started and will stop; "
+                "to run several at once, call ray.init() before them (they then share it), or "
+                "run them one after another"
+            )
+        if not reusing:
+            address = _start(cfg, metrics_interval_s)
+    if reusing:
         if not _OPEN:  # connected by the user (a notebook's ray.init), not by an outer session
             check_connected(cfg)
         _OPEN.append(None)
@@ -55,6 +68,20 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
         finally:
             _OPEN.pop()
         return
+    _OPEN.append(address)
+    try:
+        with sigterm_interrupts():
+            yield
+    finally:
+        _OPEN.pop()
+        with signals_held(), _STARTING:  # a second Ctrl-C cannot leave Ray half stopped
+            _stop(address)
+
+
+def _start(cfg: RayConfig, metrics_interval_s: float | None) -> str | None:
+    """Start a local Ray (None) or join the cluster at the run's address (returned), for this
+    thread's session: `_STARTED_BY` marks it until `_stop`."""
+    global _STARTED_BY
     address = ray_address(cfg.address)
     if address is not None:
         key = "ray.address" if cfg.address else "RAY_ADDRESS"
@@ -91,19 +118,25 @@ def ray_session(cfg: RayConfig, metrics_interval_s: float | None = None) -> Iter
         raise _unreachable(exc, address) from None
     except (RuntimeError, ValueError) as exc:
         raise _unreachable(exc, address) from None
-    _OPEN.append(address)
+    _STARTED_BY = threading.get_ident()
+    return address
+
+
+def _stop(address: str | None) -> None:
+    """End the Ray `_start` started or joined."""
+    global _STARTED_BY
     try:
-        with sigterm_interrupts():
-            yield
+        if address is None:
+            shutdown_local()
+        else:
+            ray.shutdown()
     finally:
-        _OPEN.pop()
-        with signals_held():  # a second Ctrl-C cannot leave Ray half stopped
-            if address is None:
-                shutdown_local()
-            else:
-                ray.shutdown()
+        _STARTED_BY = None
 
 
+# Sessions start and stop Ray one at a time; a Ray one started is that thread's alone.
+_STARTING = threading.RLock()
+_STARTED_BY: int | None = None  # the thread whose session started (or joined) this process's Ray
 _OPEN: list[str | None] = []  # the `ray_session`s open in this process, outermost first
 
 
