@@ -129,16 +129,30 @@ def test_a_failed_or_interrupted_onboarding_leaves_no_directory(trained, tmp_pat
     assert _dirs(trained) == before, "SIGTERM as the onboarding's results are drawn"
 
 
-def test_an_onboarding_whose_models_all_diverge_ends_in_one_line_and_leaves_nothing(
-    trained, capsys
+def test_a_diverged_alone_baseline_is_left_out_and_a_diverged_joining_silo_ends_it(
+    trained, tmp_path, capsys, caplog
 ):
-    """No model that is not finite is ever selected, so a side with none ends the onboarding."""
+    """No model that is not finite is ever selected. The alone baseline is a comparison only:
+    without a model it is left out, with a warning, and the silo joins. The joining silo
+    without one ends the onboarding in one line, leaving nothing."""
+    results = tmp_path / "joined.json"
+    baseline_diverges = ["train.lr=1e35", "train.local_epochs=20", f"output_dir={tmp_path}"]
+    joining = ["onboard", str(trained.job), "--silo", NEW, "--quiet", "--results", str(results)]
+    code = main([*joining, *baseline_diverges])
+    assert code == 0, capsys.readouterr().err
+    said = f"silo {NEW}'s alone baseline: its personalized model was not finite in every round"
+    assert (
+        said in caplog.text and "options of algorithm.local; the silo joined without" in caplog.text
+    )
+    report = json.loads(results.read_text())["onboard"]
+    assert report["alone_none"].startswith(said) and "alone_test_accuracy" not in report
+    capsys.readouterr()
     before = _dirs(trained)
-    diverges = ["train.lr=1e35", "train.local_epochs=20"]
-    code = main(["onboard", str(trained.job), "--silo", NEW, *diverges])
+    silo_diverges = ["--no-alone", "train.lr=3e38", "train.local_epochs=20"]
+    code = main(["onboard", str(trained.job), "--silo", NEW, *silo_diverges])
     err = capsys.readouterr().err
-    _one_line(err[err.index("error: ") :], f"silo {NEW}")
-    assert "its personalized model was not finite in every round it was evaluated (" in err
+    _one_line(err[err.index("error: ") :], f"silo {NEW}: its personalized model was not finite ")
+    assert "lower train.lr or the options of algorithm.fedper" in err
     assert code == 1 and _dirs(trained) == before
 
 

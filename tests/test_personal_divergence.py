@@ -70,29 +70,30 @@ def test_a_diverged_model_is_never_selected(mode):
             "diverged (ditto.personal.",
         ),
         (
+            ("algorithm.name=ditto", *DITTO_DIVERGES, "round.min_silos=1"),
+            "error: silo cleveland: left out of every evaluated round, it has no model to "
+            "select; the last time, its personal training diverged (ditto.personal.",
+        ),
+        (
             ("algorithm.name=finetune", *FINETUNE_DIVERGES),
             "error: silo cleveland: its personalized model was not finite in every round it was "
             "evaluated (",
         ),
     ],
-    ids=["ditto", "finetune"],
+    ids=["ditto", "ditto-quorum-of-one", "finetune"],
 )
 def test_a_run_whose_personal_models_diverge_ends_in_one_line_and_registers_nothing(
     tmp_path, capsys, options, said
 ):
     store = tmp_path / "mlflow.db"
-    code = main(
-        [
-            "run",
-            "jobs/heart_disease.yaml",
-            "rounds=2",
-            f"tracking.uri=sqlite:///{store}",
-            f"output_dir={tmp_path / 'runs'}",
-            *options,
-        ]
-    )
+    argv = ["run", "jobs/heart_disease.yaml", "rounds=2", f"tracking.uri=sqlite:///{store}"]
+    argv += [f"output_dir={tmp_path / 'runs'}", *options]
+    code = main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1
     assert said in err[-1] and "Traceback" not in "\n".join(err)
     assert not list((tmp_path / "runs").rglob("selected/*.pt")), "no model was published"
     assert MlflowClient(f"sqlite:///{store}").search_registered_models() == []
+    if "round.min_silos=1" in options or "finetune" in options[0]:  # resumed: the same reason
+        assert main([*argv, "--resume"]) == 1
+        assert capsys.readouterr().err.strip().splitlines()[-1] == err[-1]

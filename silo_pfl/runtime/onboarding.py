@@ -16,6 +16,7 @@ baseline's (on this node), as a fresh federation run that fails before its first
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -44,6 +45,7 @@ from silo_pfl.stop_signals import sigterm_interrupts_unless_set
 from silo_pfl.tracking.registry import ONBOARD
 from silo_pfl.tracking.trained_run import TrainedRun
 
+log = logging.getLogger(__name__)
 ALONE = "alone"  # the baseline's role, and the suffix of its directory's run id
 JOINED = "joined"  # the joining silo's role (a silo may be named alone)
 
@@ -133,6 +135,7 @@ class Onboarding:
                 states = {JOINED: ray.put(self.trained.global_state), ALONE: ray.put({})}
                 selectors = {role: Selector(self.cfg.eval.selection) for role in roles}
                 self.unselected = {role: "" for role in roles}  # role -> why (not finite)
+                self.alone_none = ""  # why the alone baseline has no model to compare with
                 history = []
                 for round_ in range(1, self.cfg.rounds + 1):
                     self._emit("on_round_start", round_)
@@ -141,9 +144,9 @@ class Onboarding:
                     fit, evaluation = evals[JOINED]
                     history.append(_summary(round_, began, fit, evaluation))
                     self._emit("on_round_end", history[-1])
-                self._check_selected()
+                chosen = self._selected_sides(roles)
                 outcomes: list[SiloOutcome] = get(
-                    [actors[r].outcome.remote() for r in roles], "silo outcome", timeout
+                    [actors[r].outcome.remote() for r in chosen], "silo outcome", timeout
                 )
                 export(self.callbacks, list(exporting), own, timeout)
                 ended = True
@@ -158,9 +161,15 @@ class Onboarding:
                 silos={name: SiloResult.of(info, outcome, bytes_sent_per_round=0, joined=ONBOARD)},
                 history=history,
                 extras={
-                    "onboard": onboard_report(
-                        self.silo, self.trained, outcome, outcomes[1] if len(outcomes) > 1 else None
-                    ),
+                    "onboard": {
+                        **onboard_report(
+                            self.silo,
+                            self.trained,
+                            outcome,
+                            outcomes[1] if len(outcomes) > 1 else None,
+                        ),
+                        **({"alone_none": self.alone_none} if self.alone_none else {}),
+                    },
                     **{k: v for callback in self.callbacks for k, v in callback.extras().items()},
                 },
             )
@@ -170,12 +179,22 @@ class Onboarding:
             result.write_json(self.run_dir.path / RESULT_FILE)
         return result
 
-    def _check_selected(self) -> None:
-        """Each side has a model selected: one whose every evaluated model diverged has none."""
-        if self.unselected:
-            role, why = next(iter(self.unselected.items()))
-            who = f"silo {self.silo}" + ("" if role == JOINED else "'s alone baseline")
-            raise FederationError(never_finite(who, why, self.cfg.algorithm["name"]))
+    def _selected_sides(self, roles: list[str]) -> list[str]:
+        """The sides with a model selected (none: every evaluated model of it was not finite).
+        The joining silo must have one, else the onboarding ends in one line. The alone
+        baseline is a comparison only: without one, a warning says why, and the silo joins
+        without the comparison (`alone_none` in the report)."""
+        if JOINED in self.unselected:
+            algorithm = self.cfg.algorithm["name"]
+            raise FederationError(
+                never_finite(f"silo {self.silo}", self.unselected[JOINED], algorithm)
+            )
+        if ALONE in self.unselected and self.alone is not None:
+            who = f"silo {self.silo}'s alone baseline"
+            why = never_finite(who, self.unselected[ALONE], self.alone.algorithm["name"])
+            self.alone_none = f"{why}; the silo joined without that comparison (or use --no-alone)"
+            log.warning("%s", self.alone_none)
+        return [role for role in roles if role not in self.unselected]
 
     def _round(
         self,

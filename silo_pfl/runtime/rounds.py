@@ -74,7 +74,9 @@ class Party:
     selected_by_silo: bool = False
     restarts: int = 0
     died: bool = False  # its process died: rejoin it before its next round
-    diverged: str = ""  # why its last evaluated model could not be selected (not finite)
+    # Why no model of it may be selected yet, as the run's last line would say: its last
+    # evaluated model was not finite, or its last fit diverged ("" for any other absence)
+    why_none: str = ""
 
     @property
     def unselected(self) -> bool:
@@ -353,6 +355,10 @@ class RoundRunner:
             party.committed = max(party.committed, metrics.committed)
             if metrics.withheld:
                 absent[name] = metrics.withheld
+                party.why_none = (
+                    f"silo {name}: left out of every evaluated round, it has no model to select; "
+                    f"the last time, {metrics.withheld}"
+                )
             else:
                 sent[name] = metrics
         eval_refs: dict[str, list[Any]] = {}
@@ -402,9 +408,12 @@ class RoundRunner:
                 self.parties[name].selected = round_
         for name, reason in sorted(absent.items()):
             log.warning("round %d: silo %s left out: %s", round_, name, reason)
+            if name in self.parties and not (name in fits and fits[name].withheld):
+                self.parties[name].why_none = ""  # late or lost: more rounds may select it
         for name, e in sorted(evals.items()):
             if e is not None and e.diverged:
-                self.parties[name].diverged = e.diverged
+                algorithm = self.cfg.algorithm["name"]
+                self.parties[name].why_none = never_finite(f"silo {name}", e.diverged, algorithm)
                 why = f"its personalized model cannot be selected: {e.diverged}"
                 log.warning("round %d: silo %s: %s", round_, name, why)
         summary = self._summary(
@@ -492,11 +501,9 @@ class RoundRunner:
         selection chose for it, which it had not been told of (the last round's choice). A silo
         that dies as it is told is rejoined and told again, once."""
         never = sorted(n for n, p in self.parties.items() if p.unselected)
-        diverged = [n for n in never if self.parties[n].diverged]
+        diverged = [n for n in never if self.parties[n].why_none]
         if diverged:
-            why = self.parties[diverged[0]].diverged
-            algorithm = self.cfg.algorithm["name"]
-            raise FederationError(never_finite(f"silo {diverged[0]}", why, algorithm))
+            raise FederationError(self.parties[diverged[0]].why_none)
         if never:
             raise FederationError(
                 f"silo {never[0]}: left out of every evaluated round, it has no model to select; "
