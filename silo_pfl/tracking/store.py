@@ -73,7 +73,8 @@ def _check_sqlite(uri: str, key: str) -> None:
         raise ConfigError(f"{key}: directory {path.parent} of the SQLite store does not exist")
     if path.exists():
         if path.stat().st_size:  # an empty file becomes a store; another database does not
-            _check_mlflow_tables(path, key, redact(uri), "or at a new file for a new store")
+            with _one_opener(uri):  # a store another process is building, once it is built
+                _check_mlflow_tables(path, key, redact(uri), "or at a new file for a new store")
         return
     _probe(path.parent, f"{key}: directory {path.parent} of the SQLite store is not writable")
 
