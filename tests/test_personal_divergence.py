@@ -18,6 +18,7 @@ from silo_pfl.tensor_state import first_not_finite
 
 DITTO_DIVERGES = ("algorithm.ditto.lam=1e4",)
 FINETUNE_DIVERGES = ("algorithm.finetune.epochs=40", "train.lr=2")
+FINETUNE_THEN_FITS = ("algorithm.finetune.epochs=40", "train.lr=10")  # round 2's fits diverge too
 
 
 def test_a_personal_model_that_diverges_withholds_the_update_and_is_rolled_back(job):
@@ -72,15 +73,20 @@ def test_a_diverged_model_is_never_selected(mode):
         (
             ("algorithm.name=ditto", *DITTO_DIVERGES, "round.min_silos=1"),
             "error: silo cleveland: left out of every evaluated round, it has no model to "
-            "select; the last time, its personal training diverged (ditto.personal.",
+            "select; its last update was withheld: its personal training diverged (ditto.personal.",
         ),
         (
             ("algorithm.name=finetune", *FINETUNE_DIVERGES),
             "error: silo cleveland: its personalized model was not finite in every round it was "
             "evaluated (",
         ),
+        (
+            ("algorithm.name=finetune", *FINETUNE_THEN_FITS, "round.min_silos=1"),
+            "so it has none to select; lower train.lr or the options of algorithm.finetune; its "
+            "last update was withheld too: training diverged (",
+        ),
     ],
-    ids=["ditto", "ditto-quorum-of-one", "finetune"],
+    ids=["ditto", "ditto-quorum-of-one", "finetune", "finetune-then-its-fits"],
 )
 def test_a_run_whose_personal_models_diverge_ends_in_one_line_and_registers_nothing(
     tmp_path, capsys, options, said

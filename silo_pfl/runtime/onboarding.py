@@ -189,10 +189,12 @@ class Onboarding:
             raise FederationError(
                 never_finite(f"silo {self.silo}", self.unselected[JOINED], algorithm)
             )
-        if ALONE in self.unselected and self.alone is not None:
-            who = f"silo {self.silo}'s alone baseline"
-            why = never_finite(who, self.unselected[ALONE], self.alone.algorithm["name"])
-            self.alone_none = f"{why}; the silo joined without that comparison (or use --no-alone)"
+        if ALONE in self.unselected:
+            self.alone_none = (
+                f"silo {self.silo}'s alone baseline: its model was not finite in every round it "
+                f"was evaluated ({self.unselected[ALONE]}), so the silo joined without that "
+                "comparison; a lower train.lr or fewer train.local_epochs would give one"
+            )
             log.warning("%s", self.alone_none)
         return [role for role in roles if role not in self.unselected]
 

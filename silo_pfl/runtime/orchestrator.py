@@ -243,7 +243,7 @@ class Orchestrator:
             "committed": {n: p.committed for n, p in parties.items()},
             "aggregated": {n: p.uncommitted() for n, p in parties.items()},
             "selected": {n: p.selected for n, p in parties.items()},
-            "why_none": {n: p.why_none for n, p in parties.items() if p.why_none},
+            "why_none": {n: list(p.why_none) for n, p in parties.items() if any(p.why_none)},
             "restarts": {n: p.restarts for n, p in parties.items()},
             "callbacks": {type(c).__name__: c.state() for c in self.callbacks},
             "elapsed_s": self._elapsed(),
@@ -275,7 +275,8 @@ class Orchestrator:
             party.aggregated = (int(sent[0]), int(sent[1])) if sent else None
             party.selected = saved.get("selected", {}).get(name)
             party.selected_by_silo = "selected" not in saved
-            party.why_none = saved.get("why_none", {}).get(name, "")  # absent from older ones
+            evaluated, fitted = saved.get("why_none", {}).get(name, ("", ""))  # absent: older
+            party.why_none = (str(evaluated), str(fitted))
             party.restarts = int(saved["restarts"][name])
         for callback in self.callbacks:
             callback.restore(saved["callbacks"].get(type(callback).__name__, {}))

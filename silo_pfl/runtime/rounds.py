@@ -74,9 +74,23 @@ class Party:
     selected_by_silo: bool = False
     restarts: int = 0
     died: bool = False  # its process died: rejoin it before its next round
-    # Why no model of it may be selected yet, as the run's last line would say: its last
-    # evaluated model was not finite, or its last fit diverged ("" for any other absence)
-    why_none: str = ""
+    # Why no model of it may be selected yet: its evaluated model that was not finite (the key),
+    # and its last fit that diverged (the silo's reason); both "" after any other absence
+    why_none: tuple[str, str] = ("", "")
+
+    def diverged(self, algorithm: str) -> str:
+        """The run's last line for this silo with no model selected, where divergence is why
+        (more rounds would diverge again); "" where it is not."""
+        evaluated, fitted = self.why_none
+        if evaluated:
+            later = f"; its last update was withheld too: {fitted}" if fitted else ""
+            return never_finite(f"silo {self.name}", evaluated, algorithm) + later
+        if fitted:
+            return (
+                f"silo {self.name}: left out of every evaluated round, it has no model to "
+                f"select; its last update was withheld: {fitted}"
+            )
+        return ""
 
     @property
     def unselected(self) -> bool:
@@ -355,10 +369,7 @@ class RoundRunner:
             party.committed = max(party.committed, metrics.committed)
             if metrics.withheld:
                 absent[name] = metrics.withheld
-                party.why_none = (
-                    f"silo {name}: left out of every evaluated round, it has no model to select; "
-                    f"the last time, {metrics.withheld}"
-                )
+                party.why_none = (party.why_none[0], metrics.withheld)
             else:
                 sent[name] = metrics
         eval_refs: dict[str, list[Any]] = {}
@@ -409,11 +420,10 @@ class RoundRunner:
         for name, reason in sorted(absent.items()):
             log.warning("round %d: silo %s left out: %s", round_, name, reason)
             if name in self.parties and not (name in fits and fits[name].withheld):
-                self.parties[name].why_none = ""  # late or lost: more rounds may select it
+                self.parties[name].why_none = ("", "")  # late or lost: more rounds may do
         for name, e in sorted(evals.items()):
             if e is not None and e.diverged:
-                algorithm = self.cfg.algorithm["name"]
-                self.parties[name].why_none = never_finite(f"silo {name}", e.diverged, algorithm)
+                self.parties[name].why_none = (e.diverged, "")
                 why = f"its personalized model cannot be selected: {e.diverged}"
                 log.warning("round %d: silo %s: %s", round_, name, why)
         summary = self._summary(
@@ -501,9 +511,9 @@ class RoundRunner:
         selection chose for it, which it had not been told of (the last round's choice). A silo
         that dies as it is told is rejoined and told again, once."""
         never = sorted(n for n, p in self.parties.items() if p.unselected)
-        diverged = [n for n in never if self.parties[n].why_none]
-        if diverged:
-            raise FederationError(self.parties[diverged[0]].why_none)
+        why = [self.parties[n].diverged(self.cfg.algorithm["name"]) for n in never]
+        if any(why):
+            raise FederationError(next(line for line in why if line))
         if never:
             raise FederationError(
                 f"silo {never[0]}: left out of every evaluated round, it has no model to select; "
