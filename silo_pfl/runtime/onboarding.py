@@ -135,7 +135,6 @@ class Onboarding:
                 states = {JOINED: ray.put(self.trained.global_state), ALONE: ray.put({})}
                 selectors = {role: Selector(self.cfg.eval.selection) for role in roles}
                 self.unselected = {role: "" for role in roles}  # role -> why (not finite)
-                self.alone_none = ""  # why the alone baseline has no model to compare with
                 history = []
                 for round_ in range(1, self.cfg.rounds + 1):
                     self._emit("on_round_start", round_)
@@ -144,7 +143,7 @@ class Onboarding:
                     fit, evaluation = evals[JOINED]
                     history.append(_summary(round_, began, fit, evaluation))
                     self._emit("on_round_end", history[-1])
-                chosen = self._selected_sides(roles)
+                chosen, alone_none = self._selected_sides(roles)
                 outcomes: list[SiloOutcome] = get(
                     [actors[r].outcome.remote() for r in chosen], "silo outcome", timeout
                 )
@@ -168,7 +167,7 @@ class Onboarding:
                             outcome,
                             outcomes[1] if len(outcomes) > 1 else None,
                         ),
-                        **({"alone_none": self.alone_none} if self.alone_none else {}),
+                        **({"alone_none": alone_none} if alone_none else {}),
                     },
                     **{k: v for callback in self.callbacks for k, v in callback.extras().items()},
                 },
@@ -179,24 +178,26 @@ class Onboarding:
             result.write_json(self.run_dir.path / RESULT_FILE)
         return result
 
-    def _selected_sides(self, roles: list[str]) -> list[str]:
-        """The sides with a model selected (none: every evaluated model of it was not finite).
-        The joining silo must have one, else the onboarding ends in one line. The alone
-        baseline is a comparison only: without one, a warning says why, and the silo joins
-        without the comparison (`alone_none` in the report)."""
+    def _selected_sides(self, roles: list[str]) -> tuple[list[str], str]:
+        """The sides with a model selected (none: every evaluated model of it was not finite),
+        and why the alone baseline has none ("" if it has one). The joining silo must have one,
+        else the onboarding ends in one line. The alone baseline is a comparison only: without
+        one, a warning says why, and the silo joins without the comparison (`alone_none` in
+        the report)."""
         if JOINED in self.unselected:
             algorithm = self.cfg.algorithm["name"]
             raise FederationError(
                 never_finite(f"silo {self.silo}", self.unselected[JOINED], algorithm)
             )
+        alone_none = ""
         if ALONE in self.unselected:
-            self.alone_none = (
+            alone_none = (
                 f"silo {self.silo}'s alone baseline: its model was not finite in every round it "
                 f"was evaluated ({self.unselected[ALONE]}), so the silo joined without that "
                 "comparison; a lower train.lr or fewer train.local_epochs would give one"
             )
-            log.warning("%s", self.alone_none)
-        return [role for role in roles if role not in self.unselected]
+            log.warning("%s", alone_none)
+        return [role for role in roles if role not in self.unselected], alone_none
 
     def _round(
         self,
